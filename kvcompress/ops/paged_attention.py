@@ -1,0 +1,172 @@
+"""PyTorch reference attention over the per-(layer, KV head) paged cache.
+
+This is the CPU path of the vLLM backend and the oracle for the GPU kernels.
+One call handles one layer of a mixed batch (prefills, chunked-prefill
+continuations and decodes). Keys are visible to a query when their stored token
+position is <= the query's position (causal by position, not by slot order, so
+compacted heads stay correct).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    write_pages: torch.Tensor,
+    write_offsets: torch.Tensor,
+) -> None:
+    """Store new KVs in their pages.
+
+    Args:
+        key_cache, value_cache: ``[num_pages, block_size, head_dim]`` (views may be strided).
+        key, value: ``[num_tokens, num_kv_heads, head_dim]``.
+        write_pages, write_offsets: ``[num_tokens, num_kv_heads]`` int64 targets.
+    """
+    key_cache[write_pages, write_offsets] = key.to(key_cache.dtype)
+    value_cache[write_pages, write_offsets] = value.to(value_cache.dtype)
+
+
+def _attend(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    visible: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Masked GQA attention in float32.
+
+    Args:
+        query: ``[B, Tq, Hkv, G, D]``; keys, values: ``[B, Hkv, K, D]``;
+        visible: ``[B, Hkv, Tq, K]`` bool.
+
+    Returns:
+        ``[B, Tq, Hkv, G, D]`` float32.
+    """
+    scores = torch.einsum("bthgd,bhkd->bhgtk", query.float(), keys.float()) * scale
+    scores = scores.masked_fill(~visible.unsqueeze(2), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    # A query that sees no key (padding rows) gets zeros, not NaN.
+    probs = torch.nan_to_num(probs, nan=0.0)
+    return torch.einsum("bhgtk,bhkd->bthgd", probs, values.float())
+
+
+def _gather_heads(
+    cache: torch.Tensor, block_tables: torch.Tensor
+) -> torch.Tensor:
+    """``cache [N, b, D]``, ``block_tables [B, H, P]`` -> ``[B, H, P*b, D]``."""
+    batch, heads, pages = block_tables.shape
+    gathered = cache[block_tables]  # [B, H, P, b, D]
+    return gathered.reshape(batch, heads, pages * cache.shape[1], cache.shape[2])
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_positions: torch.Tensor,
+    block_tables: torch.Tensor,
+    head_lens: torch.Tensor,
+    query_start_loc: list[int],
+    query_positions: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    max_query_chunk: int = 512,
+) -> torch.Tensor:
+    """Attention of one layer over per-head paged KVs.
+
+    Args:
+        query: ``[T, num_q_heads, D]``; query head ``j`` reads KV head ``j // G``.
+        key_cache, value_cache: ``[num_pages, block_size, D]``.
+        slot_positions: ``[num_pages, block_size]`` token position of each slot.
+        block_tables: ``[S, num_kv_heads, P]`` page ids of this layer (entries past a
+            head's pages are ignored).
+        head_lens: ``[S, num_kv_heads]`` KVs held per head.
+        query_start_loc: ``S + 1`` Python ints; sequence ``s`` owns query rows
+            ``[query_start_loc[s], query_start_loc[s + 1])``.
+        query_positions: ``[T]`` token position of each query.
+        scale: softmax scale.
+        out: optional ``[T, num_q_heads, D]`` output buffer.
+        max_query_chunk: queries of one sequence attended at a time (bounds memory).
+
+    Returns:
+        ``[T, num_q_heads, D]`` in ``query.dtype`` (``out`` if given).
+    """
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_seqs, num_kv_heads, _ = block_tables.shape
+    group = num_q_heads // num_kv_heads
+    block_size = key_cache.shape[1]
+    if out is None:
+        out = torch.empty_like(query)
+    query_lens = [query_start_loc[s + 1] - query_start_loc[s] for s in range(num_seqs)]
+    pages_needed = (head_lens + block_size - 1) // block_size  # [S, H]
+    max_pages = pages_needed.amax(dim=1).tolist() if num_seqs else []
+
+    decode_rows = [s for s in range(num_seqs) if query_lens[s] == 1]
+    if decode_rows:
+        # Decodes are batched: one gather, padded to the longest head.
+        rows = torch.tensor(decode_rows, device=block_tables.device)
+        num_pages = max(1, max(max_pages[s] for s in decode_rows))
+        tables = block_tables[rows, :, :num_pages]
+        keys = _gather_heads(key_cache, tables)
+        values = _gather_heads(value_cache, tables)
+        key_pos = slot_positions[tables].reshape(len(decode_rows), num_kv_heads, -1)
+        token_rows = torch.tensor(
+            [query_start_loc[s] for s in decode_rows], device=query.device
+        )
+        q_pos = query_positions[token_rows]  # [B]
+        slot_index = torch.arange(key_pos.shape[-1], device=key_pos.device)
+        visible = (slot_index < head_lens[rows].unsqueeze(-1)) & (
+            key_pos <= q_pos.view(-1, 1, 1)
+        )  # [B, H, K]
+        q = query[token_rows].view(len(decode_rows), 1, num_kv_heads, group, head_dim)
+        result = _attend(q, keys, values, visible.unsqueeze(2), scale)
+        out[token_rows] = result.reshape(len(decode_rows), num_q_heads, head_dim).to(
+            out.dtype
+        )
+
+    for s in range(num_seqs):
+        if query_lens[s] <= 1:
+            continue
+        num_pages = max(1, max_pages[s])
+        tables = block_tables[s : s + 1, :, :num_pages]
+        keys = _gather_heads(key_cache, tables)
+        values = _gather_heads(value_cache, tables)
+        key_pos = slot_positions[tables].reshape(1, num_kv_heads, -1)
+        slot_index = torch.arange(key_pos.shape[-1], device=key_pos.device)
+        held = slot_index < head_lens[s].unsqueeze(-1)  # [H, K]
+        for chunk_start in range(query_start_loc[s], query_start_loc[s + 1], max_query_chunk):
+            chunk_end = min(chunk_start + max_query_chunk, query_start_loc[s + 1])
+            q_pos = query_positions[chunk_start:chunk_end]
+            visible = held.unsqueeze(1) & (
+                key_pos[0].unsqueeze(1) <= q_pos.view(1, -1, 1)
+            )  # [H, Tq, K]
+            q = query[chunk_start:chunk_end].view(
+                1, chunk_end - chunk_start, num_kv_heads, group, head_dim
+            )
+            result = _attend(q, keys, values, visible.unsqueeze(0), scale)
+            out[chunk_start:chunk_end] = result.reshape(
+                chunk_end - chunk_start, num_q_heads, head_dim
+            ).to(out.dtype)
+    return out
+
+
+def dense_causal_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Float64 oracle: plain causal GQA attention of one sequence.
+
+    ``query [T, Hq, D]``, ``key/value [T, Hkv, D]`` -> ``[T, Hq, D]`` float64.
+    """
+    num_tokens, num_q_heads, _ = query.shape
+    group = num_q_heads // key.shape[1]
+    k = key.double().repeat_interleave(group, dim=1)
+    v = value.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("thd,khd->htk", query.double(), k) * scale
+    mask = torch.ones(num_tokens, num_tokens, dtype=torch.bool).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.einsum("htk,khd->thd", torch.softmax(scores, -1), v)

@@ -1,0 +1,174 @@
+"""Per-sequence, per-(layer, KV head) page tables over one page pool.
+
+The state every other op reads:
+
+- ``page_tables``: ``[max_seqs, num_layers, num_kv_heads, max_pages_per_head]``
+  int64 physical page ids; entry ``[s, l, h, i]`` holds KVs ``[i*b, (i+1)*b)`` of
+  head ``(l, h)`` of sequence slot ``s`` (``b`` = ``block_size``).
+- ``head_lens``: ``[max_seqs, num_layers, num_kv_heads]`` int64, KVs held per head.
+  Heads may differ once KVs are evicted; a head holds ``ceil(len / b)`` pages.
+- ``slot_positions``: ``[num_pages, block_size]`` int32, the token position of the KV
+  stored in each slot (RoPE and the causal mask use positions, not slot order).
+
+All updates are tensor ops on the cache's device, batched over sequences, layers
+and heads. Sequences are addressed by a small integer "sequence slot" that the
+owner (the vLLM model runner) maps to request ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcompress.ops.allocator import PageAllocator
+
+
+def pages_for(lengths: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Pages needed to hold ``lengths`` KVs per head: ``ceil(lengths / block_size)``."""
+    return (lengths + block_size - 1) // block_size
+
+
+@dataclass
+class AppendPlan:
+    """Where the KVs of one step's new tokens go.
+
+    Attributes:
+        write_pages: ``[num_layers, num_tokens, num_kv_heads]`` int64 page ids.
+        write_offsets: ``[num_layers, num_tokens, num_kv_heads]`` int64 slot in page.
+    """
+
+    write_pages: torch.Tensor
+    write_offsets: torch.Tensor
+
+
+class PerHeadPagedCache:
+    """Page tables, per-head lengths and slot positions for up to ``max_seqs`` sequences."""
+
+    def __init__(
+        self,
+        num_pages: int,
+        num_layers: int,
+        num_kv_heads: int,
+        block_size: int,
+        max_seqs: int,
+        max_pages_per_head: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.block_size = block_size
+        self.max_seqs = max_seqs
+        self.max_pages_per_head = max_pages_per_head
+        self.device = torch.device(device)
+        self.allocator = PageAllocator(num_pages, self.device)
+        self.page_tables = torch.zeros(
+            (max_seqs, num_layers, num_kv_heads, max_pages_per_head),
+            dtype=torch.int64,
+            device=self.device,
+        )
+        self.head_lens = torch.zeros(
+            (max_seqs, num_layers, num_kv_heads), dtype=torch.int64, device=self.device
+        )
+        self.slot_positions = torch.full(
+            (num_pages, block_size), -1, dtype=torch.int32, device=self.device
+        )
+        self._free_seq_slots = list(range(max_seqs - 1, -1, -1))
+
+    @property
+    def num_pages(self) -> int:
+        return self.allocator.num_pages
+
+    def new_sequence(self) -> int:
+        """Reserve an empty sequence slot."""
+        if not self._free_seq_slots:
+            raise RuntimeError(f"all {self.max_seqs} sequence slots are in use")
+        return self._free_seq_slots.pop()
+
+    def pages_held(self, seq_slots: torch.Tensor | None = None) -> torch.Tensor:
+        """``[S, num_layers, num_kv_heads]`` pages held (all slots when ``None``)."""
+        lens = self.head_lens if seq_slots is None else self.head_lens[seq_slots]
+        return pages_for(lens, self.block_size)
+
+    def release(self, seq_slots: torch.Tensor) -> int:
+        """Free every page of the given sequence slots and return the slots.
+
+        Returns the number of pages freed.
+        """
+        seq_slots = seq_slots.to(self.device, torch.int64)
+        if seq_slots.numel() == 0:
+            return 0
+        held = self.pages_held(seq_slots)  # [S, L, H]
+        page_index = torch.arange(self.max_pages_per_head, device=self.device)
+        in_use = page_index < held.unsqueeze(-1)  # [S, L, H, P]
+        pages = self.page_tables[seq_slots][in_use]
+        self.allocator.free(pages)
+        self.head_lens[seq_slots] = 0
+        self._free_seq_slots.extend(seq_slots.tolist())
+        return int(pages.numel())
+
+    def append(
+        self,
+        seq_slots: torch.Tensor,
+        num_new_tokens: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> AppendPlan:
+        """Grow every head of each sequence by its new tokens and place their KVs.
+
+        Args:
+            seq_slots: ``[S]`` int64 sequence slots, in batch order.
+            num_new_tokens: ``[S]`` int64 tokens appended per sequence this step.
+            positions: ``[T]`` token positions of the new tokens, ``T = sum(num_new_tokens)``,
+                sequences concatenated in batch order.
+
+        Returns:
+            The physical (page, offset) of every new token's KV per (layer, head).
+        """
+        device = self.device
+        seq_slots = seq_slots.to(device, torch.int64)
+        num_new_tokens = num_new_tokens.to(device, torch.int64)
+        block_size = self.block_size
+        old_lens = self.head_lens[seq_slots]  # [S, L, H]
+        new_lens = old_lens + num_new_tokens.view(-1, 1, 1)
+        old_pages = pages_for(old_lens, block_size)
+        new_pages = pages_for(new_lens, block_size)
+        if int(new_pages.max().item() if new_pages.numel() else 0) > self.max_pages_per_head:
+            raise RuntimeError(
+                f"a head would need more than {self.max_pages_per_head} pages "
+                "(longer than max_model_len)"
+            )
+        demand = (new_pages - old_pages).reshape(-1)  # [S*L*H]
+        pages, offsets = self.allocator.allocate_for(demand)
+        if pages.numel():
+            requester = torch.repeat_interleave(
+                torch.arange(demand.numel(), device=device), demand
+            )
+            within = torch.arange(pages.numel(), device=device) - offsets[requester]
+            column = old_pages.reshape(-1)[requester] + within
+            num_heads_total = self.num_layers * self.num_kv_heads
+            row = (
+                seq_slots.repeat_interleave(num_heads_total) * num_heads_total
+                + torch.arange(num_heads_total, device=device).repeat(seq_slots.numel())
+            )[requester]
+            self.page_tables.view(-1, self.max_pages_per_head)[row, column] = pages
+        self.head_lens[seq_slots] = new_lens
+
+        # Token t of sequence s lands at index old_len[s, l, h] + (t - start[s]).
+        token_seq = torch.repeat_interleave(
+            torch.arange(seq_slots.numel(), device=device), num_new_tokens
+        )  # [T]
+        starts = torch.cumsum(num_new_tokens, 0) - num_new_tokens
+        token_index = torch.arange(token_seq.numel(), device=device) - starts[token_seq]
+        head_index = old_lens[token_seq] + token_index.view(-1, 1, 1)  # [T, L, H]
+        tables = self.page_tables[seq_slots[token_seq]]  # [T, L, H, P]
+        write_pages = torch.gather(
+            tables, 3, (head_index // block_size).unsqueeze(-1)
+        ).squeeze(-1)
+        write_offsets = head_index % block_size
+        self.slot_positions[write_pages, write_offsets] = (
+            positions.to(device, torch.int32).view(-1, 1, 1).expand_as(write_pages)
+        )
+        return AppendPlan(
+            write_pages=write_pages.permute(1, 0, 2).contiguous(),
+            write_offsets=write_offsets.permute(1, 0, 2).contiguous(),
+        )

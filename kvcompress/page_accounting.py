@@ -1,0 +1,158 @@
+"""Scheduler-side page accounting of the per-(layer, KV head) cache (no vLLM import).
+
+vLLM's scheduler thinks in token blocks shared by all layers and heads; here a
+request holds ``sum over (layer, head) of ceil(head_len / block_size)`` pages. The
+scheduler asks ``pages_to_grow`` before admitting or extending a request and
+``grow``/``release`` when it does. Everything is numpy over
+``[requests, layers, kv_heads]``; page ids live only on the worker, which runs the
+same arithmetic on the device (so both sides agree on counts without talking).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class PageAccounting:
+    """Counts pages per request and in the pool.
+
+    Attributes:
+        head_lens: ``[max_requests, num_layers, num_kv_heads]`` int64 KVs per head.
+        logical_lens: ``[max_requests]`` int64 tokens the request has slots for.
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        num_layers: int,
+        num_kv_heads: int,
+        block_size: int,
+        max_requests: int = 64,
+    ) -> None:
+        self.num_pages = num_pages
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.block_size = block_size
+        self.num_free_pages = num_pages
+        self.head_lens = np.zeros((max_requests, num_layers, num_kv_heads), np.int64)
+        self.logical_lens = np.zeros(max_requests, np.int64)
+        self.pages_held_per_row = np.zeros(max_requests, np.int64)
+        self._row_of: dict[str, int] = {}
+        self._free_rows = list(range(max_requests - 1, -1, -1))
+
+    @property
+    def pages_per_token_block(self) -> int:
+        """Pages one full token block costs when nothing is evicted."""
+        return self.num_layers * self.num_kv_heads
+
+    @property
+    def num_used_pages(self) -> int:
+        return self.num_pages - self.num_free_pages
+
+    def _row(self, request_id: str) -> int:
+        row = self._row_of.get(request_id)
+        if row is None:
+            if not self._free_rows:
+                self._grow_rows()
+            row = self._free_rows.pop()
+            self._row_of[request_id] = row
+        return row
+
+    def _grow_rows(self) -> None:
+        old = self.head_lens.shape[0]
+        self.head_lens = np.concatenate([self.head_lens, np.zeros_like(self.head_lens)])
+        self.logical_lens = np.concatenate([self.logical_lens, np.zeros(old, np.int64)])
+        self.pages_held_per_row = np.concatenate(
+            [self.pages_held_per_row, np.zeros(old, np.int64)]
+        )
+        self._free_rows.extend(range(2 * old - 1, old - 1, -1))
+
+    def _pages(self, lens: np.ndarray) -> np.ndarray:
+        return (lens + self.block_size - 1) // self.block_size
+
+    def logical_len(self, request_id: str) -> int:
+        row = self._row_of.get(request_id)
+        return 0 if row is None else int(self.logical_lens[row])
+
+    def pages_held(self, request_id: str) -> int:
+        row = self._row_of.get(request_id)
+        return 0 if row is None else int(self.pages_held_per_row[row])
+
+    def head_lens_of(self, request_id: str) -> np.ndarray:
+        """``[num_layers, num_kv_heads]`` copy of the request's per-head lengths."""
+        row = self._row_of.get(request_id)
+        if row is None:
+            return np.zeros((self.num_layers, self.num_kv_heads), np.int64)
+        return self.head_lens[row].copy()
+
+    def pages_to_grow(self, request_id: str, target_tokens: int) -> int:
+        """New pages needed for the request to have slots for ``target_tokens`` tokens."""
+        row = self._row_of.get(request_id)
+        if row is None:
+            per_head = -(-max(target_tokens, 0) // self.block_size)
+            return per_head * self.pages_per_token_block
+        growth = target_tokens - int(self.logical_lens[row])
+        if growth <= 0:
+            return 0
+        new_pages = int(self._pages(self.head_lens[row] + growth).sum())
+        return new_pages - int(self.pages_held_per_row[row])
+
+    def grow(self, request_id: str, target_tokens: int) -> int:
+        """Extend every head to cover ``target_tokens`` logical tokens; returns pages taken."""
+        row = self._row(request_id)
+        growth = target_tokens - int(self.logical_lens[row])
+        if growth <= 0:
+            return 0
+        new_lens = self.head_lens[row] + growth
+        held = int(self._pages(new_lens).sum())
+        taken = held - int(self.pages_held_per_row[row])
+        if taken > self.num_free_pages:
+            raise RuntimeError(
+                f"request {request_id} needs {taken} pages, only "
+                f"{self.num_free_pages} free (caller skipped pages_to_grow)"
+            )
+        self.head_lens[row] = new_lens
+        self.logical_lens[row] = target_tokens
+        self.pages_held_per_row[row] = held
+        self.num_free_pages -= taken
+        return taken
+
+    def set_head_lens(self, request_id: str, head_lens: np.ndarray) -> int:
+        """Shrink heads after eviction; returns pages freed."""
+        row = self._row_of[request_id]
+        if np.any(head_lens > self.head_lens[row]):
+            raise ValueError("set_head_lens can only shrink heads")
+        held = int(self._pages(head_lens).sum())
+        freed = int(self.pages_held_per_row[row]) - held
+        self.head_lens[row] = head_lens
+        self.pages_held_per_row[row] = held
+        self.num_free_pages += freed
+        return freed
+
+    def release(self, request_id: str) -> int:
+        """Forget the request; returns pages freed."""
+        row = self._row_of.pop(request_id, None)
+        if row is None:
+            return 0
+        freed = int(self.pages_held_per_row[row])
+        self.head_lens[row] = 0
+        self.logical_lens[row] = 0
+        self.pages_held_per_row[row] = 0
+        self._free_rows.append(row)
+        self.num_free_pages += freed
+        return freed
+
+    def request_ids(self) -> list[str]:
+        return list(self._row_of)
+
+    def check_consistent(self) -> None:
+        """Recount held pages from head lengths (vectorised) and compare."""
+        rows = np.fromiter(self._row_of.values(), np.int64, len(self._row_of))
+        recount = self._pages(self.head_lens[rows]).sum(axis=(1, 2))
+        if not np.array_equal(recount, self.pages_held_per_row[rows]):
+            raise AssertionError("per-request page counts drifted from head lengths")
+        if self.num_pages - int(recount.sum()) != self.num_free_pages:
+            raise AssertionError(
+                f"free pages {self.num_free_pages} != pool {self.num_pages} "
+                f"- held {int(recount.sum())}"
+            )

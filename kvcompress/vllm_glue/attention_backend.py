@@ -1,0 +1,263 @@
+"""vLLM attention backend over the per-(layer, KV head) paged cache.
+
+On CPU it replaces ``CPU_ATTN`` inside a kvcompress engine (see
+``patches/attention_registry.py``). The model runner (``runner.py``) plans each
+step (pages allocated, where every new KV goes) and publishes it with
+``set_current_step``; the metadata builder hands that plan to every layer, and
+the impl writes the layer's new KVs and runs ``kvcompress.ops.paged_attention``.
+vLLM's own ``kv_cache`` views and ``slot_mapping`` are not used: the whole KV
+buffer is one pool of pages, reached through ``WorkerCacheState``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionLayer,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+
+from kvcompress.config import SUPPORTED_BLOCK_SIZES
+from kvcompress.ops import AppendPlan, PerHeadPagedCache, paged_attention, write_kv
+
+SUPPORTED_HEAD_SIZES = (64, 128, 256)
+
+
+@dataclass
+class WorkerCacheState:
+    """The worker's page pool and tables.
+
+    Attributes:
+        cache: page tables / head lengths / slot positions / allocator.
+        key_cache, value_cache: ``[num_pages, block_size, head_dim]`` views of the pool.
+        layer_index: attention layer name -> layer index in the page tables.
+    """
+
+    cache: PerHeadPagedCache
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    layer_index: dict[str, int]
+
+
+@dataclass
+class PerHeadStep:
+    """One forward step, planned by the runner.
+
+    Attributes:
+        num_reqs: sequences in the batch (batch order).
+        num_tokens: new tokens in the batch.
+        query_start_loc: ``num_reqs + 1`` Python ints.
+        query_positions: ``[num_tokens]`` int64 token positions.
+        block_tables: ``[num_reqs, num_layers, num_kv_heads, max_pages]`` int64.
+        head_lens: ``[num_reqs, num_layers, num_kv_heads]`` int64 (after this step's KVs).
+        plan: where each new KV is written.
+    """
+
+    num_reqs: int
+    num_tokens: int
+    query_start_loc: list[int]
+    query_positions: torch.Tensor
+    block_tables: torch.Tensor
+    head_lens: torch.Tensor
+    plan: AppendPlan
+
+
+_worker_state: WorkerCacheState | None = None
+_current_step: PerHeadStep | None = None
+
+
+def set_worker_state(state: WorkerCacheState | None) -> None:
+    global _worker_state
+    _worker_state = state
+
+
+def get_worker_state() -> WorkerCacheState | None:
+    return _worker_state
+
+
+def set_current_step(step: PerHeadStep | None) -> None:
+    global _current_step
+    _current_step = step
+
+
+@dataclass
+class PerHeadAttentionMetadata:
+    """``step`` is None for warm-up and profiling runs (nothing is read or written)."""
+
+    num_actual_tokens: int
+    step: PerHeadStep | None
+
+
+class PerHeadAttentionMetadataBuilder(AttentionMetadataBuilder[PerHeadAttentionMetadata]):
+    def __init__(
+        self,
+        kv_cache_spec: AttentionSpec,
+        layer_names: list[str],
+        vllm_config,
+        device: torch.device,
+    ) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> PerHeadAttentionMetadata:
+        step = _current_step
+        if step is not None and step.num_reqs != common_attn_metadata.num_reqs:
+            raise RuntimeError(
+                f"kvcompress step plan covers {step.num_reqs} requests but vLLM "
+                f"built a batch of {common_attn_metadata.num_reqs}"
+            )
+        return PerHeadAttentionMetadata(
+            num_actual_tokens=common_attn_metadata.num_actual_tokens, step=step
+        )
+
+
+class PerHeadAttentionImpl(AttentionImpl):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        alibi_slopes: list[float] | None,
+        sliding_window: int | None,
+        kv_cache_dtype: str,
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
+        unsupported = []
+        if alibi_slopes is not None:
+            unsupported.append("ALiBi")
+        if sliding_window is not None:
+            unsupported.append("sliding-window attention")
+        if logits_soft_cap:
+            unsupported.append("logit soft-capping")
+        if attn_type != AttentionType.DECODER:
+            unsupported.append(f"attention type {attn_type}")
+        if kv_sharing_target_layer_name is not None:
+            unsupported.append("cross-layer KV sharing")
+        if sinks is not None:
+            unsupported.append("attention sinks")
+        if kv_cache_dtype not in ("auto",):
+            unsupported.append(f"kv_cache_dtype={kv_cache_dtype}")
+        if unsupported:
+            raise ValueError(
+                "--kv-compress: this model uses " + ", ".join(unsupported)
+                + ", which the per-head paged cache does not support"
+            )
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = attn_type
+        self.kv_sharing_target_layer_name = None
+        self.sliding_window = None
+        self.logits_soft_cap = None
+        self.alibi_slopes = None
+        self.sinks = None
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: PerHeadAttentionMetadata | None,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """query ``[T, num_heads, D]``, key/value ``[T, num_kv_heads, D]``;
+        output ``[T, num_heads * D]`` (written in place)."""
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("fused output quantization is not supported")
+        if attn_metadata is None or attn_metadata.step is None:
+            return output
+        step = attn_metadata.step
+        state = _worker_state
+        assert state is not None, "kvcompress worker state not initialised"
+        layer_index = state.layer_index[layer.layer_name]
+        num_tokens = step.num_tokens
+        key = key[:num_tokens].view(num_tokens, self.num_kv_heads, self.head_size)
+        value = value[:num_tokens].view(num_tokens, self.num_kv_heads, self.head_size)
+        write_kv(
+            state.key_cache,
+            state.value_cache,
+            key,
+            value,
+            step.plan.write_pages[layer_index],
+            step.plan.write_offsets[layer_index],
+        )
+        paged_attention(
+            query[:num_tokens].view(num_tokens, self.num_heads, self.head_size),
+            state.key_cache,
+            state.value_cache,
+            state.cache.slot_positions,
+            step.block_tables[:, layer_index],
+            step.head_lens[:, layer_index],
+            step.query_start_loc,
+            step.query_positions,
+            self.scale,
+            out=output[:num_tokens].view(num_tokens, self.num_heads, self.head_size),
+        )
+        return output
+
+
+class PerHeadAttentionBackend(AttentionBackend):
+    """Attention over per-(layer, KV head) pages (PyTorch reference path)."""
+
+    forward_includes_kv_cache_update: bool = True
+    supported_dtypes: ClassVar[list[torch.dtype]] = [
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+    ]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int]:
+        return list(SUPPORTED_BLOCK_SIZES)
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return list(SUPPORTED_HEAD_SIZES)
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        # The pool is re-viewed page by page; any layout of the backing buffer works,
+        # but the CPU platform only resolves LBHNC.
+        return (KVCacheLayout.LBHNC,)
+
+    @staticmethod
+    def get_name() -> str:
+        # vLLM maps backend names back to its enum: this class is registered as
+        # the override of CPU_ATTN (patches/attention_registry.py).
+        return "CPU_ATTN"
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @staticmethod
+    def get_impl_cls() -> type[PerHeadAttentionImpl]:
+        return PerHeadAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[PerHeadAttentionMetadataBuilder]:
+        return PerHeadAttentionMetadataBuilder

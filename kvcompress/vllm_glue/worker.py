@@ -1,0 +1,38 @@
+"""Worker classes that run the per-(layer, KV head) model runner.
+
+Selected through vLLM's public ``--worker-cls`` when kvcompress is enabled.
+"""
+
+from __future__ import annotations
+
+from vllm.v1.worker import cpu_worker as cpu_worker_module
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+from vllm.v1.worker.cpu_worker import CPUWorker
+
+from kvcompress.patches.attention_registry import per_head_attention_backend
+from kvcompress.patches.util import swapped_attribute
+from kvcompress.vllm_glue.runner import PerHeadRunnerMixin
+
+
+class KVCompressCPUModelRunner(PerHeadRunnerMixin, CPUModelRunner):
+    """vLLM's CPU model runner over the per-(layer, KV head) page pool."""
+
+
+class KVCompressCPUWorker(CPUWorker):
+    def init_device(self) -> None:
+        if self.vllm_config.use_v2_model_runner:
+            raise ValueError(
+                "--kv-compress needs vLLM's V1 model runner; unset "
+                "VLLM_USE_V2_MODEL_RUNNER=1"
+            )
+        # CPUWorker.init_device builds the runner by its module-level name.
+        with swapped_attribute(cpu_worker_module, "CPUModelRunner", KVCompressCPUModelRunner):
+            super().init_device()
+
+    def load_model(self, *args, **kwargs) -> None:
+        # Attention layers pick their backend while the model is built.
+        with per_head_attention_backend():
+            super().load_model(*args, **kwargs)
+
+    def kvcompress_pages_used(self) -> dict[str, int]:
+        return self.model_runner.kvcompress_pages_used()

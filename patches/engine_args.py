@@ -1,0 +1,98 @@
+"""Patch: ``--kv-compress*`` flags on vLLM's engine arguments.
+
+Why: ``EngineArgs.add_cli_args`` builds the parser of ``vllm serve`` and
+``vllm bench throughput``, and ``EngineArgs.from_cli_args`` keeps only dataclass
+fields, so an added flag must be carried into ``additional_config`` by hand.
+``create_engine_config`` is wrapped so that every entry point (CLI, ``LLM(...)``,
+benchmarks) validates kvcompress settings and selects the kvcompress scheduler
+and worker before the engine starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from vllm.engine.arg_utils import EngineArgs
+
+from kvcompress.config import ADDITIONAL_CONFIG_KEY, FLAGS, KVCompressConfig
+from kvcompress.patches.util import apply_once
+
+_HELP = {
+    "enabled": "Keep the KV cache in pages that each hold one (layer, KV head), so "
+    "heads can be compressed at their own rates and freed pages return to the "
+    "scheduler. Implied by any other --kv-compress-* flag.",
+    "rate": "Compression rate r >= 1: keep about 1/r of each sequence's KVs "
+    "(1 = no eviction).",
+    "max_cache_tokens": "Keep at most this many tokens' worth of KVs per sequence "
+    "(across all layers and heads).",
+    "protected_window": "The last N tokens of every sequence are never evicted.",
+    "block_size": "Tokens per page (one page holds one layer's one KV head).",
+}
+
+
+def add_kvcompress_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the kvcompress flag group (no-op if already present)."""
+    if any(a.dest == "kv_compress" for a in parser._actions):
+        return
+    group = parser.add_argument_group(
+        "kvcompress", "KV-Compress: per-(layer, KV head) paged KV cache"
+    )
+    defaults = KVCompressConfig()
+    group.add_argument(
+        FLAGS["enabled"], dest="kv_compress", action="store_true", default=None,
+        help=_HELP["enabled"],
+    )
+    typed = {"rate": float, "max_cache_tokens": int, "protected_window": int, "block_size": int}
+    for field, kind in typed.items():
+        group.add_argument(
+            FLAGS[field], dest=f"kv_compress_{field}", type=kind, default=None,
+            help=f"{_HELP[field]} (default: {getattr(defaults, field)})",
+        )
+
+
+def kvcompress_section(args: argparse.Namespace) -> dict:
+    """The ``additional_config["kvcompress"]`` values given on the command line."""
+    section = {}
+    if getattr(args, "kv_compress", None):
+        section["enabled"] = True
+    for field in ("rate", "max_cache_tokens", "protected_window", "block_size"):
+        value = getattr(args, f"kv_compress_{field}", None)
+        if value is not None:
+            section[field] = value
+    return section
+
+
+def apply() -> None:
+    if not apply_once("engine_args"):
+        return
+    from kvcompress.vllm_glue.engine_setup import check_model_supported, prepare_engine_args
+
+    original_add_cli_args = EngineArgs.add_cli_args
+    original_from_cli_args = EngineArgs.from_cli_args.__func__
+    original_create_engine_config = EngineArgs.create_engine_config
+
+    def add_cli_args(parser, *args, **kwargs):
+        parser = original_add_cli_args(parser, *args, **kwargs)
+        add_kvcompress_arguments(parser)
+        return parser
+
+    def from_cli_args(cls, args):
+        engine_args = original_from_cli_args(cls, args)
+        section = kvcompress_section(args)
+        if section:
+            additional = dict(engine_args.additional_config or {})
+            additional[ADDITIONAL_CONFIG_KEY] = {
+                **(additional.get(ADDITIONAL_CONFIG_KEY) or {}), **section
+            }
+            engine_args.additional_config = additional
+        return engine_args
+
+    def create_engine_config(self, *args, **kwargs):
+        settings = prepare_engine_args(self)
+        vllm_config = original_create_engine_config(self, *args, **kwargs)
+        check_model_supported(vllm_config, settings)
+        return vllm_config
+
+    EngineArgs.add_cli_args = staticmethod(add_cli_args)
+    EngineArgs.from_cli_args = classmethod(from_cli_args)
+    EngineArgs.create_engine_config = create_engine_config

@@ -1,0 +1,24 @@
+"""Patch: a ``kvcompress_page_stats`` utility call on vLLM's ``EngineCore``.
+
+Why: the scheduler lives in the engine-core process; vLLM's utility RPC
+(``engine_core.call_utility(name)``) only reaches ``EngineCore`` methods. Tests and
+benchmarks read the scheduler's page counters through it.
+"""
+
+from __future__ import annotations
+
+from vllm.v1.engine.core import EngineCore
+
+from kvcompress.patches.util import apply_once
+
+
+def kvcompress_page_stats(self) -> dict:
+    stats = getattr(self.scheduler, "kvcompress_page_stats", None)
+    if stats is None:
+        return {}
+    return stats()
+
+
+def apply() -> None:
+    if apply_once("engine_core"):
+        EngineCore.kvcompress_page_stats = kvcompress_page_stats
