@@ -31,7 +31,7 @@ from kvcompress.vllm_glue.attention_backend import (
 )
 from kvcompress.vllm_glue.kv_layout import single_full_attention_group
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")
 
 
 class PerHeadRunnerMixin:
@@ -75,6 +75,7 @@ class PerHeadRunnerMixin:
         self.kvc_cache = cache
         self.kvc_seq_slot: dict[str, int] = {}
         self.kvc_logical_len: dict[str, int] = {}
+        self.kvc_stats = {"steps_checked": 0, "mismatches": 0, "max_pages_used": 0}
         set_worker_state(
             WorkerCacheState(
                 cache=cache,
@@ -146,6 +147,7 @@ class PerHeadRunnerMixin:
         seq_slots = torch.tensor(slots, dtype=torch.int64, device=device)
         positions_t = torch.from_numpy(positions).to(device)
         plan = cache.append(seq_slots, torch.from_numpy(num_new).to(device), positions_t)
+        self._kvc_check_against_scheduler(scheduler_output)
         head_lens = cache.head_lens[seq_slots]
         max_pages = int(((head_lens.max() + cache.block_size - 1) // cache.block_size).item())
         set_current_step(
@@ -159,6 +161,29 @@ class PerHeadRunnerMixin:
                 plan=plan,
             )
         )
+
+    def _kvc_check_against_scheduler(self, scheduler_output) -> None:
+        expected = getattr(scheduler_output, "kvcompress_expected_pages", None)
+        if expected is None:
+            return
+        expected_free, expected_held = expected
+        cache = self.kvc_cache
+        stats = self.kvc_stats
+        stats["steps_checked"] += 1
+        stats["max_pages_used"] = max(stats["max_pages_used"], cache.allocator.num_used)
+        held = {}
+        if self.kvc_seq_slot:
+            request_ids = list(self.kvc_seq_slot)
+            slots = torch.tensor([self.kvc_seq_slot[r] for r in request_ids])
+            per_request = cache.pages_held(slots).sum(dim=(1, 2)).tolist()
+            held = dict(zip(request_ids, per_request))
+        if cache.allocator.num_free != expected_free or held != expected_held:
+            stats["mismatches"] += 1
+            logger.error(
+                "kvcompress: worker pages (free %d, held %s) differ from the "
+                "scheduler's (free %d, held %s)",
+                cache.allocator.num_free, held, expected_free, expected_held,
+            )
 
     def _dummy_run(self, *args, **kwargs):
         # Warm-up and profiling batches must not touch the pages of real requests.
@@ -175,4 +200,5 @@ class PerHeadRunnerMixin:
             "num_free": self.kvc_cache.allocator.num_free,
             "held_by_live_requests": int(held.sum().item()),
             "live_requests": len(self.kvc_seq_slot),
+            **self.kvc_stats,
         }

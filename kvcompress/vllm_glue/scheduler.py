@@ -23,7 +23,7 @@ from kvcompress.config import KVCompressConfig
 from kvcompress.page_accounting import PageAccounting
 from kvcompress.vllm_glue.kv_layout import pages_in_pool
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")
 
 _ALLOCATE_SLOTS = inspect.signature(KVCacheManager.allocate_slots)
 
@@ -120,6 +120,7 @@ class KVCompressScheduler(Scheduler):
         )
         super().__init__(vllm_config, logical_config, *args, **kwargs)
         self.kvcompress_config = settings
+        self.num_preemptions = 0
         self.page_accounting = PageAccounting(
             num_pages=num_pages,
             num_layers=num_layers,
@@ -140,6 +141,20 @@ class KVCompressScheduler(Scheduler):
             kv_cache_config.num_blocks, block_size,
         )
 
+    def schedule(self, *args, **kwargs):
+        output = super().schedule(*args, **kwargs)
+        # The worker checks its allocator against these counts every step.
+        accounting = self.page_accounting
+        output.kvcompress_expected_pages = (
+            accounting.num_free_pages,
+            {rid: accounting.pages_held(rid) for rid in accounting.request_ids()},
+        )
+        return output
+
+    def _preempt_request(self, request, *args, **kwargs) -> None:
+        self.num_preemptions += 1
+        super()._preempt_request(request, *args, **kwargs)
+
     def kvcompress_page_stats(self) -> dict:
         """Scheduler-side page counts per running request (for tests and logs)."""
         accounting = self.page_accounting
@@ -156,4 +171,5 @@ class KVCompressScheduler(Scheduler):
                 for request_id in accounting.request_ids()
             },
             "running": [request.request_id for request in self.running],
+            "num_preemptions": self.num_preemptions,
         }

@@ -1,0 +1,192 @@
+"""Kernel-layer ops against independent oracles (no vLLM needed)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcompress.ops import (
+    OutOfPagesError,
+    PageAllocator,
+    PerHeadPagedCache,
+    paged_attention,
+    write_kv,
+)
+from kvcompress.ops.paged_attention import dense_causal_attention
+from kvcompress.page_accounting import PageAccounting
+
+
+def test_allocator_hands_out_distinct_pages_and_takes_them_back():
+    allocator = PageAllocator(10)
+    pages, offsets = allocator.allocate_for(torch.tensor([3, 0, 4]))
+    assert offsets.tolist() == [0, 3, 3, 7]
+    assert len(set(pages.tolist())) == 7 and allocator.num_free == 3
+    with pytest.raises(OutOfPagesError):
+        allocator.allocate(4)
+    allocator.free(pages[:5])
+    assert allocator.num_free == 8
+    again = allocator.allocate(8)
+    assert sorted(again.tolist()) == sorted(set(range(10)) - set(pages[5:].tolist()))
+    allocator.free(again)
+    allocator.free(pages[5:])
+    with pytest.raises(RuntimeError, match="double free"):
+        allocator.free(torch.tensor([0]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    steps=st.lists(
+        st.lists(st.integers(0, 40), min_size=3, max_size=3), min_size=1, max_size=6
+    ),
+    release_mask=st.lists(st.booleans(), min_size=3, max_size=3),
+    block_size=st.sampled_from([4, 16]),
+)
+def test_paged_cache_tables_match_a_brute_force_model(steps, release_mask, block_size):
+    """Every KV ends up at a distinct slot whose recorded position is its token's,
+    pages held = ceil(len / b) per head, and releasing returns exactly those pages."""
+    layers, heads = 2, 3
+    cache = PerHeadPagedCache(4000, layers, heads, block_size, max_seqs=3, max_pages_per_head=64)
+    slots = torch.tensor([cache.new_sequence() for _ in range(3)])
+    lengths = [0, 0, 0]
+    seen = {}  # (seq, layer, head, position) -> (page, offset)
+    for step in steps:
+        num_new = torch.tensor(step)
+        positions = torch.cat([torch.arange(lengths[i], lengths[i] + n) for i, n in enumerate(step)])
+        plan = cache.append(slots, num_new, positions)
+        token = 0
+        for seq, count in enumerate(step):
+            for i in range(count):
+                for layer in range(layers):
+                    for head in range(heads):
+                        seen[(seq, layer, head, lengths[seq] + i)] = (
+                            int(plan.write_pages[layer, token, head]),
+                            int(plan.write_offsets[layer, token, head]),
+                        )
+                token += 1
+            lengths[seq] += count
+    assert len(set(seen.values())) == len(seen)  # no two KVs share a slot
+    for (seq, layer, head, position), (page, offset) in seen.items():
+        assert int(cache.slot_positions[page, offset]) == position
+        # The page table reaches the same slot through the logical index.
+        assert int(cache.page_tables[slots[seq], layer, head, position // block_size]) == page
+        assert offset == position % block_size
+    held = cache.pages_held(slots)
+    expected = torch.tensor([math.ceil(n / block_size) for n in lengths]).view(3, 1, 1)
+    assert torch.equal(held, expected.expand(3, layers, heads))
+    assert cache.allocator.num_used == int(held.sum())
+    to_release = slots[torch.tensor(release_mask)]
+    freed = cache.release(to_release)
+    assert freed == int(held[torch.tensor(release_mask)].sum())
+    cache.release(slots[~torch.tensor(release_mask)])
+    assert cache.allocator.num_free == cache.num_pages
+
+
+def _random_cache(seed, lengths_per_head, block_size, head_dim, dtype):
+    """A pool with ragged per-head lengths written in a scrambled page order,
+    plus the dense per-head K/V (and positions) that the pages should hold."""
+    generator = torch.Generator().manual_seed(seed)
+    num_seqs, num_kv_heads = lengths_per_head.shape
+    num_pages = 512
+    key_cache = torch.randn(num_pages, block_size, head_dim, generator=generator, dtype=dtype)
+    value_cache = torch.randn(num_pages, block_size, head_dim, generator=generator, dtype=dtype)
+    slot_positions = torch.full((num_pages, block_size), -1, dtype=torch.int32)
+    order = torch.randperm(num_pages, generator=generator).tolist()
+    max_pages = int(((lengths_per_head.max() + block_size - 1) // block_size).item())
+    tables = torch.zeros(num_seqs, num_kv_heads, max(1, max_pages), dtype=torch.int64)
+    dense = {}
+    for s in range(num_seqs):
+        for h in range(num_kv_heads):
+            n = int(lengths_per_head[s, h])
+            pages = [order.pop() for _ in range((n + block_size - 1) // block_size)]
+            tables[s, h, : len(pages)] = torch.tensor(pages, dtype=torch.int64)
+            # Keep a subset of positions, as a compressed head would.
+            positions = torch.sort(torch.randperm(2 * n + 1, generator=generator)[:n]).values
+            for i in range(n):
+                slot_positions[pages[i // block_size], i % block_size] = int(positions[i])
+            k = key_cache[tables[s, h, : len(pages)]].reshape(-1, head_dim)[:n]
+            v = value_cache[tables[s, h, : len(pages)]].reshape(-1, head_dim)[:n]
+            dense[(s, h)] = (k.double(), v.double(), positions)
+    return key_cache, value_cache, slot_positions, tables, dense
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_paged_attention_matches_float64_dense_oracle(dtype, tolerance, block_size):
+    generator = torch.Generator().manual_seed(1)
+    num_kv_heads, group, head_dim = 2, 4, 64
+    lengths = torch.tensor([[37, 5], [1, 70], [33, 33]])
+    key_cache, value_cache, slot_positions, tables, dense = _random_cache(
+        2, lengths, block_size, head_dim, dtype
+    )
+    # Seq 0: 3 prefill-continuation queries; seq 1: one decode; seq 2: 7 queries.
+    query_lens = [3, 1, 7]
+    query_start = np.concatenate([[0], np.cumsum(query_lens)]).tolist()
+    query_positions = []
+    for s, count in enumerate(query_lens):
+        top = max(int(dense[(s, h)][2].max()) if lengths[s, h] else 0 for h in range(num_kv_heads))
+        query_positions += list(range(top - count + 1, top + 1))
+    query_positions = torch.tensor(query_positions)
+    query = torch.randn(query_start[-1], num_kv_heads * group, head_dim, generator=generator).to(dtype)
+    scale = head_dim**-0.5
+    out = paged_attention(
+        query, key_cache, value_cache, slot_positions, tables, lengths, query_start,
+        query_positions, scale, max_query_chunk=4,
+    )
+    for s in range(3):
+        for t in range(query_start[s], query_start[s + 1]):
+            for qh in range(num_kv_heads * group):
+                k, v, positions = dense[(s, qh // group)]
+                visible = positions <= query_positions[t]
+                if not visible.any():
+                    expected = torch.zeros(head_dim, dtype=torch.float64)
+                else:
+                    scores = (k[visible] @ query[t, qh].double()) * scale
+                    expected = torch.softmax(scores, 0) @ v[visible]
+                assert torch.allclose(out[t, qh].double(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_write_then_attend_equals_dense_causal_attention():
+    """End to end through the cache: append a prompt in two chunks, then decode."""
+    torch.manual_seed(3)
+    layers, heads, group, head_dim, block_size = 1, 2, 3, 64, 16
+    cache = PerHeadPagedCache(64, layers, heads, block_size, max_seqs=2, max_pages_per_head=16)
+    pool = torch.zeros(64, 2, block_size, head_dim)
+    key_cache, value_cache = pool[:, 0], pool[:, 1]
+    seq = torch.tensor([cache.new_sequence()])
+    total = 45
+    queries = torch.randn(total, heads * group, head_dim)
+    keys = torch.randn(total, heads, head_dim)
+    values = torch.randn(total, heads, head_dim)
+    outputs = torch.empty_like(queries)
+    for start, end in [(0, 20), (20, 44), (44, 45)]:
+        plan = cache.append(seq, torch.tensor([end - start]), torch.arange(start, end))
+        write_kv(key_cache, value_cache, keys[start:end], values[start:end],
+                 plan.write_pages[0], plan.write_offsets[0])
+        paged_attention(
+            queries[start:end], key_cache, value_cache, cache.slot_positions,
+            cache.page_tables[seq, 0], cache.head_lens[seq, 0], [0, end - start],
+            torch.arange(start, end), head_dim**-0.5, out=outputs[start:end],
+        )
+    expected = dense_causal_attention(queries, keys, values, head_dim**-0.5)
+    assert torch.allclose(outputs.double(), expected, atol=1e-5)
+
+
+def test_page_accounting_counts_ceil_of_head_lengths():
+    accounting = PageAccounting(num_pages=200, num_layers=2, num_kv_heads=3, block_size=16, max_requests=1)
+    assert accounting.pages_to_grow("a", 17) == 2 * 6
+    accounting.grow("a", 17)
+    assert accounting.pages_held("a") == 12 and accounting.num_free_pages == 188
+    assert accounting.pages_to_grow("a", 32) == 0
+    accounting.grow("b", 1)  # forces the row table to grow
+    shrunk = np.array([[1, 16, 17], [0, 5, 2]])
+    assert accounting.set_head_lens("a", shrunk) == 12 - (1 + 1 + 2 + 0 + 1 + 1)
+    # Growth adds the same number of tokens to every head.
+    assert accounting.pages_to_grow("a", 17 + 15) == int(
+        np.ceil((shrunk + 15) / 16).sum() - np.ceil(shrunk / 16).sum()
+    )
+    accounting.check_consistent()
+    assert accounting.release("a") == 6 and accounting.release("b") == 6
+    assert accounting.num_free_pages == 200
