@@ -1,0 +1,118 @@
+"""Bad settings fail before any engine starts, with a message naming the flag."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvcompress.config import KVCompressConfig, KVCompressConfigError
+
+
+@pytest.mark.parametrize(
+    "values,flag",
+    [
+        ({"rate": 0.5}, "--kv-compress-rate"),
+        ({"protected_window": -1}, "--kv-compress-protected-window"),
+        ({"max_cache_tokens": 0}, "--kv-compress-max-cache-tokens"),
+        ({"block_size": 24}, "--kv-compress-block-size"),
+    ],
+)
+def test_invalid_values_name_the_flag(values, flag):
+    with pytest.raises(KVCompressConfigError, match=flag):
+        KVCompressConfig.from_dict({"enabled": True, **values})
+
+
+def test_valid_settings_and_defaults():
+    settings = KVCompressConfig.from_dict({"enabled": True, "rate": 8})
+    assert settings.compresses and settings.block_size == 16 and settings.protected_window == 64
+    assert not KVCompressConfig.from_dict({"enabled": True}).compresses
+
+
+def _engine_config(model: str, **kwargs):
+    """Run vLLM's own config path (patched by the plugin) without starting an engine."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=model, skip_tokenizer_init=True, max_model_len=512, **kwargs)
+    return args.create_engine_config()
+
+
+def _write_config(tmp_path, **overrides) -> str:
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+        "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 2048, "rope_theta": 10000.0, "torch_dtype": "float32",
+    }
+    config.update(overrides)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+def _kvc(**section):
+    return {"additional_config": {"kvcompress": {"enabled": True, **section}}}
+
+
+def test_engine_config_selects_kvcompress_scheduler_and_worker(tmp_path):
+    config = _engine_config(_write_config(tmp_path), **_kvc(rate=1))
+    assert config.scheduler_config.scheduler_cls.endswith("KVCompressScheduler")
+    assert config.parallel_config.worker_cls.endswith("KVCompressCPUWorker")
+    assert config.cache_config.block_size == 16
+    assert config.cache_config.enable_prefix_caching is False
+
+
+def test_stock_engine_config_is_untouched(tmp_path):
+    config = _engine_config(_write_config(tmp_path))
+    assert "kvcompress" not in str(config.scheduler_config.scheduler_cls)
+    assert "kvcompress" not in config.parallel_config.worker_cls
+
+
+def test_bad_rate_fails_in_engine_args(tmp_path):
+    with pytest.raises(KVCompressConfigError, match="--kv-compress-rate"):
+        _engine_config(_write_config(tmp_path), **_kvc(rate=0))
+
+
+def test_prefix_caching_with_compression_is_refused(tmp_path):
+    with pytest.raises(KVCompressConfigError, match="--enable-prefix-caching"):
+        _engine_config(_write_config(tmp_path), enable_prefix_caching=True, **_kvc(rate=4))
+
+
+def test_conflicting_block_size_is_refused(tmp_path):
+    with pytest.raises(KVCompressConfigError, match="--kv-compress-block-size"):
+        _engine_config(_write_config(tmp_path), block_size=32, **_kvc(block_size=16))
+
+
+def test_unsupported_head_size_is_refused(tmp_path):
+    model = _write_config(tmp_path, head_dim=32, hidden_size=128)
+    with pytest.raises(KVCompressConfigError, match="head size 32"):
+        _engine_config(model, **_kvc())
+
+
+def test_sliding_window_model_is_refused(tmp_path):
+    model = _write_config(
+        tmp_path, architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=128
+    )
+    with pytest.raises(KVCompressConfigError, match="sliding-window"):
+        _engine_config(model, **_kvc())
+
+
+def test_cli_flags_reach_the_engine_config(tmp_path):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    model = _write_config(tmp_path)
+    args = parser.parse_args(
+        ["--model", model, "--skip-tokenizer-init", "--max-model-len", "512",
+         "--kv-compress-rate", "8", "--kv-compress-protected-window", "32"]
+    )
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    section = engine_args.additional_config["kvcompress"]
+    assert section == {"rate": 8.0, "protected_window": 32}
+    config = engine_args.create_engine_config()
+    assert config.additional_config["kvcompress"]["enabled"] is True
+    assert config.additional_config["kvcompress"]["rate"] == 8.0
+
+    bad = parser.parse_args(["--model", model, "--skip-tokenizer-init", "--kv-compress-rate", "0.5"])
+    with pytest.raises(KVCompressConfigError, match="--kv-compress-rate"):
+        AsyncEngineArgs.from_cli_args(bad).create_engine_config()
