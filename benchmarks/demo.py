@@ -59,7 +59,8 @@ def main() -> None:
     ]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)
     engine = dict(skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-                  max_model_len=2048, kv_cache_memory_bytes=256 << 20)
+                  max_model_len=2048, kv_cache_memory_bytes=256 << 20,
+                  enable_prefix_caching=False)  # so repeated prompts are recomputed
     stock, _ = run("stock", lambda: LLM(model=model, **engine), prompts, params)
     per_head, _ = run("kvcompress", lambda: kvcompress.LLM(model, kv_compress_rate=1, **engine),
                       prompts, params)
