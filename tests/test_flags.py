@@ -116,3 +116,14 @@ def test_cli_flags_reach_the_engine_config(tmp_path):
     bad = parser.parse_args(["--model", model, "--skip-tokenizer-init", "--kv-compress-rate", "0.5"])
     with pytest.raises(KVCompressConfigError, match="--kv-compress-rate"):
         AsyncEngineArgs.from_cli_args(bad).create_engine_config()
+
+
+def test_mla_model_is_refused(tmp_path):
+    model = _write_config(
+        tmp_path, architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2",
+        num_key_value_heads=4, kv_lora_rank=64, q_lora_rank=None, qk_nope_head_dim=64,
+        qk_rope_head_dim=64, v_head_dim=64, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=2,
+        moe_intermediate_size=256, n_shared_experts=1,
+    )
+    with pytest.raises(KVCompressConfigError, match="MLA"):
+        _engine_config(model, **_kvc())
