@@ -127,3 +127,14 @@ def test_mla_model_is_refused(tmp_path):
     )
     with pytest.raises(KVCompressConfigError, match="MLA"):
         _engine_config(model, **_kvc())
+
+
+def test_other_vllm_version_fails_loudly(monkeypatch):
+    import vllm
+
+    from kvcompress.patches import UnsupportedVLLMVersionError, check_vllm_version
+
+    check_vllm_version()  # the pinned version passes
+    monkeypatch.setattr(vllm, "__version__", "0.33.0")
+    with pytest.raises(UnsupportedVLLMVersionError, match="pinned to vLLM 0.32.0"):
+        check_vllm_version()
