@@ -10,7 +10,7 @@ The same settings arrive three ways and end up in one place,
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
@@ -37,6 +37,32 @@ class KVCompressConfig(BaseModel):
     """The last N tokens of a sequence are never evicted (``--kv-compress-protected-window``)."""
     block_size: int = 16
     """Tokens per page; each page holds one (layer, KV head) (``--kv-compress-block-size``)."""
+    min_cache_tokens: int = 128
+    """Rate budgets never go below this many tokens per sequence (``--kv-compress-min-cache-tokens``)."""
+    sink_tokens: int = 0
+    """The first N tokens of a sequence are never evicted (``--kv-compress-sink-tokens``)."""
+    metric: Literal["l2", "l1"] = "l2"
+    """How attention becomes a KV's metric: squared (l2, the paper) or plain (l1) attention
+    probabilities, summed over the query heads of the KV head's group (``--kv-compress-metric``)."""
+    metric_queries: Literal["window", "full"] = "window"
+    """Prompt queries that score keys: the last ``observation_window`` (KVC-w) or all later queries
+    but the ``full_skip_nearest`` nearest (KVC-full, quadratic) (``--kv-compress-metric-queries``)."""
+    observation_window: int = 8
+    """w: prompt queries that score the keys in ``window`` mode (``--kv-compress-observation-window``)."""
+    full_skip_nearest: int = 10
+    """v: in ``full`` mode a query scores only keys at least v positions before it
+    (``--kv-compress-full-skip-nearest``)."""
+    pool_kernel: int = 7
+    """Max-pool kernel over key positions applied to prompt metrics; 1 = off (``--kv-compress-pool-kernel``)."""
+    block_cost: Literal["max", "sum"] = "max"
+    """Cost of evicting a candidate block: its largest metric (the paper's schedule, minimax) or the
+    sum of its metrics (exact minimum of total evicted metric) (``--kv-compress-block-cost``)."""
+    interval: int = 0
+    """Also compress every running sequence every N engine steps; 0 = only after prefill and
+    instead of preemption (``--kv-compress-interval``)."""
+    max_kv_per_iteration: int = 5_000_000
+    """Cap on the KVs (summed over layers and heads) sorted in one compression step; sequences
+    never compressed, then least recently compressed, go first (``--kv-compress-max-kv-per-iteration``)."""
 
     @field_validator("rate")
     @classmethod
@@ -52,7 +78,7 @@ class KVCompressConfig(BaseModel):
             raise ValueError(f"must be >= 1, got {value}")
         return value
 
-    @field_validator("protected_window")
+    @field_validator("protected_window", "sink_tokens")
     @classmethod
     def _non_negative_window(cls, value: int) -> int:
         if value < 0:
@@ -65,6 +91,39 @@ class KVCompressConfig(BaseModel):
         if value not in SUPPORTED_BLOCK_SIZES:
             raise ValueError(f"must be one of {SUPPORTED_BLOCK_SIZES}, got {value}")
         return value
+
+    @field_validator("min_cache_tokens", "full_skip_nearest")
+    @classmethod
+    def _non_negative(cls, value: int) -> int:
+        if value < 0:
+            raise ValueError(f"must be >= 0, got {value}")
+        return value
+
+    @field_validator("observation_window", "max_kv_per_iteration")
+    @classmethod
+    def _positive(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError(f"must be >= 1, got {value}")
+        return value
+
+    @field_validator("interval")
+    @classmethod
+    def _interval(cls, value: int) -> int:
+        if value < 0:
+            raise ValueError(f"must be >= 0 (0 = off), got {value}")
+        return value
+
+    @field_validator("pool_kernel")
+    @classmethod
+    def _odd_kernel(cls, value: int) -> int:
+        if value < 1 or value % 2 == 0:
+            raise ValueError(f"must be an odd number >= 1 (1 = no pooling), got {value}")
+        return value
+
+    @property
+    def metric_power(self) -> int:
+        """Exponent applied to attention probabilities: 2 for l2, 1 for l1."""
+        return 2 if self.metric == "l2" else 1
 
     @property
     def compresses(self) -> bool:
@@ -103,4 +162,14 @@ FLAGS: dict[str, str] = {
     "max_cache_tokens": "--kv-compress-max-cache-tokens",
     "protected_window": "--kv-compress-protected-window",
     "block_size": "--kv-compress-block-size",
+    "min_cache_tokens": "--kv-compress-min-cache-tokens",
+    "sink_tokens": "--kv-compress-sink-tokens",
+    "metric": "--kv-compress-metric",
+    "metric_queries": "--kv-compress-metric-queries",
+    "observation_window": "--kv-compress-observation-window",
+    "full_skip_nearest": "--kv-compress-full-skip-nearest",
+    "pool_kernel": "--kv-compress-pool-kernel",
+    "block_cost": "--kv-compress-block-cost",
+    "interval": "--kv-compress-interval",
+    "max_kv_per_iteration": "--kv-compress-max-kv-per-iteration",
 }

@@ -37,6 +37,7 @@ class PageAccounting:
         self.head_lens = np.zeros((max_requests, num_layers, num_kv_heads), np.int64)
         self.logical_lens = np.zeros(max_requests, np.int64)
         self.pages_held_per_row = np.zeros(max_requests, np.int64)
+        self.pending = np.zeros(max_requests, bool)
         self._row_of: dict[str, int] = {}
         self._free_rows = list(range(max_requests - 1, -1, -1))
 
@@ -65,6 +66,7 @@ class PageAccounting:
         self.pages_held_per_row = np.concatenate(
             [self.pages_held_per_row, np.zeros(old, np.int64)]
         )
+        self.pending = np.concatenate([self.pending, np.zeros(old, bool)])
         self._free_rows.extend(range(2 * old - 1, old - 1, -1))
 
     def _pages(self, lens: np.ndarray) -> np.ndarray:
@@ -94,8 +96,14 @@ class PageAccounting:
         growth = target_tokens - int(self.logical_lens[row])
         if growth <= 0:
             return 0
+        if self.pending[row]:
+            return self._pending_growth_bound(growth)
         new_pages = int(self._pages(self.head_lens[row] + growth).sum())
         return new_pages - int(self.pages_held_per_row[row])
+
+    def _pending_growth_bound(self, growth: int) -> int:
+        # A head of unknown length needs at most ceil(growth / b) new pages.
+        return self.pages_per_token_block * (-(-growth // self.block_size))
 
     def grow(self, request_id: str, target_tokens: int) -> int:
         """Extend every head to cover ``target_tokens`` logical tokens; returns pages taken."""
@@ -104,7 +112,10 @@ class PageAccounting:
         if growth <= 0:
             return 0
         new_lens = self.head_lens[row] + growth
-        held = int(self._pages(new_lens).sum())
+        if self.pending[row]:
+            held = int(self.pages_held_per_row[row]) + self._pending_growth_bound(growth)
+        else:
+            held = int(self._pages(new_lens).sum())
         taken = held - int(self.pages_held_per_row[row])
         if taken > self.num_free_pages:
             raise RuntimeError(
@@ -116,6 +127,38 @@ class PageAccounting:
         self.pages_held_per_row[row] = held
         self.num_free_pages -= taken
         return taken
+
+    def is_pending(self, request_id: str) -> bool:
+        row = self._row_of.get(request_id)
+        return row is not None and bool(self.pending[row])
+
+    def mark_compressed(self, request_id: str, evict_blocks: int) -> None:
+        """A compression that frees exactly ``evict_blocks`` pages runs this step."""
+        row = self._row_of[request_id]
+        if self.pending[row]:
+            raise RuntimeError(f"request {request_id} is already being compressed")
+        if evict_blocks > int(self.pages_held_per_row[row]):
+            raise ValueError(f"cannot evict {evict_blocks} pages from request {request_id}")
+        self.pages_held_per_row[row] -= evict_blocks
+        self.num_free_pages += evict_blocks
+        self.pending[row] = True
+
+    def adopt(self, request_id: str, head_lens: np.ndarray) -> int:
+        """Take the worker's per-head lengths after a compression; returns the pages
+        the upper-bound charge over-counted (given back to the free pool)."""
+        row = self._row_of.get(request_id)
+        if row is None:
+            return 0
+        held = int(self._pages(np.asarray(head_lens, np.int64)).sum())
+        surplus = int(self.pages_held_per_row[row]) - held
+        self.head_lens[row] = head_lens
+        self.pages_held_per_row[row] = held
+        self.pending[row] = False
+        self.num_free_pages += surplus
+        return surplus
+
+    def pending_request_ids(self) -> list[str]:
+        return [r for r, row in self._row_of.items() if self.pending[row]]
 
     def set_head_lens(self, request_id: str, head_lens: np.ndarray) -> int:
         """Shrink heads after eviction; returns pages freed."""
@@ -138,6 +181,7 @@ class PageAccounting:
         self.head_lens[row] = 0
         self.logical_lens[row] = 0
         self.pages_held_per_row[row] = 0
+        self.pending[row] = False
         self._free_rows.append(row)
         self.num_free_pages += freed
         return freed
@@ -149,10 +193,11 @@ class PageAccounting:
         """Recount held pages from head lengths (vectorised) and compare."""
         rows = np.fromiter(self._row_of.values(), np.int64, len(self._row_of))
         recount = self._pages(self.head_lens[rows]).sum(axis=(1, 2))
-        if not np.array_equal(recount, self.pages_held_per_row[rows]):
+        exact = ~self.pending[rows]
+        if not np.array_equal(recount[exact], self.pages_held_per_row[rows][exact]):
             raise AssertionError("per-request page counts drifted from head lengths")
-        if self.num_pages - int(recount.sum()) != self.num_free_pages:
+        held = int(self.pages_held_per_row[rows].sum())
+        if self.num_pages - held != self.num_free_pages:
             raise AssertionError(
-                f"free pages {self.num_free_pages} != pool {self.num_pages} "
-                f"- held {int(recount.sum())}"
+                f"free pages {self.num_free_pages} != pool {self.num_pages} - held {held}"
             )

@@ -28,7 +28,8 @@ def check_vllm_version() -> None:
 def apply_all() -> None:
     """Idempotent: vLLM runs general plugins in every process, often more than once."""
     check_vllm_version()
-    from kvcompress.patches import engine_args, engine_core
+    from kvcompress.patches import engine_args, engine_core, input_processor
 
     engine_args.apply()
     engine_core.apply()
+    input_processor.apply()

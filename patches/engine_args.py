@@ -11,23 +11,43 @@ and worker before the engine starts.
 from __future__ import annotations
 
 import argparse
+import typing
 
 from vllm.engine.arg_utils import EngineArgs
 
 from kvcompress.config import ADDITIONAL_CONFIG_KEY, FLAGS, KVCompressConfig
 from kvcompress.patches.util import apply_once
 
-_HELP = {
-    "enabled": "Keep the KV cache in pages that each hold one (layer, KV head), so "
-    "heads can be compressed at their own rates and freed pages return to the "
-    "scheduler. Implied by any other --kv-compress-* flag.",
-    "rate": "Compression rate r >= 1: keep about 1/r of each sequence's KVs "
-    "(1 = no eviction).",
-    "max_cache_tokens": "Keep at most this many tokens' worth of KVs per sequence "
-    "(across all layers and heads).",
-    "protected_window": "The last N tokens of every sequence are never evicted.",
-    "block_size": "Tokens per page (one page holds one layer's one KV head).",
-}
+def _flag_help(field: str) -> str:
+    """The field's docstring in config.py, without the trailing flag reference."""
+    import ast
+    import inspect
+
+    import kvcompress.config as config_module
+
+    tree = ast.parse(inspect.getsource(config_module.KVCompressConfig))
+    body = tree.body[0].body
+    for node, after in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and getattr(node.target, "id", None) == field
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+        ):
+            text = " ".join(after.value.value.split())
+            return text.split(" (``--kv-compress")[0].rstrip(".") + "."
+    return field
+
+
+def _value_parser(field: str):
+    """(type, choices) of a field for argparse."""
+    annotation = KVCompressConfig.model_fields[field].annotation
+    choices = typing.get_args(annotation) if typing.get_origin(annotation) is typing.Literal else None
+    if choices:
+        return str, list(choices)
+    if annotation is float:
+        return float, None
+    return int, None
 
 
 def add_kvcompress_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,18 +55,22 @@ def add_kvcompress_arguments(parser: argparse.ArgumentParser) -> None:
     if any(a.dest == "kv_compress" for a in parser._actions):
         return
     group = parser.add_argument_group(
-        "kvcompress", "KV-Compress: per-(layer, KV head) paged KV cache"
+        "kvcompress", "KV-Compress: per-(layer, KV head) paged KV cache and its compression"
     )
     defaults = KVCompressConfig()
     group.add_argument(
         FLAGS["enabled"], dest="kv_compress", action="store_true", default=None,
-        help=_HELP["enabled"],
+        help="Keep the KV cache in pages that each hold one (layer, KV head), so heads can be "
+        "compressed at their own rates and freed pages return to the scheduler. Implied by "
+        "any other --kv-compress-* flag.",
     )
-    typed = {"rate": float, "max_cache_tokens": int, "protected_window": int, "block_size": int}
-    for field, kind in typed.items():
+    for field in FLAGS:
+        if field == "enabled":
+            continue
+        kind, choices = _value_parser(field)
         group.add_argument(
-            FLAGS[field], dest=f"kv_compress_{field}", type=kind, default=None,
-            help=f"{_HELP[field]} (default: {getattr(defaults, field)})",
+            FLAGS[field], dest=f"kv_compress_{field}", type=kind, choices=choices,
+            default=None, help=f"{_flag_help(field)} (default: {getattr(defaults, field)})",
         )
 
 
@@ -55,7 +79,9 @@ def kvcompress_section(args: argparse.Namespace) -> dict:
     section = {}
     if getattr(args, "kv_compress", None):
         section["enabled"] = True
-    for field in ("rate", "max_cache_tokens", "protected_window", "block_size"):
+    for field in FLAGS:
+        if field == "enabled":
+            continue
         value = getattr(args, f"kv_compress_{field}", None)
         if value is not None:
             section[field] = value

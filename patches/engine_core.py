@@ -19,6 +19,13 @@ def kvcompress_page_stats(self) -> dict:
     return stats()
 
 
+def kvcompress_reset_peaks(self) -> None:
+    reset = getattr(self.scheduler, "kvcompress_reset_peaks", None)
+    if reset is not None:
+        reset()
+
+
 def apply() -> None:
     if apply_once("engine_core"):
         EngineCore.kvcompress_page_stats = kvcompress_page_stats
+        EngineCore.kvcompress_reset_peaks = kvcompress_reset_peaks

@@ -37,7 +37,7 @@ def _attend(
     values: torch.Tensor,
     visible: torch.Tensor,
     scale: float,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Masked GQA attention in float32.
 
     Args:
@@ -45,14 +45,14 @@ def _attend(
         visible: ``[B, Hkv, Tq, K]`` bool.
 
     Returns:
-        ``[B, Tq, Hkv, G, D]`` float32.
+        ``([B, Tq, Hkv, G, D]`` float32 output, ``[B, Hkv, G, Tq, K]`` probabilities).
     """
     scores = torch.einsum("bthgd,bhkd->bhgtk", query.float(), keys.float()) * scale
     scores = scores.masked_fill(~visible.unsqueeze(2), float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     # A query that sees no key (padding rows) gets zeros, not NaN.
     probs = torch.nan_to_num(probs, nan=0.0)
-    return torch.einsum("bhgtk,bhkd->bthgd", probs, values.float())
+    return torch.einsum("bhgtk,bhkd->bthgd", probs, values.float()), probs
 
 
 def _gather_heads(
@@ -76,6 +76,9 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,
     max_query_chunk: int = 512,
+    slot_metrics: torch.Tensor | None = None,
+    metric_seqs: torch.Tensor | None = None,
+    metric_power: int = 2,
 ) -> torch.Tensor:
     """Attention of one layer over per-head paged KVs.
 
@@ -92,6 +95,11 @@ def paged_attention(
         scale: softmax scale.
         out: optional ``[T, num_q_heads, D]`` output buffer.
         max_query_chunk: queries of one sequence attended at a time (bounds memory).
+        slot_metrics: optional ``[num_pages, block_size]`` float32; the decode queries of
+            the sequences selected by ``metric_seqs`` (``[S]`` bool) add their attention
+            probabilities ** ``metric_power``, summed over the query group, into the
+            metrics of the slots they read (continual compression; only held slots are
+            touched, nothing is zeroed).
 
     Returns:
         ``[T, num_q_heads, D]`` in ``query.dtype`` (``out`` if given).
@@ -124,10 +132,22 @@ def paged_attention(
             key_pos <= q_pos.view(-1, 1, 1)
         )  # [B, H, K]
         q = query[token_rows].view(len(decode_rows), 1, num_kv_heads, group, head_dim)
-        result = _attend(q, keys, values, visible.unsqueeze(2), scale)
+        result, probs = _attend(q, keys, values, visible.unsqueeze(2), scale)
         out[token_rows] = result.reshape(len(decode_rows), num_q_heads, head_dim).to(
             out.dtype
         )
+        if slot_metrics is not None and metric_seqs is not None:
+            adds = visible & metric_seqs[rows].view(-1, 1, 1)  # [B, H, K]
+            if bool(adds.any()):
+                block_size_ = slot_metrics.shape[1]
+                slot_ids = (
+                    tables.unsqueeze(-1) * block_size_
+                    + torch.arange(block_size_, device=tables.device)
+                ).reshape(len(decode_rows), num_kv_heads, -1)
+                gained = probs[:, :, :, 0, :].pow(metric_power).sum(dim=2)  # [B, H, K]
+                slot_metrics.view(-1).index_add_(
+                    0, slot_ids[adds], gained[adds].to(slot_metrics.dtype)
+                )
 
     for s in range(num_seqs):
         if query_lens[s] <= 1:
@@ -148,7 +168,7 @@ def paged_attention(
             q = query[chunk_start:chunk_end].view(
                 1, chunk_end - chunk_start, num_kv_heads, group, head_dim
             )
-            result = _attend(q, keys, values, visible.unsqueeze(0), scale)
+            result, _ = _attend(q, keys, values, visible.unsqueeze(0), scale)
             out[chunk_start:chunk_end] = result.reshape(
                 chunk_end - chunk_start, num_q_heads, head_dim
             ).to(out.dtype)

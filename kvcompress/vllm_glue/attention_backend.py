@@ -28,6 +28,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from kvcompress.config import SUPPORTED_BLOCK_SIZES
 from kvcompress.ops import AppendPlan, PerHeadPagedCache, paged_attention, write_kv
+from kvcompress.ops.metrics import accumulate_metrics, attention_metrics, max_pool_metrics
 
 SUPPORTED_HEAD_SIZES = (64, 128, 256)
 
@@ -49,6 +50,29 @@ class WorkerCacheState:
 
 
 @dataclass
+class MetricQueries:
+    """Queries of one step that add to the eviction metrics.
+
+    Attributes:
+        prompt_rows: ``(seq_index, row_start, row_end, prompt_done)`` per sequence:
+            query rows ``[row_start, row_end)`` score the keys (KVC-w window or
+            KVC-full); ``prompt_done``: this chunk ends the prompt, so the
+            sequence's prompt metrics are final and get max-pooled.
+        decode_seqs: ``[num_reqs]`` bool, sequences whose decode query adds its
+            attention to the metrics (continual compression), or None.
+        power: 2 (L2, squared attention) or 1 (L1).
+        skip_nearest: KVC-full's ``v`` (0 in window mode).
+        pool_kernel: max-pool kernel over key positions (1 = off).
+    """
+
+    prompt_rows: list[tuple[int, int, int, bool]]
+    decode_seqs: torch.Tensor | None
+    power: int
+    skip_nearest: int
+    pool_kernel: int
+
+
+@dataclass
 class PerHeadStep:
     """One forward step, planned by the runner.
 
@@ -60,6 +84,7 @@ class PerHeadStep:
         block_tables: ``[num_reqs, num_layers, num_kv_heads, max_pages]`` int64.
         head_lens: ``[num_reqs, num_layers, num_kv_heads]`` int64 (after this step's KVs).
         plan: where each new KV is written.
+        metrics: which queries add to the eviction metrics (None: none).
     """
 
     num_reqs: int
@@ -69,6 +94,7 @@ class PerHeadStep:
     block_tables: torch.Tensor
     head_lens: torch.Tensor
     plan: AppendPlan
+    metrics: MetricQueries | None = None
 
 
 _worker_state: WorkerCacheState | None = None
@@ -204,19 +230,49 @@ class PerHeadAttentionImpl(AttentionImpl):
             step.plan.write_pages[layer_index],
             step.plan.write_offsets[layer_index],
         )
+        query = query[:num_tokens].view(num_tokens, self.num_heads, self.head_size)
+        metrics = step.metrics
+        block_tables = step.block_tables[:, layer_index]
+        head_lens = step.head_lens[:, layer_index]
         paged_attention(
-            query[:num_tokens].view(num_tokens, self.num_heads, self.head_size),
+            query,
             state.key_cache,
             state.value_cache,
             state.cache.slot_positions,
-            step.block_tables[:, layer_index],
-            step.head_lens[:, layer_index],
+            block_tables,
+            head_lens,
             step.query_start_loc,
             step.query_positions,
             self.scale,
             out=output[:num_tokens].view(num_tokens, self.num_heads, self.head_size),
+            slot_metrics=state.cache.slot_metrics if metrics is not None else None,
+            metric_seqs=metrics.decode_seqs if metrics is not None else None,
+            metric_power=metrics.power if metrics is not None else 2,
         )
+        if metrics is not None:
+            self._prompt_metrics(state, step, metrics, query, block_tables, head_lens)
         return output
+
+    def _prompt_metrics(self, state, step, metrics, query, block_tables, head_lens) -> None:
+        """Score this layer's keys with the prompt queries chosen by the runner."""
+        cache = state.cache
+        for seq_index, row_start, row_end, prompt_done in metrics.prompt_rows:
+            tables = block_tables[seq_index]
+            lens = head_lens[seq_index]
+            scored = attention_metrics(
+                query[row_start:row_end],
+                step.query_positions[row_start:row_end],
+                state.key_cache,
+                cache.slot_positions,
+                tables,
+                lens,
+                self.scale,
+                power=metrics.power,
+                skip_nearest=metrics.skip_nearest,
+            )
+            accumulate_metrics(cache.slot_metrics, tables, lens, scored)
+            if prompt_done:
+                max_pool_metrics(cache.slot_metrics, tables, lens, metrics.pool_kernel)
 
 
 class PerHeadAttentionBackend(AttentionBackend):

@@ -7,33 +7,27 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvcompress.config import ADDITIONAL_CONFIG_KEY, KVCompressConfig
+from kvcompress.config import ADDITIONAL_CONFIG_KEY, FLAGS, KVCompressConfig
+
+_PREFIX = "kv_compress_"
 
 
-def LLM(  # noqa: N802 - reads like the class it builds
-    model: str,
-    *,
-    kv_compress: bool = True,
-    kv_compress_rate: float | None = None,
-    kv_compress_max_cache_tokens: int | None = None,
-    kv_compress_protected_window: int | None = None,
-    kv_compress_block_size: int | None = None,
-    **kwargs: Any,
-):
+def LLM(model: str, *, kv_compress: bool = True, **kwargs: Any):  # noqa: N802 - reads like the class
     """Build a ``vllm.LLM`` whose KV cache is paged per (layer, KV head).
 
-    Settings are validated here (``KVCompressConfigError`` names the bad flag)
-    before vLLM starts an engine.
+    Every setting of ``KVCompressConfig`` is a keyword ``kv_compress_<field>``
+    (``kv_compress_rate=8``, ``kv_compress_protected_window=32``, ...); the rest go
+    to ``vllm.LLM``. Settings are validated here (``KVCompressConfigError`` names the
+    bad flag) before vLLM starts an engine.
     """
     from vllm import LLM as VllmLLM
 
-    section = {"enabled": kv_compress}
-    for field, value in (
-        ("rate", kv_compress_rate),
-        ("max_cache_tokens", kv_compress_max_cache_tokens),
-        ("protected_window", kv_compress_protected_window),
-        ("block_size", kv_compress_block_size),
-    ):
+    section: dict[str, Any] = {"enabled": kv_compress}
+    for key in [k for k in kwargs if k.startswith(_PREFIX)]:
+        field = key[len(_PREFIX):]
+        if field not in FLAGS or field == "enabled":
+            raise TypeError(f"kvcompress.LLM got an unknown setting {key!r}")
+        value = kwargs.pop(key)
         if value is not None:
             section[field] = value
     KVCompressConfig.from_dict(section)

@@ -4,28 +4,38 @@ Mixed into vLLM's V1 model runner (``CPUModelRunner`` on CPU). Per step, after
 vLLM updates its persistent batch:
 
 1. pages of finished / preempted / resumed requests go back to the allocator;
-2. every scheduled request's heads grow by its scheduled tokens (pages come from
+2. the sequences the scheduler ordered compressed (``kvcompress_compress``:
+   blocks to evict, context length, protected window, sinks) are compressed:
+   block-eviction schedule over their metrics, MoveCache, trailing pages freed;
+3. every scheduled request's heads grow by its scheduled tokens (pages come from
    the free-page stack, batched over requests x layers x heads);
-3. the plan (tables, lengths, write slots, positions) is published for the
-   attention backend.
-
-The scheduler (``scheduler.py``) runs the same length arithmetic, so page
-counts agree without a round trip; ``kvcompress_pages_used`` exposes the worker
-side for tests.
+4. the plan (tables, lengths, write slots, positions, which queries add to the
+   eviction metrics) is published for the attention backend;
+5. the step's output carries ``kvcompress_report``: the per-head lengths of the
+   compressed sequences and the worker's page counts, which the scheduler
+   adopts and cross-checks before it schedules again.
 """
 
 from __future__ import annotations
+
+import copy
+import time
 
 import numpy as np
 import torch
 
 from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
+from kvcompress.budget import request_budget
+from kvcompress.config import KVCompressConfig
 from kvcompress.ops import PerHeadPagedCache
 from kvcompress.vllm_glue.attention_backend import (
+    MetricQueries,
     PerHeadStep,
     WorkerCacheState,
+    get_worker_state,
     set_current_step,
     set_worker_state,
 )
@@ -73,9 +83,22 @@ class PerHeadRunnerMixin:
             device=pool.device,
         )
         self.kvc_cache = cache
+        self.kvc_settings = KVCompressConfig.from_additional_config(
+            self.vllm_config.additional_config
+        )
         self.kvc_seq_slot: dict[str, int] = {}
         self.kvc_logical_len: dict[str, int] = {}
-        self.kvc_stats = {"steps_checked": 0, "mismatches": 0, "max_pages_used": 0}
+        self.kvc_compresses: dict[str, bool] = {}
+        self.kvc_report: dict | None = None
+        self.kvc_stats = {
+            "max_pages_used": 0,
+            "compressions": 0,
+            "pages_freed": 0,
+            "kvs_evicted": 0,
+            "compress_seconds": 0.0,
+            "step_seconds": 0.0,
+            "evict_mismatches": 0,
+        }
         set_worker_state(
             WorkerCacheState(
                 cache=cache,
@@ -94,6 +117,7 @@ class PerHeadRunnerMixin:
         slots = [self.kvc_seq_slot.pop(r) for r in request_ids if r in self.kvc_seq_slot]
         for request_id in request_ids:
             self.kvc_logical_len.pop(request_id, None)
+            self.kvc_compresses.pop(request_id, None)
         if slots:
             self.kvc_cache.release(torch.tensor(slots, dtype=torch.int64))
 
@@ -105,10 +129,95 @@ class PerHeadRunnerMixin:
             gone |= set(getattr(scheduler_output, "preempted_req_ids", None) or ())
             gone |= set(scheduler_output.scheduled_cached_reqs.resumed_req_ids or ())
             self._kvc_release(gone)
+            self.kvc_report = None
+            self._kvc_step_started = time.perf_counter()
+            compressed = self._kvc_compress(
+                getattr(scheduler_output, "kvcompress_compress", None) or {}
+            )
         result = super()._update_states(scheduler_output)
-        if self.kvc_cache is not None and scheduler_output.total_num_scheduled_tokens:
-            self._kvc_plan_step(scheduler_output)
+        if self.kvc_cache is not None:
+            if scheduler_output.total_num_scheduled_tokens:
+                self._kvc_plan_step(scheduler_output)
+            self.kvc_report = self._kvc_make_report(compressed)
         return result
+
+    def _kvc_compress(self, orders: dict) -> list[str]:
+        """Compress the sequences the scheduler ordered; returns their request ids.
+
+        ``orders``: request id -> ``(evict_blocks, context_len, protected_window,
+        sink_tokens)``, computed by the scheduler from the same head lengths.
+        """
+        from kvcompress.ops.move_cache import compress_sequences
+
+        request_ids = [r for r in orders if r in self.kvc_seq_slot]
+        if not request_ids:
+            return []
+        started = time.perf_counter()
+        cache = self.kvc_cache
+        device = cache.device
+        columns = np.array([orders[r] for r in request_ids], dtype=np.int64)  # [S, 4]
+        columns_t = torch.from_numpy(columns).to(device)
+        state = get_worker_state()
+        result = compress_sequences(
+            cache,
+            state.key_cache,
+            state.value_cache,
+            torch.tensor([self.kvc_seq_slot[r] for r in request_ids], dtype=torch.int64, device=device),
+            columns_t[:, 0],
+            columns_t[:, 1],
+            columns_t[:, 2],
+            columns_t[:, 3],
+            block_cost=self.kvc_settings.block_cost,
+        )
+        stats = self.kvc_stats
+        stats["compressions"] += len(request_ids)
+        stats["pages_freed"] += int(result.pages_freed)
+        stats["kvs_evicted"] += int(result.kvs_evicted)
+        if int(result.pages_freed) != int(columns[:, 0].sum()):
+            # The scheduler credited columns[:, 0] pages; the report corrects it.
+            stats["evict_mismatches"] += 1
+            logger.error(
+                "kvcompress: scheduler ordered %d pages evicted, the schedule freed %d",
+                int(columns[:, 0].sum()), int(result.pages_freed),
+            )
+        stats["compress_seconds"] += time.perf_counter() - started
+        return request_ids
+
+    def _kvc_make_report(self, compressed: list[str]) -> dict:
+        """Worker-side truth for the scheduler after this step's appends."""
+        cache = self.kvc_cache
+        held = {}
+        head_lens = {}
+        if self.kvc_seq_slot:
+            request_ids = list(self.kvc_seq_slot)
+            slots = torch.tensor([self.kvc_seq_slot[r] for r in request_ids], device=cache.device)
+            per_request = cache.pages_held(slots).sum(dim=(1, 2)).tolist()
+            held = dict(zip(request_ids, per_request))
+            for request_id in compressed:
+                if request_id in self.kvc_seq_slot:
+                    slot = self.kvc_seq_slot[request_id]
+                    head_lens[request_id] = cache.head_lens[slot].cpu().numpy().copy()
+        stats = self.kvc_stats
+        stats["max_pages_used"] = max(stats["max_pages_used"], cache.allocator.num_used)
+        return {"free": cache.allocator.num_free, "held": held, "head_lens": head_lens}
+
+    def _kvc_attach_report(self, output):
+        if self.kvc_cache is None or self.kvc_report is None or output is None:
+            return output
+        if not hasattr(output, "req_ids"):
+            return output  # async wrappers do not occur: kvcompress turns async scheduling off
+        if output is EMPTY_MODEL_RUNNER_OUTPUT:
+            output = copy.copy(output)
+        output.kvcompress_report = self.kvc_report
+        self.kvc_report = None
+        self.kvc_stats["step_seconds"] += time.perf_counter() - self._kvc_step_started
+        return output
+
+    def execute_model(self, *args, **kwargs):
+        return self._kvc_attach_report(super().execute_model(*args, **kwargs))
+
+    def sample_tokens(self, *args, **kwargs):
+        return self._kvc_attach_report(super().sample_tokens(*args, **kwargs))
 
     def _kvc_plan_step(self, scheduler_output) -> None:
         cache = self.kvc_cache
@@ -130,6 +239,10 @@ class PerHeadRunnerMixin:
                 slot = cache.new_sequence()
                 self.kvc_seq_slot[request_id] = slot
                 self.kvc_logical_len[request_id] = 0
+                params = self.requests[request_id].sampling_params
+                self.kvc_compresses[request_id] = request_budget(
+                    self.kvc_settings, getattr(params, "extra_args", None)
+                ).compresses
             elif self.kvc_logical_len[request_id] != done:
                 raise RuntimeError(
                     f"kvcompress: request {request_id} has {done} computed tokens but "
@@ -147,7 +260,6 @@ class PerHeadRunnerMixin:
         seq_slots = torch.tensor(slots, dtype=torch.int64, device=device)
         positions_t = torch.from_numpy(positions).to(device)
         plan = cache.append(seq_slots, torch.from_numpy(num_new).to(device), positions_t)
-        self._kvc_check_against_scheduler(scheduler_output)
         head_lens = cache.head_lens[seq_slots]
         max_pages = int(((head_lens.max() + cache.block_size - 1) // cache.block_size).item())
         set_current_step(
@@ -159,31 +271,46 @@ class PerHeadRunnerMixin:
                 block_tables=cache.page_tables[seq_slots, :, :, : max(1, max_pages)],
                 head_lens=head_lens,
                 plan=plan,
+                metrics=self._kvc_metric_queries(req_ids, computed, num_new, query_start),
             )
         )
 
-    def _kvc_check_against_scheduler(self, scheduler_output) -> None:
-        expected = getattr(scheduler_output, "kvcompress_expected_pages", None)
-        if expected is None:
-            return
-        expected_free, expected_held = expected
-        cache = self.kvc_cache
-        stats = self.kvc_stats
-        stats["steps_checked"] += 1
-        stats["max_pages_used"] = max(stats["max_pages_used"], cache.allocator.num_used)
-        held = {}
-        if self.kvc_seq_slot:
-            request_ids = list(self.kvc_seq_slot)
-            slots = torch.tensor([self.kvc_seq_slot[r] for r in request_ids])
-            per_request = cache.pages_held(slots).sum(dim=(1, 2)).tolist()
-            held = dict(zip(request_ids, per_request))
-        if cache.allocator.num_free != expected_free or held != expected_held:
-            stats["mismatches"] += 1
-            logger.error(
-                "kvcompress: worker pages (free %d, held %s) differ from the "
-                "scheduler's (free %d, held %s)",
-                cache.allocator.num_free, held, expected_free, expected_held,
-            )
+    def _kvc_metric_queries(self, req_ids, computed, num_new, query_start) -> MetricQueries | None:
+        """Which of this step's queries add to eviction metrics (compressing requests only).
+
+        Prompt queries: the last ``observation_window`` prompt positions (or, in
+        ``full`` mode, every prompt query); decode queries: every query past the
+        prompt, added by the attention kernel itself.
+        """
+        settings = self.kvc_settings
+        if not settings.compresses and not any(self.kvc_compresses.values()):
+            return None
+        prompt_rows = []
+        decode_seqs = np.zeros(len(req_ids), dtype=bool)
+        for index, request_id in enumerate(req_ids):
+            if not self.kvc_compresses.get(request_id, False):
+                continue
+            prompt_len = self.requests[request_id].num_prompt_tokens
+            first, count = int(computed[index]), int(num_new[index])
+            if first >= prompt_len:
+                decode_seqs[index] = count == 1
+                continue
+            scoring_from = 0 if settings.metric_queries == "full" else prompt_len - settings.observation_window
+            lo = max(first, scoring_from)
+            hi = min(first + count, prompt_len)
+            if hi > lo:
+                start = int(query_start[index]) - first
+                prompt_rows.append((index, start + lo, start + hi, hi == prompt_len))
+        if not prompt_rows and not decode_seqs.any():
+            return None
+        return MetricQueries(
+            prompt_rows=prompt_rows,
+            decode_seqs=torch.from_numpy(decode_seqs).to(self.kvc_cache.device)
+            if decode_seqs.any() else None,
+            power=settings.metric_power,
+            skip_nearest=settings.full_skip_nearest if settings.metric_queries == "full" else 0,
+            pool_kernel=settings.pool_kernel,
+        )
 
     def _dummy_run(self, *args, **kwargs):
         # Warm-up and profiling batches must not touch the pages of real requests.

@@ -1,0 +1,113 @@
+"""Eviction metrics of the per-(layer, KV head) paged cache (PyTorch reference).
+
+A KV's metric says how much attention it receives: the attention probabilities
+of some queries, raised to ``power`` (2 = "L2", the paper's squared attention;
+1 = "L1"), summed over the queries and over the query heads of the KV head's
+group (query-group compression). Metrics live beside the pages in
+``slot_metrics [num_pages, block_size]`` float32 and move with their KVs.
+
+- Prompt metrics (``attention_metrics``): the last ``w`` prompt queries (KVC-w),
+  or all queries but the ``v`` nearest to each key (KVC-full, computed in query
+  chunks: memory is ``chunk x keys`` per head, never the full attention matrix),
+  then max-pooled over key positions (``max_pool_metrics``).
+- Decode metrics (continual compression): ``paged_attention`` adds the decode
+  queries' probabilities into ``slot_metrics`` as it attends.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _logical_slots(block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``[H, P]`` page ids -> ``[H, P*b]`` flat slot ids (``page * b + offset``)."""
+    offsets = torch.arange(block_size, device=block_tables.device)
+    return (block_tables.unsqueeze(-1) * block_size + offsets).reshape(block_tables.shape[0], -1)
+
+
+def attention_metrics(
+    query: torch.Tensor,
+    query_positions: torch.Tensor,
+    key_cache: torch.Tensor,
+    slot_positions: torch.Tensor,
+    block_tables: torch.Tensor,
+    head_lens: torch.Tensor,
+    scale: float,
+    power: int = 2,
+    skip_nearest: int = 0,
+    query_chunk: int = 1024,
+) -> torch.Tensor:
+    """Metric contribution of some queries of ONE sequence and ONE layer.
+
+    Args:
+        query: ``[Tq, num_q_heads, D]``; query head ``j`` reads KV head ``j // G``.
+        query_positions: ``[Tq]`` token positions of the queries.
+        key_cache: ``[num_pages, block_size, D]``.
+        slot_positions: ``[num_pages, block_size]`` token position of each slot.
+        block_tables: ``[num_kv_heads, P]`` this layer's pages of the sequence.
+        head_lens: ``[num_kv_heads]`` KVs held per head.
+        scale: softmax scale.
+        power: probabilities are raised to this power (2 = L2, 1 = L1).
+        skip_nearest: a query adds nothing to keys fewer than this many positions
+            before it (KVC-full's ``v``; 0 for KVC-w). Softmax still sees them.
+        query_chunk: queries attended at a time (bounds memory to chunk x keys).
+
+    Returns:
+        ``[num_kv_heads, P * block_size]`` float32 in logical slot order; slots at
+        or past a head's length are 0.
+    """
+    num_kv_heads, num_pages = block_tables.shape
+    block_size, head_dim = key_cache.shape[1], key_cache.shape[2]
+    group = query.shape[1] // num_kv_heads
+    keys = key_cache[block_tables].reshape(num_kv_heads, num_pages * block_size, head_dim).float()
+    key_pos = slot_positions[block_tables].reshape(num_kv_heads, -1).long()
+    held = torch.arange(key_pos.shape[1], device=key_pos.device) < head_lens.unsqueeze(-1)
+    metric = torch.zeros(key_pos.shape, dtype=torch.float32, device=key_pos.device)
+    for start in range(0, query.shape[0], query_chunk):
+        q = query[start : start + query_chunk].float()
+        q_pos = query_positions[start : start + query_chunk].long()
+        q = q.view(q.shape[0], num_kv_heads, group, head_dim)
+        scores = torch.einsum("thgd,hkd->hgtk", q, keys) * scale
+        visible = held.unsqueeze(1) & (key_pos.unsqueeze(1) <= q_pos.view(1, -1, 1))  # [H, Tq, K]
+        scores = scores.masked_fill(~visible.unsqueeze(1), float("-inf"))
+        probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
+        if skip_nearest > 0:
+            far = (q_pos.view(1, -1, 1) - key_pos.unsqueeze(1)) >= skip_nearest  # [H, Tq, K]
+            probs = probs * far.unsqueeze(1)
+        metric += probs.pow(power).sum(dim=(1, 2))
+    return metric
+
+
+def accumulate_metrics(
+    slot_metrics: torch.Tensor,
+    block_tables: torch.Tensor,
+    head_lens: torch.Tensor,
+    metric: torch.Tensor,
+) -> None:
+    """Add ``metric [H, P*b]`` (logical order) into the held slots of ``slot_metrics``."""
+    block_size = slot_metrics.shape[1]
+    slots = _logical_slots(block_tables, block_size)
+    held = torch.arange(slots.shape[1], device=slots.device) < head_lens.unsqueeze(-1)
+    slot_metrics.view(-1).index_add_(0, slots[held], metric[held].to(slot_metrics.dtype))
+
+
+def max_pool_metrics(
+    slot_metrics: torch.Tensor,
+    block_tables: torch.Tensor,
+    head_lens: torch.Tensor,
+    kernel: int,
+) -> None:
+    """Max-pool each head's metrics over neighbouring key positions, in place.
+
+    Only valid while a head is uncompressed (logical slot order = position order),
+    which is when prompt metrics are final. ``kernel`` odd; 1 = no-op.
+    """
+    if kernel <= 1:
+        return
+    block_size = slot_metrics.shape[1]
+    slots = _logical_slots(block_tables, block_size)
+    held = torch.arange(slots.shape[1], device=slots.device) < head_lens.unsqueeze(-1)
+    values = slot_metrics.view(-1)[slots].masked_fill(~held, float("-inf"))
+    pooled = F.max_pool1d(values.unsqueeze(1), kernel, stride=1, padding=kernel // 2).squeeze(1)
+    slot_metrics.view(-1)[slots[held]] = pooled[held]

@@ -1,0 +1,178 @@
+"""Eviction metrics against a float64 dense oracle, budget formulas, per-request fields
+(no vLLM needed)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from kvcompress.budget import (
+    RequestFieldError,
+    blocks_to_evict,
+    evictable_blocks,
+    keep_tokens,
+    protected_tokens,
+    request_budget,
+    target_pages,
+)
+from kvcompress.config import KVCompressConfig
+from kvcompress.ops import PerHeadPagedCache, paged_attention, write_kv
+from kvcompress.ops.metrics import accumulate_metrics, attention_metrics, max_pool_metrics
+
+LAYERS, KV_HEADS, GROUP, DIM, BLOCK = 1, 2, 3, 8, 4
+
+
+def _filled_cache(length: int, seed: int = 0):
+    """One sequence of ``length`` tokens in a per-head cache; returns cache, K, V, slot."""
+    torch.manual_seed(seed)
+    cache = PerHeadPagedCache(256, LAYERS, KV_HEADS, BLOCK, max_seqs=2, max_pages_per_head=32)
+    key_cache = torch.zeros(256, BLOCK, DIM)
+    value_cache = torch.zeros(256, BLOCK, DIM)
+    slot = torch.tensor([cache.new_sequence()])
+    keys = torch.randn(length, KV_HEADS, DIM)
+    values = torch.randn(length, KV_HEADS, DIM)
+    plan = cache.append(slot, torch.tensor([length]), torch.arange(length))
+    write_kv(key_cache, value_cache, keys, values, plan.write_pages[0], plan.write_offsets[0])
+    return cache, key_cache, value_cache, slot, keys, values
+
+
+def _oracle_metric(query, q_pos, keys, scale, power, skip_nearest=0):
+    """float64: probs of each query over keys at positions <= its own, ** power, masked
+    to keys >= skip_nearest before the query, summed over queries and the query group."""
+    num_keys = keys.shape[0]
+    out = torch.zeros(KV_HEADS, num_keys, dtype=torch.float64)
+    for t in range(query.shape[0]):
+        p = int(q_pos[t])
+        for qh in range(query.shape[1]):
+            h = qh // GROUP
+            scores = (keys[: p + 1, h].double() @ query[t, qh].double()) * scale
+            probs = torch.softmax(scores, 0)
+            for k in range(p + 1):
+                if p - k >= skip_nearest:
+                    out[h, k] += probs[k] ** power
+    return out
+
+
+@pytest.mark.parametrize("power,skip,chunk", [(2, 0, 1024), (1, 0, 1024), (2, 3, 2)])
+def test_attention_metrics_match_float64_oracle(power, skip, chunk):
+    length = 23
+    cache, key_cache, _, slot, keys, _ = _filled_cache(length)
+    query = torch.randn(length, KV_HEADS * GROUP, DIM)
+    rows = slice(length - 8, length) if skip == 0 else slice(0, length)
+    q_pos = torch.arange(length)[rows]
+    metric = attention_metrics(
+        query[rows], q_pos, key_cache, cache.slot_positions,
+        cache.page_tables[slot[0], 0], cache.head_lens[slot[0], 0], 0.3,
+        power=power, skip_nearest=skip, query_chunk=chunk,
+    )
+    expected = _oracle_metric(query[rows], q_pos, keys, 0.3, power, skip)
+    assert torch.allclose(metric[:, :length].double(), expected, atol=1e-5)
+    assert torch.all(metric[:, length:] == 0)
+
+
+def test_accumulate_and_max_pool_follow_logical_slots():
+    length = 13
+    cache, *_ , slot, _, _ = _filled_cache(length)
+    tables, lens = cache.page_tables[slot[0], 0], cache.head_lens[slot[0], 0]
+    metric = torch.rand(KV_HEADS, tables.shape[1] * BLOCK)
+    accumulate_metrics(cache.slot_metrics, tables, lens, metric)
+    accumulate_metrics(cache.slot_metrics, tables, lens, metric)
+    slots = (tables.unsqueeze(-1) * BLOCK + torch.arange(BLOCK)).reshape(KV_HEADS, -1)
+    stored = cache.slot_metrics.view(-1)[slots]
+    assert torch.allclose(stored[:, :length], 2 * metric[:, :length])
+    max_pool_metrics(cache.slot_metrics, tables, lens, 5)
+    pooled = cache.slot_metrics.view(-1)[slots]
+    for head in range(KV_HEADS):
+        for k in range(length):
+            window = stored[head, max(0, k - 2) : min(length, k + 3)]
+            assert pooled[head, k] == window.max()
+
+
+def test_decode_attention_adds_squared_probabilities_to_slot_metrics():
+    length = 30
+    cache, key_cache, value_cache, slot, keys, _ = _filled_cache(length)
+    query = torch.randn(1, KV_HEADS * GROUP, DIM)
+    before = cache.slot_metrics.clone()
+    paged_attention(
+        query, key_cache, value_cache, cache.slot_positions, cache.page_tables[slot, 0],
+        cache.head_lens[slot, 0], [0, 1], torch.tensor([length - 1]), 0.25,
+        slot_metrics=cache.slot_metrics, metric_seqs=torch.tensor([True]), metric_power=2,
+    )
+    expected = _oracle_metric(query, torch.tensor([length - 1]), keys, 0.25, 2)
+    tables = cache.page_tables[slot[0], 0]
+    slots = (tables.unsqueeze(-1) * BLOCK + torch.arange(BLOCK)).reshape(KV_HEADS, -1)
+    gained = (cache.slot_metrics - before).view(-1)[slots][:, :length]
+    assert torch.allclose(gained.double(), expected, atol=1e-5)
+    # Only held slots change (no zeroing or writing of the rest of the pool).
+    touched = (cache.slot_metrics != before).sum().item()
+    assert touched <= KV_HEADS * length
+
+
+# ----------------------------------------------------------------------------- budgets
+
+
+def _budget(**overrides):
+    return request_budget(KVCompressConfig(enabled=True, **overrides), None)
+
+
+def test_rate_budget_is_max_of_min_cache_and_share_plus_protected():
+    budget = _budget(rate=8, protected_window=64, min_cache_tokens=128)
+    assert keep_tokens(4096, budget) == 4096 // 8 + 64
+    assert keep_tokens(1024, budget) == 128 + 64  # 1024 / 8 = 128
+    assert keep_tokens(512, budget) == 128 + 64  # the floor wins
+    assert keep_tokens(100, budget) == 100  # never more than the context
+    # pages: ceil(keep * layers * heads / b)
+    assert target_pages(4096, budget, 30 * 3, 16) == math.ceil((512 + 64) * 90 / 16)
+
+
+def test_max_cache_tokens_budget_counts_protected_tokens():
+    budget = _budget(max_cache_tokens=300, protected_window=32, sink_tokens=4)
+    assert protected_tokens(5000, 32, 4) == 36
+    assert keep_tokens(5000, budget) == 300
+    assert keep_tokens(5000, _budget(max_cache_tokens=10, protected_window=32)) == 32
+    both = _budget(rate=2, max_cache_tokens=300, protected_window=0, min_cache_tokens=0)
+    assert keep_tokens(5000, both) == 300 and keep_tokens(400, both) == 200
+    assert keep_tokens(5000, _budget(rate=1)) == 5000  # rate 1 keeps everything
+
+
+def test_blocks_to_evict_is_capped_by_what_the_schedule_may_evict():
+    lens = np.array([[40, 33], [17, 40]])  # held pages at b=16: 3+3+2+3 = 11
+    budget = _budget(rate=4, protected_window=8, min_cache_tokens=0)
+    # keep ceil(40/4) + 8 = 18 tokens per head -> ceil(18*4/16) = 5 pages -> evict 6,
+    # but each head may lose floor((empty + len - 8) / 16): 2 + 2 + 1 + 2 = 7 blocks.
+    assert evictable_blocks(lens, 8, 16) == 7
+    assert blocks_to_evict(lens, 40, budget, 16) == 6
+    assert blocks_to_evict(lens, 40, _budget(rate=64, protected_window=8, min_cache_tokens=0), 16) == 7
+    assert blocks_to_evict(lens, 40, _budget(rate=1), 16) == 0
+
+
+@pytest.mark.parametrize(
+    "extra,field",
+    [
+        ({"kv_compress_rate": 0.5}, "kv_compress_rate"),
+        ({"kv_compress_rate": "fast"}, "kv_compress_rate"),
+        ({"kv_compress_max_cache_tokens": 0}, "kv_compress_max_cache_tokens"),
+        ({"kv_compress_max_cache_tokens": 2.5}, "kv_compress_max_cache_tokens"),
+        ({"kv_compress_protected_window": -1}, "kv_compress_protected_window"),
+        ({"kv_compress": "maybe"}, "kv_compress"),
+        ({"kv_compress_ratio": 4}, "kv_compress_ratio"),
+    ],
+)
+def test_invalid_request_fields_name_the_field(extra, field):
+    with pytest.raises(RequestFieldError, match=field) as error:
+        request_budget(KVCompressConfig(enabled=True, rate=4), extra)
+    assert error.value.field == field
+
+
+def test_request_fields_override_server_settings():
+    server = KVCompressConfig(enabled=True, rate=4, protected_window=64)
+    budget = request_budget(server, {"kv_compress_rate": 16, "kv_compress_protected_window": 8, "other": 1})
+    assert budget.rate == 16 and budget.protected_window == 8 and budget.compresses
+    assert not request_budget(server, {"kv_compress": False}).compresses
+    assert not request_budget(server, {"kv_compress_rate": 1}).compresses
+    assert request_budget(KVCompressConfig(enabled=True), {"kv_compress_rate": 8}).compresses
+    with pytest.raises(RequestFieldError, match="without --kv-compress"):
+        request_budget(KVCompressConfig(), {"kv_compress_rate": 8})
