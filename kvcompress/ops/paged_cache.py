@@ -9,6 +9,9 @@ The state every other op reads:
   Heads may differ once KVs are evicted; a head holds ``ceil(len / b)`` pages.
 - ``slot_positions``: ``[num_pages, block_size]`` int32, the token position of the KV
   stored in each slot (RoPE and the causal mask use positions, not slot order).
+- ``slot_metrics``: ``[num_pages, block_size]`` float32, the eviction metric of the KV
+  stored in each slot (accumulated attention; 0 for a freshly written KV). It moves
+  with the KV when MoveCache compacts a head.
 
 All updates are tensor ops on the cache's device, batched over sequences, layers
 and heads. Sequences are addressed by a small integer "sequence slot" that the
@@ -72,6 +75,9 @@ class PerHeadPagedCache:
         )
         self.slot_positions = torch.full(
             (num_pages, block_size), -1, dtype=torch.int32, device=self.device
+        )
+        self.slot_metrics = torch.zeros(
+            (num_pages, block_size), dtype=torch.float32, device=self.device
         )
         self._free_seq_slots = list(range(max_seqs - 1, -1, -1))
 
@@ -168,6 +174,7 @@ class PerHeadPagedCache:
         self.slot_positions[write_pages, write_offsets] = (
             positions.to(device, torch.int32).view(-1, 1, 1).expand_as(write_pages)
         )
+        self.slot_metrics[write_pages, write_offsets] = 0.0
         return AppendPlan(
             write_pages=write_pages.permute(1, 0, 2).contiguous(),
             write_offsets=write_offsets.permute(1, 0, 2).contiguous(),
