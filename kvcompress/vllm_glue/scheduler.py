@@ -178,7 +178,10 @@ class KVCompressScheduler(Scheduler):
             "pages_freed": 0,
             "max_running": 0,
             "max_decoding": 0,
+            "preempted_after_compression": 0,
+            "recompressed_after_preemption": 0,
         }
+        self.kvc_recompress_due: set[str] = set()
         logger.info(
             "kvcompress scheduler: %d pages (%d layers x %d KV heads x %d token blocks), "
             "block size %d", num_pages, num_layers, num_kv_heads,
@@ -225,6 +228,9 @@ class KVCompressScheduler(Scheduler):
         context_len = accounting.logical_len(request_id)
         evict = blocks_to_evict(head_lens, context_len, budget, accounting.block_size)
         self.kvc_last_compressed[request_id] = self.kvc_step
+        if request_id in self.kvc_recompress_due:
+            self.kvc_recompress_due.discard(request_id)
+            self.kvc_stats["recompressed_after_preemption"] += 1
         if evict <= 0:
             return 0
         self.kvc_kvs_this_step += kvs
@@ -319,13 +325,16 @@ class KVCompressScheduler(Scheduler):
     def _preempt_request(self, request, *args, **kwargs) -> None:
         self.num_preemptions += 1
         # Recomputed from scratch: due for compression again after its new prefill.
-        self.kvc_last_compressed.pop(request.request_id, None)
+        if self.kvc_last_compressed.pop(request.request_id, None) is not None:
+            self.kvc_stats["preempted_after_compression"] += 1
+            self.kvc_recompress_due.add(request.request_id)
         self.kvc_orders.pop(request.request_id, None)
         super()._preempt_request(request, *args, **kwargs)
 
     def _free_request(self, request, *args, **kwargs):
         self.kvc_budgets.pop(request.request_id, None)
         self.kvc_last_compressed.pop(request.request_id, None)
+        self.kvc_recompress_due.discard(request.request_id)
         return super()._free_request(request, *args, **kwargs)
 
     def kvcompress_page_stats(self) -> dict:
