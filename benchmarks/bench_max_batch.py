@@ -1,0 +1,171 @@
+"""Max concurrent decoding requests under one fixed KV memory budget: stock vLLM vs
+kvcompress at several compression rates, side by side in one run.
+
+Both engines get the same ``kv_cache_memory_bytes`` (printed), the same model, prompts
+and scheduler limits. A step's decode batch is the number of requests that produced a
+token in that step (``LLMEngine.step`` outputs), counted the same way for both engines;
+the table shows the largest one. kvcompress runs every rate in one engine through the
+per-request field ``kv_compress_rate`` (``SamplingParams.extra_args``).
+
+    python benchmarks/bench_max_batch.py                     # CPU default, ~5 min
+    python benchmarks/bench_max_batch.py --rates 2 4 8 --prompt-len 1024 --output-len 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+# Tiny random GQA Llama of the test suite: 4 layers x 2 KV heads x head dim 64, float32.
+TINY = dict(num_layers=4, num_q_heads=8, num_kv_heads=2, head_dim=64)
+TINY_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 4
+
+
+def _engine_args(kv_tokens: int, max_model_len: int, max_num_seqs: int) -> dict:
+    return dict(
+        skip_tokenizer_init=True,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=2048,
+        kv_cache_memory_bytes=kv_tokens * TINY_BYTES_PER_TOKEN,
+        enable_prefix_caching=False,
+        seed=0,
+    )
+
+
+def _run_batch(llm, prompts, params_list) -> dict:
+    """Feed all requests, step to completion; returns the peak decode batch and more."""
+    engine = llm.llm_engine
+    tag = f"b{time.monotonic_ns()}"
+    for index, (prompt, params) in enumerate(zip(prompts, params_list)):
+        engine.add_request(f"{tag}-{index}", prompt, params)
+    peak, steps, finished, generated = 0, 0, 0, 0
+    started = time.perf_counter()
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        steps += 1
+        peak = max(peak, len(outputs))
+        for output in outputs:
+            if output.finished:
+                finished += 1
+                generated += len(output.outputs[0].token_ids)
+    return {
+        "max_decode_batch": peak,
+        "steps": steps,
+        "finished": finished,
+        "generated_tokens": generated,
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def measure(
+    rates=(2, 4, 8),
+    prompt_len: int = 1024,
+    output_len: int = 64,
+    kv_tokens: int = 16384,
+    num_prompts: int | None = None,
+    protected_window: int = 8,
+    max_num_seqs: int = 256,
+    seed: int = 0,
+) -> dict:
+    """Run stock vLLM and kvcompress (one engine, all rates); returns the results table."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    import kvcompress
+    from kvcompress.offline_assets import tiny_llama_checkpoint
+
+    model = str(tiny_llama_checkpoint(**TINY))
+    # Enough requests that even the highest rate runs out of memory before prompts.
+    per_request_tokens = prompt_len + output_len
+    if num_prompts is None:
+        num_prompts = min(max_num_seqs, int(1.3 * max(rates) * kv_tokens / per_request_tokens) + 4)
+    rng = np.random.default_rng(seed)
+    prompts = [
+        TokensPrompt(prompt_token_ids=rng.integers(3, 1000, prompt_len).tolist())
+        for _ in range(num_prompts)
+    ]
+    max_model_len = per_request_tokens + 16
+    args = _engine_args(kv_tokens, max_model_len, max_num_seqs)
+
+    def params(extra=None):
+        return SamplingParams(
+            temperature=0.0, max_tokens=output_len, ignore_eos=True, extra_args=extra
+        )
+
+    results = {
+        "model": "tiny random GQA Llama (4 layers, 8 q / 2 KV heads, head 64, float32)",
+        "kv_cache_memory_bytes": args["kv_cache_memory_bytes"],
+        "kv_budget_tokens_uncompressed": kv_tokens,
+        "prompt_len": prompt_len,
+        "output_len": output_len,
+        "num_prompts": num_prompts,
+        "protected_window": protected_window,
+        "max_num_seqs": max_num_seqs,
+        "rows": [],
+    }
+    stock = LLM(model=model, **args)
+    stock_run = _run_batch(stock, prompts, [params() for _ in prompts])
+    stock.llm_engine.engine_core.shutdown()
+    del stock
+    results["rows"].append({"engine": "stock vLLM", "rate": 1, **stock_run})
+
+    kvc = kvcompress.LLM(model, kv_compress_protected_window=protected_window, **args)
+    for rate in rates:
+        run = _run_batch(kvc, prompts, [params({"kv_compress_rate": rate}) for _ in prompts])
+        stats = kvc.llm_engine.engine_core.call_utility("kvcompress_page_stats")
+        run["mismatches"] = stats["mismatches"]
+        run["preemptions_total"] = stats["num_preemptions"]
+        run["multiplier"] = run["max_decode_batch"] / max(1, stock_run["max_decode_batch"])
+        run["multiplier_over_rate"] = run["multiplier"] / rate
+        results["rows"].append({"engine": "kvcompress", "rate": rate, **run})
+    kvc.llm_engine.engine_core.shutdown()
+    return results
+
+
+def print_table(results: dict) -> None:
+    print(
+        f"model: {results['model']}\nKV memory: {results['kv_cache_memory_bytes']} bytes "
+        f"(= {results['kv_budget_tokens_uncompressed']} uncompressed tokens); "
+        f"{results['num_prompts']} prompts x {results['prompt_len']} tokens, "
+        f"{results['output_len']} output tokens, protected window {results['protected_window']}"
+    )
+    print(f"{'engine':>12} {'rate':>5} {'max batch':>10} {'x stock':>8} {'x/rate':>7} {'seconds':>8}")
+    for row in results["rows"]:
+        mult = row.get("multiplier", 1.0)
+        per_rate = row.get("multiplier_over_rate", 1.0)
+        print(
+            f"{row['engine']:>12} {row['rate']:>5} {row['max_decode_batch']:>10} "
+            f"{mult:>8.2f} {per_rate:>7.2f} {row['seconds']:>8.1f}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rates", type=float, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--prompt-len", type=int, default=1024)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--kv-tokens", type=int, default=16384,
+                        help="KV memory budget in uncompressed tokens of the tiny model")
+    parser.add_argument("--num-prompts", type=int, default=None)
+    parser.add_argument("--protected-window", type=int, default=8)
+    parser.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args()
+    results = measure(
+        rates=args.rates, prompt_len=args.prompt_len, output_len=args.output_len,
+        kv_tokens=args.kv_tokens, num_prompts=args.num_prompts,
+        protected_window=args.protected_window,
+    )
+    print_table(results)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(results, handle, indent=2)
+
+
+if __name__ == "__main__":
+    main()

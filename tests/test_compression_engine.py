@@ -1,0 +1,127 @@
+"""Compression inside the real vLLM engine (tiny random GQA Llama): memory is really
+reclaimed, pressure compresses instead of preempting, preempted sequences are compressed
+again, scheduler and worker agree on every page after every step."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from conftest import TINY_BYTES_PER_TOKEN, TINY_KV_HEADS, TINY_LAYERS, _shutdown, page_stats, worker_page_stats
+
+pytestmark = pytest.mark.engine
+
+PROTECTED_WINDOW = 16
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def compress_llm(tiny_model):
+    """kvcompress engine: rate 1 by default, rates set per request (``kv_compress_rate``)."""
+    import kvcompress
+
+    llm = kvcompress.LLM(
+        tiny_model,
+        kv_compress_protected_window=PROTECTED_WINDOW,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=2048,
+        max_num_seqs=64,
+        max_num_batched_tokens=512,
+        kv_cache_memory_bytes=4096 * TINY_BYTES_PER_TOKEN,
+        seed=0,
+    )
+    yield llm
+    _shutdown(llm)
+
+
+def _prompt(length: int, seed: int):
+    from vllm.inputs import TokensPrompt
+
+    rng = np.random.default_rng(seed)
+    return TokensPrompt(prompt_token_ids=rng.integers(3, 1000, length).tolist())
+
+
+def _params(max_tokens: int, **extra):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, extra_args=extra or None)
+
+
+def _assert_exact_accounting(stats: dict) -> None:
+    held_total = 0
+    for request in stats["requests"].values():
+        ceil_sum = sum(math.ceil(n / stats["block_size"]) for layer in request["head_lens"] for n in layer)
+        assert request["pages_held"] == ceil_sum
+        held_total += ceil_sum
+    assert held_total + stats["num_free"] == stats["num_pages"]
+
+
+@pytest.mark.parametrize("rate", [2, 4, 8])
+def test_compressing_a_prompt_frees_pages_down_to_the_budget(compress_llm, rate):
+    """After prefill at rate r: pages held = ceil-sum of kept head lengths
+    <= ceil((max(128, ceil(L/r)) + window) * L * H / b) + L * H (one decode token's pages)."""
+    prompt_len = 1500
+    engine = compress_llm.llm_engine
+    before = page_stats(compress_llm)["compressions_after_prefill"]
+    engine.add_request(f"mem-{rate}", _prompt(prompt_len, rate), _params(4, kv_compress_rate=rate))
+    snapshot = None
+    while engine.has_unfinished_requests():
+        engine.step()
+        stats = page_stats(compress_llm)
+        _assert_exact_accounting(stats)
+        if snapshot is None and stats["compressions_after_prefill"] > before:
+            snapshot = stats
+    assert snapshot is not None, "the sequence was never compressed"
+    (request,) = snapshot["requests"].values()
+    heads = TINY_LAYERS * TINY_KV_HEADS
+    keep = max(128, math.ceil(prompt_len / rate)) + PROTECTED_WINDOW
+    bound = math.ceil(keep * heads / BLOCK) + heads
+    uncompressed = heads * math.ceil((prompt_len + 1) / BLOCK)
+    assert request["pages_held"] <= bound
+    assert request["pages_held"] >= math.ceil(keep * heads / BLOCK)  # no over-eviction
+    assert request["pages_held"] < uncompressed / rate * 1.25
+    # Heads are compressed at different rates but none lost its protected window.
+    lens = np.array(request["head_lens"])
+    assert lens.min() >= PROTECTED_WINDOW and lens.sum() >= keep * heads - heads * BLOCK
+    final = page_stats(compress_llm)
+    assert final["num_free"] == final["num_pages"] and final["mismatches"] == 0
+    assert worker_page_stats(compress_llm)["evict_mismatches"] == 0
+
+
+def test_memory_pressure_compresses_instead_of_preempting(compress_llm):
+    """6 x 900-token prompts + 300 output tokens do not fit in 4096 tokens of KV memory
+    uncompressed: with compression off per request vLLM preempts; at rate 2 the
+    scheduler compresses grown sequences instead and nothing is preempted."""
+    prompts = [_prompt(900, 100 + i) for i in range(6)]
+
+    def run(extra):
+        before = page_stats(compress_llm)
+        outputs = compress_llm.generate(prompts, [_params(300, **extra) for _ in prompts], use_tqdm=False)
+        after = page_stats(compress_llm)
+        assert [len(o.outputs[0].token_ids) for o in outputs] == [300] * 6
+        assert after["num_free"] == after["num_pages"] and after["mismatches"] == 0
+        return {k: after[k] - before[k] for k in ("num_preemptions", "compressions_instead_of_preemption")}
+
+    uncompressed = run({"kv_compress": False})
+    compressed = run({"kv_compress_rate": 2})
+    assert uncompressed["num_preemptions"] > 0 and uncompressed["compressions_instead_of_preemption"] == 0
+    assert compressed["compressions_instead_of_preemption"] > 0
+    assert compressed["num_preemptions"] == 0
+
+
+def test_preempted_compressed_sequence_is_compressed_again(compress_llm):
+    """Uncompressed requests grow until vLLM must preempt; the victim (latest arrival) was
+    compressed; after its recomputed prefill it is compressed again (the original fork's bug)."""
+    prompts = [_prompt(1000, 200 + i) for i in range(3)] + [_prompt(900, 203)]
+    params = [_params(400, kv_compress=False) for _ in range(3)] + [_params(300, kv_compress_rate=4)]
+    before = page_stats(compress_llm)
+    outputs = compress_llm.generate(prompts, params, use_tqdm=False)
+    after = page_stats(compress_llm)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [400, 400, 400, 300]
+    preempted = after["preempted_after_compression"] - before["preempted_after_compression"]
+    recompressed = after["recompressed_after_preemption"] - before["recompressed_after_preemption"]
+    assert preempted >= 1 and recompressed == preempted
+    assert after["num_free"] == after["num_pages"] and after["mismatches"] == 0
