@@ -84,3 +84,55 @@ def test_completion_continues_text(server):
     })
     text = reply["choices"][0]["text"]
     assert "Paris" in text and reply["usage"]["completion_tokens"] == 8
+
+
+def _post_status(url: str, body: dict) -> tuple[int, dict]:
+    import urllib.error
+
+    try:
+        return 200, _post(url, body)
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"{}")
+
+
+@pytest.mark.parametrize(
+    "xargs,field",
+    [
+        ({"kv_compress_rate": 0.5}, "kv_compress_rate"),
+        ({"kv_compress_rate": "fast"}, "kv_compress_rate"),
+        ({"kv_compress_max_cache_tokens": 0}, "kv_compress_max_cache_tokens"),
+        ({"kv_compress_protected_window": -3}, "kv_compress_protected_window"),
+        ({"kv_compress": "perhaps"}, "kv_compress"),
+        ({"kv_compress_ratio": 4}, "kv_compress_ratio"),
+    ],
+)
+def test_invalid_per_request_field_is_http_400_naming_it(server, xargs, field):
+    status, body = _post_status(f"{server}/v1/completions", {
+        "model": "smollm2", "prompt": "Hello", "max_tokens": 4, "vllm_xargs": xargs,
+    })
+    assert status == 400
+    assert field in json.dumps(body)
+    # The server keeps serving.
+    with urllib.request.urlopen(f"{server}/health", timeout=10) as response:
+        assert response.status == 200
+
+
+def test_per_request_compression_over_http(server):
+    """A long prompt compressed at rate 4 for this request only, then an uncompressed one."""
+    from kvcompress.offline_assets import paul_graham_essays
+
+    essay = paul_graham_essays()[0][:6000]
+    for xargs in ({"kv_compress_rate": 4, "kv_compress_protected_window": 32}, {"kv_compress": False}):
+        reply = _post(f"{server}/v1/completions", {
+            "model": "smollm2", "prompt": essay + "\n\nIn one sentence, this essay is about",
+            "temperature": 0, "max_tokens": 12, "vllm_xargs": xargs,
+        })
+        assert reply["usage"]["prompt_tokens"] > 1000
+        assert reply["usage"]["completion_tokens"] == 12
+        assert reply["choices"][0]["text"].strip()
+    reply = _post(f"{server}/v1/chat/completions", {
+        "model": "smollm2", "temperature": 0, "max_tokens": 24,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "vllm_xargs": {"kv_compress_rate": 2},
+    })
+    assert "Paris" in reply["choices"][0]["message"]["content"]
