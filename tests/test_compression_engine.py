@@ -125,3 +125,54 @@ def test_preempted_compressed_sequence_is_compressed_again(compress_llm):
     recompressed = after["recompressed_after_preemption"] - before["recompressed_after_preemption"]
     assert preempted >= 1 and recompressed == preempted
     assert after["num_free"] == after["num_pages"] and after["mismatches"] == 0
+
+
+def test_every_option_runs_in_the_engine(tiny_model):
+    """KVC-full metric (L1), sink tokens, sum block cost and interval compression in one
+    engine: sequences are compressed after prefill and again on the interval, sinks and
+    the protected window survive, and scheduler and worker agree throughout."""
+    import kvcompress
+
+    llm = kvcompress.LLM(
+        tiny_model,
+        kv_compress_rate=4,
+        kv_compress_protected_window=8,
+        kv_compress_sink_tokens=4,
+        kv_compress_min_cache_tokens=32,
+        kv_compress_metric="l1",
+        kv_compress_metric_queries="full",
+        kv_compress_block_cost="sum",
+        kv_compress_interval=16,
+        kv_compress_max_kv_per_iteration=6000,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=1024,
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        kv_cache_memory_bytes=4096 * TINY_BYTES_PER_TOKEN,
+        seed=0,
+    )
+    try:
+        engine = llm.llm_engine
+        for index, length in enumerate([400, 520, 300, 610]):
+            engine.add_request(f"opt-{index}", _prompt(length, 300 + index), _params(60))
+        seen_compressed = False
+        while engine.has_unfinished_requests():
+            engine.step()
+            stats = page_stats(llm)
+            _assert_exact_accounting(stats)
+            for request in stats["requests"].values():
+                lens = np.array(request["head_lens"])
+                if lens.min() < request["logical_len"]:
+                    seen_compressed = True
+                    # 4 sinks + 8 protected tokens are never evicted.
+                    assert lens.min() >= 12
+        stats = page_stats(llm)
+        assert seen_compressed
+        assert stats["compressions_after_prefill"] == 4
+        assert stats["compressions_on_interval"] > 0
+        assert stats["mismatches"] == 0 and stats["num_free"] == stats["num_pages"]
+        assert worker_page_stats(llm)["evict_mismatches"] == 0
+    finally:
+        _shutdown(llm)
