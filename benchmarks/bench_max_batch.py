@@ -63,6 +63,23 @@ def _run_batch(llm, prompts, params_list) -> dict:
     }
 
 
+def _pages_after_compression(llm, prompt, params) -> int:
+    """Pages one request holds right after its prefill was compressed (first decode token
+    included): a single request, so nothing else competes for memory."""
+    engine = llm.llm_engine
+    one = params.clone()
+    one.max_tokens = 2
+    engine.add_request(f"pages-{time.monotonic_ns()}", prompt, one)
+    held = None
+    while engine.has_unfinished_requests():
+        engine.step()
+        stats = engine.engine_core.call_utility("kvcompress_page_stats")
+        for request in stats["requests"].values():
+            if min(min(layer) for layer in request["head_lens"]) < request["logical_len"]:
+                held = request["pages_held"] if held is None else held
+    return held if held is not None else -1
+
+
 def measure(
     rates=(2, 4, 8),
     prompt_len: int = 1024,
@@ -117,8 +134,19 @@ def measure(
 
     kvc = kvcompress.LLM(model, kv_compress_protected_window=protected_window, **args)
     for rate in rates:
+        held = _pages_after_compression(kvc, prompts[0], params({"kv_compress_rate": rate}))
+        worker_before = kvc.collective_rpc("kvcompress_pages_used")[0]
         run = _run_batch(kvc, prompts, [params({"kv_compress_rate": rate}) for _ in prompts])
+        worker_after = kvc.collective_rpc("kvcompress_pages_used")[0]
         stats = kvc.llm_engine.engine_core.call_utility("kvcompress_page_stats")
+        run["pages_per_request_after_prefill_compression"] = held
+        run["pages_per_request_uncompressed"] = stats["num_layers"] * stats["num_kv_heads"] * (
+            -(-(prompt_len + 1) // stats["block_size"])
+        )
+        step_seconds = worker_after["step_seconds"] - worker_before["step_seconds"]
+        run["compression_share_of_step_time"] = (
+            worker_after["compress_seconds"] - worker_before["compress_seconds"]
+        ) / max(step_seconds, 1e-9)
         run["mismatches"] = stats["mismatches"]
         run["preemptions_total"] = stats["num_preemptions"]
         run["multiplier"] = run["max_decode_batch"] / max(1, stock_run["max_decode_batch"])
@@ -135,14 +163,23 @@ def print_table(results: dict) -> None:
         f"{results['num_prompts']} prompts x {results['prompt_len']} tokens, "
         f"{results['output_len']} output tokens, protected window {results['protected_window']}"
     )
-    print(f"{'engine':>12} {'rate':>5} {'max batch':>10} {'x stock':>8} {'x/rate':>7} {'seconds':>8}")
+    print(
+        f"{'engine':>12} {'rate':>5} {'max batch':>10} {'x stock':>8} {'x/rate':>7} "
+        f"{'pages/req':>10} {'compress %':>11} {'seconds':>8}"
+    )
     for row in results["rows"]:
         mult = row.get("multiplier", 1.0)
         per_rate = row.get("multiplier_over_rate", 1.0)
+        pages = row.get("pages_per_request_after_prefill_compression")
+        pages_text = f"{pages}/{row['pages_per_request_uncompressed']}" if pages else "-"
+        share = row.get("compression_share_of_step_time")
+        share_text = f"{100 * share:.2f}" if share is not None else "-"
         print(
             f"{row['engine']:>12} {row['rate']:>5} {row['max_decode_batch']:>10} "
-            f"{mult:>8.2f} {per_rate:>7.2f} {row['seconds']:>8.1f}"
+            f"{mult:>8.2f} {per_rate:>7.2f} {pages_text:>10} {share_text:>11} {row['seconds']:>8.1f}"
         )
+    print("pages/req: pages one request holds after its prefill is compressed / uncompressed; "
+          "compress %: worker time in compression (schedule + MoveCache) / worker step time")
 
 
 def main() -> None:
