@@ -16,6 +16,15 @@ from kvcompress.config import KVCompressConfig, KVCompressConfigError
         ({"protected_window": -1}, "--kv-compress-protected-window"),
         ({"max_cache_tokens": 0}, "--kv-compress-max-cache-tokens"),
         ({"block_size": 24}, "--kv-compress-block-size"),
+        ({"pool_kernel": 4}, "--kv-compress-pool-kernel"),
+        ({"metric": "l3"}, "--kv-compress-metric"),
+        ({"metric_queries": "all"}, "--kv-compress-metric-queries"),
+        ({"block_cost": "mean"}, "--kv-compress-block-cost"),
+        ({"interval": -1}, "--kv-compress-interval"),
+        ({"observation_window": 0}, "--kv-compress-observation-window"),
+        ({"max_kv_per_iteration": 0}, "--kv-compress-max-kv-per-iteration"),
+        ({"sink_tokens": -2}, "--kv-compress-sink-tokens"),
+        ({"min_cache_tokens": -1}, "--kv-compress-min-cache-tokens"),
     ],
 )
 def test_invalid_values_name_the_flag(values, flag):
@@ -112,6 +121,25 @@ def test_cli_flags_reach_the_engine_config(tmp_path):
     config = engine_args.create_engine_config()
     assert config.additional_config["kvcompress"]["enabled"] is True
     assert config.additional_config["kvcompress"]["rate"] == 8.0
+
+    every = parser.parse_args(
+        ["--model", model, "--skip-tokenizer-init", "--max-model-len", "512",
+         "--kv-compress-metric", "l1", "--kv-compress-metric-queries", "full",
+         "--kv-compress-block-cost", "sum", "--kv-compress-interval", "32",
+         "--kv-compress-sink-tokens", "4", "--kv-compress-pool-kernel", "5",
+         "--kv-compress-max-kv-per-iteration", "100000", "--kv-compress-min-cache-tokens", "64",
+         "--kv-compress-observation-window", "16", "--kv-compress-full-skip-nearest", "4"]
+    )
+    section = AsyncEngineArgs.from_cli_args(every).create_engine_config().additional_config["kvcompress"]
+    assert {k: section[k] for k in ("metric", "metric_queries", "block_cost", "interval", "sink_tokens",
+            "pool_kernel", "max_kv_per_iteration", "min_cache_tokens", "observation_window",
+            "full_skip_nearest")} == {
+        "metric": "l1", "metric_queries": "full", "block_cost": "sum", "interval": 32, "sink_tokens": 4,
+        "pool_kernel": 5, "max_kv_per_iteration": 100000, "min_cache_tokens": 64,
+        "observation_window": 16, "full_skip_nearest": 4,
+    }
+    with pytest.raises(SystemExit):  # argparse names the flag and its choices
+        parser.parse_args(["--model", model, "--kv-compress-metric", "l3"])
 
     bad = parser.parse_args(["--model", model, "--skip-tokenizer-init", "--kv-compress-rate", "0.5"])
     with pytest.raises(KVCompressConfigError, match="--kv-compress-rate"):
