@@ -68,7 +68,7 @@ def _pages_after_compression(llm, prompt, params) -> int:
     included): a single request, so nothing else competes for memory."""
     engine = llm.llm_engine
     one = params.clone()
-    one.max_tokens = 2
+    one.max_tokens = 4  # compressed at the start of step 2, still running after it
     engine.add_request(f"pages-{time.monotonic_ns()}", prompt, one)
     held = None
     while engine.has_unfinished_requests():

@@ -208,8 +208,10 @@ class KVCompressScheduler(Scheduler):
         return budget
 
     def _kvc_compressible(self, request) -> bool:
+        # Caught up: the prompt (or, after a preemption, the recomputed prompt and
+        # outputs) is in the cache; only the last sampled token is not.
         return (
-            request.num_computed_tokens >= request.num_prompt_tokens
+            request.num_computed_tokens >= max(request.num_prompt_tokens, request.num_tokens - 1)
             and self.page_accounting.logical_len(request.request_id) > 0
             and not self.page_accounting.is_pending(request.request_id)
             and self._kvc_budget(request).compresses

