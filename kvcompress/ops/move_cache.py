@@ -191,7 +191,11 @@ def compress_sequences(
     row, src_index, dst_index = plan_moves(
         plan.evicted.reshape(-1, num_slots), head_lens.reshape(-1), plan.new_head_lens.reshape(-1)
     )
-    move_cache(
+    # CUDA extension / Triton / this module's reference, by device (dispatch imports
+    # this module, hence the local import).
+    from kvcompress.ops.dispatch import move_cache as dispatched_move_cache
+
+    dispatched_move_cache(
         key_cache,
         value_cache,
         cache.slot_metrics,

@@ -27,7 +27,8 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from kvcompress.config import SUPPORTED_BLOCK_SIZES
-from kvcompress.ops import AppendPlan, PerHeadPagedCache, paged_attention, write_kv
+from kvcompress.ops import AppendPlan, PerHeadPagedCache, write_kv
+from kvcompress.ops.dispatch import paged_attention
 from kvcompress.ops.metrics import accumulate_metrics, attention_metrics, max_pool_metrics
 
 SUPPORTED_HEAD_SIZES = (64, 128, 256)

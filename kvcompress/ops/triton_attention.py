@@ -1,0 +1,625 @@
+"""Triton attention over the per-(layer, KV head) paged cache.
+
+Same call and semantics as the PyTorch reference
+:func:`kvcompress.ops.paged_attention.paged_attention` (the oracle): one layer of a
+mixed batch, block tables ``[S, H_kv, P]``, per-head lengths ``[S, H_kv]``, a key is
+visible to a query iff its slot index is ``< head_len`` and its stored token position
+is ``<=`` the query's position; query head ``j`` reads KV head ``j // G``.
+
+Kernels:
+
+- decode (sequences with one query): grid ``(decode seq, KV head, partition)``; each
+  program reads the pages of one partition of one head once for all ``G`` query heads
+  of that KV head (the group is padded to 16 rows for ``tl.dot``), online softmax in
+  float32. With more than one partition each program stores its max, exp-sum and
+  normalised partial output, and a reduce kernel combines them (vLLM paged attention
+  v2). With one partition the output is written directly (v1).
+- decode metrics (continual compression): a second pass over the same grid, only
+  for sequences with ``metric_seqs[s]``; it recomputes the scores, normalises them
+  with the global max / sum from the stats and atomically adds
+  ``sum_over_group(prob ** metric_power)`` into ``slot_metrics`` at the visible slots
+  it reads (sparse: nothing else in the pool is touched).
+- varlen (sequences with more than one query: prefill and chunked-prefill
+  continuations): grid ``(query block, KV head)``; a query block holds
+  ``BLOCK_M // G`` query tokens x ``G`` heads as ``BLOCK_M`` rows and iterates over all
+  of its head's pages with online softmax, causal by stored position (positions are
+  not monotonic in slot order after compaction, so no tile is skipped).
+
+Importable without triton (``HAS_TRITON`` is then False and the launchers raise).
+Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors (tests); there bf16
+``tl.dot`` is emulated (operands rounded to bf16, multiplied in float32) because the
+interpreter's bf16 matmul is wrong.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+try:  # pragma: no cover - exercised where triton exists
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except Exception:  # ImportError, or a broken triton install
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+__all__ = [
+    "HAS_TRITON",
+    "interpreter_active",
+    "paged_attention_triton",
+]
+
+DEFAULT_PARTITION_SIZE = 512
+
+
+def interpreter_active() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _dot(a, b, DOT_DTYPE: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
+        """``a @ b`` with float32 accumulation, operands in ``DOT_DTYPE``."""
+        a = a.to(DOT_DTYPE)
+        b = b.to(DOT_DTYPE)
+        if EMULATE:  # interpreter: bf16 operands, float32 product
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        return tl.dot(a, b, input_precision=PRECISION)
+
+    @triton.jit
+    def _decode_kernel(
+        q_ptr, k_ptr, v_ptr, pos_ptr, bt_ptr, lens_ptr, qpos_ptr,
+        dec_seq_ptr, dec_tok_ptr,
+        out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
+        scale,
+        stride_qt, stride_qh, stride_qd,
+        stride_kn, stride_kb, stride_kd,
+        stride_vn, stride_vb, stride_vd,
+        stride_pn, stride_pb,
+        stride_bs, stride_bh, stride_bp,
+        stride_ls, stride_lh,
+        stride_ot, stride_oh, stride_od,
+        num_q_heads, num_parts,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PART_TOKENS: tl.constexpr,
+        SINGLE_PARTITION: tl.constexpr, WRITE_STATS: tl.constexpr,
+        DOT_DTYPE: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        part = tl.program_id(2)
+        seq = tl.load(dec_seq_ptr + b).to(tl.int64)
+        tok = tl.load(dec_tok_ptr + b).to(tl.int64)
+        head_len = tl.load(lens_ptr + seq * stride_ls + h * stride_lh).to(tl.int64)
+        part_start = part.to(tl.int64) * PART_TOKENS
+        part_end = tl.minimum(head_len, part_start + PART_TOKENS)
+
+        rows = tl.arange(0, GROUP_PAD)
+        row_ok = rows < GROUP
+        qh = h * GROUP + rows
+        d = tl.arange(0, HEAD_PAD)
+        d_ok = d < HEAD_DIM
+        q = tl.load(
+            q_ptr + tok * stride_qt + qh[:, None] * stride_qh + d[None, :] * stride_qd,
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        qpos = tl.load(qpos_ptr + tok)
+
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
+        cols = tl.arange(0, TILE)
+        bt_base = bt_ptr + seq * stride_bs + h * stride_bh
+        for start in range(part_start, part_end, TILE):
+            slot = start + cols
+            held = slot < part_end
+            page = tl.load(bt_base + (slot // BLOCK_SIZE) * stride_bp, mask=held, other=0).to(tl.int64)
+            off = slot % BLOCK_SIZE
+            kpos = tl.load(pos_ptr + page * stride_pn + off * stride_pb, mask=held, other=0)
+            visible = held & (kpos <= qpos)
+            kv_mask = held[:, None] & d_ok[None, :]
+            k = tl.load(
+                k_ptr + page[:, None] * stride_kn + off[:, None] * stride_kb + d[None, :] * stride_kd,
+                mask=kv_mask, other=0.0,
+            )
+            s = _dot(q, tl.trans(k), DOT_DTYPE, EMULATE, PRECISION) * scale
+            s = tl.where(visible[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(
+                v_ptr + page[:, None] * stride_vn + off[:, None] * stride_vb + d[None, :] * stride_vd,
+                mask=kv_mask, other=0.0,
+            )
+            acc = acc * alpha[:, None] + _dot(p, v, DOT_DTYPE, EMULATE, PRECISION)
+            m_i = m_new
+
+        denom = tl.where(l_i > 0.0, l_i, 1.0)
+        result = acc / denom[:, None]
+        if SINGLE_PARTITION:
+            tl.store(
+                out_ptr + tok * stride_ot + qh[:, None] * stride_oh + d[None, :] * stride_od,
+                result.to(out_ptr.dtype.element_ty),
+                mask=row_ok[:, None] & d_ok[None, :],
+            )
+        # (a vector compare: the interpreter mishandles vector & scalar-bool masks)
+        part_ok = (tl.zeros([GROUP_PAD], tl.int64) + part_start) < head_len
+        stat = (b.to(tl.int64) * num_q_heads + qh) * num_parts + part
+        if WRITE_STATS:
+            tl.store(part_max_ptr + stat, m_i, mask=row_ok & part_ok)
+            tl.store(part_sum_ptr + stat, l_i, mask=row_ok & part_ok)
+        if not SINGLE_PARTITION:
+            tl.store(
+                part_out_ptr + stat[:, None] * HEAD_PAD + d[None, :],
+                result,
+                mask=(row_ok & part_ok)[:, None] & d_ok[None, :],
+            )
+
+    @triton.jit
+    def _decode_reduce_kernel(
+        lens_ptr, dec_seq_ptr, dec_tok_ptr,
+        out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
+        stride_ls, stride_lh,
+        stride_ot, stride_oh, stride_od,
+        num_q_heads, num_parts,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+        PART_TOKENS: tl.constexpr, PART_BLOCK: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        qh = tl.program_id(1)
+        seq = tl.load(dec_seq_ptr + b).to(tl.int64)
+        tok = tl.load(dec_tok_ptr + b).to(tl.int64)
+        head_len = tl.load(lens_ptr + seq * stride_ls + (qh // GROUP) * stride_lh).to(tl.int64)
+        used = (head_len + PART_TOKENS - 1) // PART_TOKENS
+        base = (b.to(tl.int64) * num_q_heads + qh) * num_parts
+        parts = tl.arange(0, PART_BLOCK)
+        big_m = tl.full([PART_BLOCK], float("-inf"), tl.float32)
+        for first in range(0, used, PART_BLOCK):
+            pm = tl.load(part_max_ptr + base + first + parts, mask=first + parts < used, other=float("-inf"))
+            big_m = tl.maximum(big_m, pm)
+        m_all = tl.max(big_m, 0)
+        m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+        d = tl.arange(0, HEAD_PAD)
+        d_ok = d < HEAD_DIM
+        total = tl.zeros([PART_BLOCK], tl.float32)
+        acc = tl.zeros([HEAD_PAD], tl.float32)
+        for first in range(0, used, PART_BLOCK):
+            ok = first + parts < used
+            pm = tl.load(part_max_ptr + base + first + parts, mask=ok, other=float("-inf"))
+            ps = tl.load(part_sum_ptr + base + first + parts, mask=ok, other=0.0)
+            w = ps * tl.exp(pm - m_safe)
+            w = tl.where(ok, w, 0.0)
+            po = tl.load(
+                part_out_ptr + (base + first + parts)[:, None] * HEAD_PAD + d[None, :],
+                mask=ok[:, None] & d_ok[None, :], other=0.0,
+            )
+            total += w
+            acc += tl.sum(w[:, None] * po, 0)
+        norm = tl.sum(total, 0)
+        result = acc / tl.where(norm > 0.0, norm, 1.0)
+        tl.store(
+            out_ptr + tok * stride_ot + qh * stride_oh + d * stride_od,
+            result.to(out_ptr.dtype.element_ty),
+            mask=d_ok,
+        )
+
+    @triton.jit
+    def _decode_metric_kernel(
+        q_ptr, k_ptr, pos_ptr, bt_ptr, lens_ptr, qpos_ptr,
+        dec_seq_ptr, dec_tok_ptr, flag_ptr,
+        part_max_ptr, part_sum_ptr, metric_ptr,
+        scale, power,
+        stride_qt, stride_qh, stride_qd,
+        stride_kn, stride_kb, stride_kd,
+        stride_pn, stride_pb,
+        stride_bs, stride_bh, stride_bp,
+        stride_ls, stride_lh,
+        stride_mn, stride_mb,
+        num_q_heads, num_parts,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PART_TOKENS: tl.constexpr,
+        PART_BLOCK: tl.constexpr, INT_POWER: tl.constexpr,
+        DOT_DTYPE: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        part = tl.program_id(2)
+        seq = tl.load(dec_seq_ptr + b).to(tl.int64)
+        tok = tl.load(dec_tok_ptr + b).to(tl.int64)
+        flag = tl.load(flag_ptr + seq)
+        head_len = tl.load(lens_ptr + seq * stride_ls + h * stride_lh).to(tl.int64)
+        part_start = part.to(tl.int64) * PART_TOKENS
+        part_end = tl.minimum(head_len, part_start + PART_TOKENS)
+        part_end = tl.where(flag != 0, part_end, part_start)  # unflagged: no work
+        used = (head_len + PART_TOKENS - 1) // PART_TOKENS
+        used = tl.where(part_end > part_start, used, 0)
+
+        rows = tl.arange(0, GROUP_PAD)
+        row_ok = rows < GROUP
+        qh = h * GROUP + rows
+        # Global max and exp-sum of every query row over all partitions.
+        stat = (b.to(tl.int64) * num_q_heads + qh) * num_parts  # [GROUP_PAD]
+        parts = tl.arange(0, PART_BLOCK)
+        big_m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        for first in range(0, used, PART_BLOCK):
+            ok = row_ok[:, None] & (first + parts < used)[None, :]
+            pm = tl.load(part_max_ptr + stat[:, None] + first + parts[None, :], mask=ok, other=float("-inf"))
+            big_m = tl.maximum(big_m, tl.max(pm, 1))
+        m_safe = tl.where(big_m == float("-inf"), 0.0, big_m)
+        norm = tl.zeros([GROUP_PAD], tl.float32)
+        for first in range(0, used, PART_BLOCK):
+            ok = row_ok[:, None] & (first + parts < used)[None, :]
+            pm = tl.load(part_max_ptr + stat[:, None] + first + parts[None, :], mask=ok, other=float("-inf"))
+            ps = tl.load(part_sum_ptr + stat[:, None] + first + parts[None, :], mask=ok, other=0.0)
+            norm += tl.sum(tl.where(ok, ps * tl.exp(pm - m_safe[:, None]), 0.0), 1)
+        inv_norm = tl.where(norm > 0.0, 1.0 / tl.where(norm > 0.0, norm, 1.0), 0.0)
+
+        d = tl.arange(0, HEAD_PAD)
+        d_ok = d < HEAD_DIM
+        q = tl.load(
+            q_ptr + tok * stride_qt + qh[:, None] * stride_qh + d[None, :] * stride_qd,
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        qpos = tl.load(qpos_ptr + tok)
+        cols = tl.arange(0, TILE)
+        bt_base = bt_ptr + seq * stride_bs + h * stride_bh
+        for start in range(part_start, part_end, TILE):
+            slot = start + cols
+            held = slot < part_end
+            page = tl.load(bt_base + (slot // BLOCK_SIZE) * stride_bp, mask=held, other=0).to(tl.int64)
+            off = slot % BLOCK_SIZE
+            kpos = tl.load(pos_ptr + page * stride_pn + off * stride_pb, mask=held, other=0)
+            visible = held & (kpos <= qpos)
+            k = tl.load(
+                k_ptr + page[:, None] * stride_kn + off[:, None] * stride_kb + d[None, :] * stride_kd,
+                mask=held[:, None] & d_ok[None, :], other=0.0,
+            )
+            s = _dot(q, tl.trans(k), DOT_DTYPE, EMULATE, PRECISION) * scale
+            prob = tl.exp(s - m_safe[:, None]) * inv_norm[:, None]
+            prob = tl.where(row_ok[:, None] & visible[None, :], prob, 0.0)
+            if INT_POWER > 0:
+                gained = prob
+                for _ in tl.static_range(INT_POWER - 1):
+                    gained = gained * prob
+            else:
+                gained = tl.where(prob > 0.0, tl.exp2(power * tl.log2(tl.where(prob > 0.0, prob, 1.0))), 0.0)
+            tl.atomic_add(
+                metric_ptr + page * stride_mn + off * stride_mb,
+                tl.sum(gained, 0),
+                mask=visible,
+            )
+
+    @triton.jit
+    def _varlen_kernel(
+        q_ptr, k_ptr, v_ptr, pos_ptr, bt_ptr, lens_ptr, qpos_ptr,
+        blk_seq_ptr, blk_start_ptr, blk_end_ptr,
+        out_ptr,
+        scale,
+        stride_qt, stride_qh, stride_qd,
+        stride_kn, stride_kb, stride_kd,
+        stride_vn, stride_vb, stride_vd,
+        stride_pn, stride_pb,
+        stride_bs, stride_bh, stride_bp,
+        stride_ls, stride_lh,
+        stride_ot, stride_oh, stride_od,
+        GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+        HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+        DOT_DTYPE: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        blk = tl.program_id(0)
+        h = tl.program_id(1)
+        seq = tl.load(blk_seq_ptr + blk).to(tl.int64)
+        q_start = tl.load(blk_start_ptr + blk).to(tl.int64)
+        q_end = tl.load(blk_end_ptr + blk).to(tl.int64)
+        head_len = tl.load(lens_ptr + seq * stride_ls + h * stride_lh).to(tl.int64)
+
+        rows = tl.arange(0, BLOCK_M)
+        tok = q_start + rows // GROUP
+        qh = h * GROUP + rows % GROUP
+        row_ok = (rows < BLOCK_Q * GROUP) & (tok < q_end)
+        d = tl.arange(0, HEAD_PAD)
+        d_ok = d < HEAD_DIM
+        q = tl.load(
+            q_ptr + tok[:, None] * stride_qt + qh[:, None] * stride_qh + d[None, :] * stride_qd,
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        qpos = tl.load(qpos_ptr + tok, mask=row_ok, other=0)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+        cols = tl.arange(0, TILE)
+        bt_base = bt_ptr + seq * stride_bs + h * stride_bh
+        for start in range(0, head_len, TILE):
+            slot = start + cols
+            held = slot < head_len
+            page = tl.load(bt_base + (slot // BLOCK_SIZE) * stride_bp, mask=held, other=0).to(tl.int64)
+            off = slot % BLOCK_SIZE
+            kpos = tl.load(pos_ptr + page * stride_pn + off * stride_pb, mask=held, other=0)
+            visible = held[None, :] & (kpos[None, :] <= qpos[:, None]) & row_ok[:, None]
+            kv_mask = held[:, None] & d_ok[None, :]
+            k = tl.load(
+                k_ptr + page[:, None] * stride_kn + off[:, None] * stride_kb + d[None, :] * stride_kd,
+                mask=kv_mask, other=0.0,
+            )
+            s = _dot(q, tl.trans(k), DOT_DTYPE, EMULATE, PRECISION) * scale
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(
+                v_ptr + page[:, None] * stride_vn + off[:, None] * stride_vb + d[None, :] * stride_vd,
+                mask=kv_mask, other=0.0,
+            )
+            acc = acc * alpha[:, None] + _dot(p, v, DOT_DTYPE, EMULATE, PRECISION)
+            m_i = m_new
+
+        result = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + tok[:, None] * stride_ot + qh[:, None] * stride_oh + d[None, :] * stride_od,
+            result.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+
+
+_TRITON_DTYPES = {}
+if HAS_TRITON:
+    _TRITON_DTYPES = {
+        torch.float32: tl.float32,
+        torch.float16: tl.float16,
+        torch.bfloat16: tl.bfloat16,
+    }
+
+# (query_start_loc tuple, block_q, device) -> (decode seq/token rows, varlen blocks)
+_PLAN_CACHE: dict = {}
+_PLAN_CACHE_SIZE = 16
+
+
+def _batch_plan(query_start_loc: list[int], block_q: int, device: torch.device):
+    """Decode rows and varlen query blocks of a batch (cached: every layer of a
+    step passes the same ``query_start_loc``).
+
+    Returns ``(decode [2, B] int32 (seq, token) or None, blocks [3, N] int64
+    (seq, first token, end token) or None)``.
+    """
+    key = (tuple(query_start_loc), block_q, device)
+    hit = _PLAN_CACHE.get(key)
+    if hit is not None:
+        return hit
+    dec_seq, dec_tok, blk_seq, blk_start, blk_end = [], [], [], [], []
+    for s in range(len(query_start_loc) - 1):
+        first, end = query_start_loc[s], query_start_loc[s + 1]
+        if end - first == 1:
+            dec_seq.append(s)
+            dec_tok.append(first)
+        elif end - first > 1:
+            for start in range(first, end, block_q):
+                blk_seq.append(s)
+                blk_start.append(start)
+                blk_end.append(end)
+    decode = (
+        torch.tensor([dec_seq, dec_tok], dtype=torch.int32).to(device) if dec_seq else None
+    )
+    blocks = (
+        torch.tensor([blk_seq, blk_start, blk_end], dtype=torch.int64).to(device)
+        if blk_seq
+        else None
+    )
+    if len(_PLAN_CACHE) >= _PLAN_CACHE_SIZE:
+        _PLAN_CACHE.pop(next(iter(_PLAN_CACHE)))
+    _PLAN_CACHE[key] = (decode, blocks)
+    return decode, blocks
+
+
+def _dot_config(query: torch.Tensor, key_cache: torch.Tensor):
+    """(dot operand dtype, emulate bf16 in the interpreter, input precision)."""
+    if query.dtype == key_cache.dtype and query.dtype in (torch.float16, torch.bfloat16):
+        dot_dtype = _TRITON_DTYPES[query.dtype]
+    else:
+        dot_dtype = tl.float32  # float32 caches, or mixed dtypes: upcast
+    emulate = interpreter_active() and dot_dtype == tl.bfloat16
+    # float32 operands: full-precision products (the reference is float32, not tf32);
+    # fp16 / bf16 operands: the target's default.
+    return dot_dtype, emulate, ("ieee" if dot_dtype == tl.float32 else None)
+
+
+def paged_attention_triton(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_positions: torch.Tensor,
+    block_tables: torch.Tensor,
+    head_lens: torch.Tensor,
+    query_start_loc,
+    query_positions: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    max_query_chunk: int = 512,
+    slot_metrics: torch.Tensor | None = None,
+    metric_seqs: torch.Tensor | None = None,
+    metric_power: int = 2,
+    *,
+    partition_size: int = DEFAULT_PARTITION_SIZE,
+    max_head_len: int | None = None,
+    block_m: int | None = None,
+    varlen_tile: int | None = None,
+) -> torch.Tensor:
+    """Triton version of :func:`kvcompress.ops.paged_attention.paged_attention`.
+
+    Same arguments and result (``max_query_chunk`` is accepted and ignored: the
+    kernels tile queries themselves). ``query_start_loc`` may be a list of ``S + 1``
+    ints or a tensor (moved to the host once).
+
+    Extra keyword-only knobs:
+        partition_size: decode keys per partition (rounded up to whole pages); heads
+            longer than that are split and reduced (v2).
+        max_head_len: upper bound of the decode sequences' head lengths, to size the
+            partition grid without a device sync (default: read ``head_lens``).
+        block_m: rows (query tokens x group) of one varlen program (default 64,
+            32 for head sizes > 128).
+        varlen_tile: keys per varlen iteration (default 64, 32 for float32 operands
+            of head sizes > 128).
+    """
+    if not HAS_TRITON:
+        raise RuntimeError("triton is not installed: the Triton paged attention is unavailable")
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_seqs, num_kv_heads, _ = block_tables.shape
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    group = num_q_heads // num_kv_heads
+    block_size = key_cache.shape[1]
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    if key_cache.shape[2] != head_dim or value_cache.shape[2] != head_dim:
+        raise ValueError("query, key_cache and value_cache head sizes differ")
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache), ("query", query)):
+        if t.dtype not in _TRITON_DTYPES:
+            raise TypeError(f"{name} dtype {t.dtype} is not supported (float32, float16, bfloat16)")
+    if out is None:
+        out = torch.empty_like(query)
+    if isinstance(query_start_loc, torch.Tensor):
+        query_start_loc = query_start_loc.tolist()
+    query_start_loc = [int(x) for x in query_start_loc]
+    if len(query_start_loc) != num_seqs + 1:
+        raise ValueError(f"query_start_loc has {len(query_start_loc)} entries for {num_seqs} sequences")
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+
+    device = query.device
+    head_pad = max(16, _next_pow2(head_dim))
+    dot_dtype, emulate, precision = _dot_config(query, key_cache)
+    # Rows over 512 bytes (float32 operands, head size > 128): smaller key tiles.
+    wide = head_pad * (4 if dot_dtype == tl.float32 else 2) > 512
+    block_m = max(int(block_m or (32 if head_pad >= 256 else 64)), _next_pow2(group), 16)
+    block_q = block_m // group
+    decode, blocks = _batch_plan(query_start_loc, block_q, device)
+
+    common_strides = (
+        *key_cache.stride(), *value_cache.stride(),
+        *slot_positions.stride(),
+        *block_tables.stride(),
+        *head_lens.stride(),
+        *out.stride(),
+    )
+
+    if blocks is not None:
+        tile = max(16, _next_pow2(varlen_tile or (32 if wide else 64)))
+        grid = (blocks.shape[1], num_kv_heads)
+        _varlen_kernel[grid](
+            query, key_cache, value_cache, slot_positions, block_tables, head_lens, query_positions,
+            blocks[0], blocks[1], blocks[2],
+            out,
+            float(scale),
+            *query.stride(),
+            *common_strides,
+            GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m,
+            HEAD_DIM=head_dim, HEAD_PAD=head_pad,
+            BLOCK_SIZE=block_size, TILE=tile,
+            DOT_DTYPE=dot_dtype, EMULATE=emulate, PRECISION=precision,
+            num_warps=8 if block_m * head_pad >= 8192 else 4,
+        )
+
+    if decode is None:
+        return out
+    num_decodes = decode.shape[1]
+    dec_seq, dec_tok = decode[0], decode[1]
+    if max_head_len is None:
+        max_head_len = int(head_lens[dec_seq.long()].max().item())
+    max_head_len = max(1, int(max_head_len))
+    pages_per_part = max(1, -(-int(partition_size) // block_size))
+    pages_per_tile = math.gcd(pages_per_part, max(1, (32 if wide else 64) // block_size))
+    tile = block_size * pages_per_tile
+    part_tokens = pages_per_part * block_size
+    num_parts = -(-max_head_len // part_tokens)
+    single = num_parts == 1
+    want_metrics = slot_metrics is not None and metric_seqs is not None
+    write_stats = want_metrics or not single
+    group_pad = max(16, _next_pow2(group))
+    f32 = torch.float32
+    if write_stats:
+        part_max = torch.empty(num_decodes, num_q_heads, num_parts, dtype=f32, device=device)
+        part_sum = torch.empty(num_decodes, num_q_heads, num_parts, dtype=f32, device=device)
+    else:
+        part_max = part_sum = out  # unused
+    if single:
+        part_out = out  # unused
+    else:
+        part_out = torch.empty(num_decodes, num_q_heads, num_parts, head_pad, dtype=f32, device=device)
+
+    _decode_kernel[(num_decodes, num_kv_heads, num_parts)](
+        query, key_cache, value_cache, slot_positions, block_tables, head_lens, query_positions,
+        dec_seq, dec_tok,
+        out, part_out, part_max, part_sum,
+        float(scale),
+        *query.stride(),
+        *common_strides,
+        num_q_heads, num_parts,
+        GROUP=group, GROUP_PAD=group_pad,
+        HEAD_DIM=head_dim, HEAD_PAD=head_pad,
+        BLOCK_SIZE=block_size, TILE=tile, PART_TOKENS=part_tokens,
+        SINGLE_PARTITION=single, WRITE_STATS=write_stats,
+        DOT_DTYPE=dot_dtype, EMULATE=emulate, PRECISION=precision,
+        num_warps=8 if head_pad >= 256 else 4,
+    )
+    part_block = min(64, max(16, _next_pow2(num_parts)))
+    if not single:
+        _decode_reduce_kernel[(num_decodes, num_q_heads)](
+            head_lens, dec_seq, dec_tok,
+            out, part_out, part_max, part_sum,
+            *head_lens.stride(),
+            *out.stride(),
+            num_q_heads, num_parts,
+            GROUP=group, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
+            PART_TOKENS=part_tokens, PART_BLOCK=part_block,
+        )
+
+    if want_metrics:
+        if slot_metrics.dtype != torch.float32:
+            raise TypeError("slot_metrics must be float32")
+        power = float(metric_power)
+        if power <= 0:
+            raise ValueError(f"metric_power must be positive, got {metric_power}")
+        int_power = int(power) if power.is_integer() and power <= 8 else 0
+        flags = metric_seqs.to(device=device, dtype=torch.int8)
+        _decode_metric_kernel[(num_decodes, num_kv_heads, num_parts)](
+            query, key_cache, slot_positions, block_tables, head_lens, query_positions,
+            dec_seq, dec_tok, flags,
+            part_max, part_sum, slot_metrics,
+            float(scale), power,
+            *query.stride(),
+            *key_cache.stride(),
+            *slot_positions.stride(),
+            *block_tables.stride(),
+            *head_lens.stride(),
+            *slot_metrics.stride(),
+            num_q_heads, num_parts,
+            GROUP=group, GROUP_PAD=group_pad,
+            HEAD_DIM=head_dim, HEAD_PAD=head_pad,
+            BLOCK_SIZE=block_size, TILE=tile, PART_TOKENS=part_tokens,
+            PART_BLOCK=part_block, INT_POWER=int_power,
+            DOT_DTYPE=dot_dtype, EMULATE=emulate, PRECISION=precision,
+            num_warps=4,
+        )
+    return out

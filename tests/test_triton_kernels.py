@@ -1,0 +1,607 @@
+"""Triton kernels (paged attention, decode metrics, MoveCache) and the backend dispatch
+against the PyTorch reference ops.
+
+On CPU the kernels run in Triton's interpreter: ``TRITON_INTERPRET=1`` must be set when
+``triton.jit`` decorates them, so the env var is set before triton is imported here and,
+for this module's tests, the kernel modules are (re)loaded under it and reloaded
+without it afterwards (the variable does not leak into other tests' subprocesses).
+Shapes are tiny: the interpreter is slow.
+
+On a GPU machine, ``KVCOMPRESS_TRITON_TEST_DEVICE=cuda`` runs the same checks compiled on
+CUDA tensors instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+
+_WANT_CUDA = os.environ.get("KVCOMPRESS_TRITON_TEST_DEVICE", "cpu") == "cuda"
+_PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
+if not _WANT_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (module top)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from kvcompress.ops import dispatch  # noqa: E402
+from kvcompress.ops.move_cache import move_cache as reference_move_cache  # noqa: E402
+from kvcompress.ops.paged_attention import paged_attention as reference_attention  # noqa: E402
+
+if _WANT_CUDA and not torch.cuda.is_available():
+    pytest.skip("KVCOMPRESS_TRITON_TEST_DEVICE=cuda but no CUDA device", allow_module_level=True)
+
+DEVICE = torch.device("cuda" if _WANT_CUDA else "cpu")
+KERNEL_MODULES = ("kvcompress.ops.triton_attention", "kvcompress.ops.triton_move_cache")
+
+
+def _restore_interpret() -> None:
+    if _PREVIOUS_INTERPRET is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _PREVIOUS_INTERPRET
+
+
+def _load_kernels() -> None:
+    """Import the kernel modules so that their kernels match the current TRITON_INTERPRET."""
+    for name in KERNEL_MODULES:
+        if name in sys.modules:
+            importlib.reload(sys.modules[name])
+        else:
+            importlib.import_module(name)
+
+
+if not _WANT_CUDA:
+    _load_kernels()
+    _restore_interpret()  # set again by the fixture while this module's tests run
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _interpreter():
+    if _WANT_CUDA:
+        yield
+        return
+    os.environ["TRITON_INTERPRET"] = "1"
+    _load_kernels()
+    yield
+    _restore_interpret()
+    _load_kernels()  # leave compiled (non-interpreted) kernels for anyone after us
+
+
+def _kernels():
+    return sys.modules["kvcompress.ops.triton_attention"], sys.modules["kvcompress.ops.triton_move_cache"]
+
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+
+
+# -- cache construction -----------------------------------------------------------------
+
+
+def _random_cache(seed, lengths, block_size, head_dim, dtype, num_pages=96, spread=3):
+    """Pool with ragged per-head lengths (as after eviction), pages in scrambled order,
+    positions distinct but neither contiguous nor sorted in slot order (as after MoveCache).
+
+    Returns (key_cache, value_cache, slot_positions, block_tables, max_position); the
+    K/V caches are strided views ``pool[:, 0]``, ``pool[:, 1]`` of a ``[N, 2, b, D]`` pool.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    num_seqs, num_kv_heads = lengths.shape
+    pool = torch.randn(num_pages, 2, block_size, head_dim, generator=generator).to(dtype)
+    slot_positions = torch.full((num_pages, block_size), -1, dtype=torch.int32)
+    order = torch.randperm(num_pages, generator=generator).tolist()
+    max_pages = int(((lengths.max() + block_size - 1) // block_size).item())
+    # One spare column: entries past a head's pages must be ignored.
+    tables = torch.zeros(num_seqs, num_kv_heads, max(1, max_pages) + 1, dtype=torch.int64)
+    top = []
+    for s in range(num_seqs):
+        seq_top = 0
+        for h in range(num_kv_heads):
+            n = int(lengths[s, h])
+            pages = [order.pop() for _ in range((n + block_size - 1) // block_size)]
+            if pages:
+                tables[s, h, : len(pages)] = torch.tensor(pages)
+            positions = torch.randperm(spread * n + 1, generator=generator)[:n]
+            for i in range(n):
+                slot_positions[pages[i // block_size], i % block_size] = int(positions[i])
+            seq_top = max(seq_top, int(positions.max()) if n else 0)
+        top.append(seq_top)
+    dev = DEVICE
+    pool = pool.to(dev)
+    return pool[:, 0], pool[:, 1], slot_positions.to(dev), tables.to(dev), top
+
+
+def _run_both(query, key_cache, value_cache, positions, tables, lens, starts, query_pos, *,
+              metrics=None, flags=None, power=2, **triton_kwargs):
+    """Reference and Triton results (Triton's output buffer poisoned with NaN first)."""
+    triton_attention, _ = _kernels()
+    scale = query.shape[-1] ** -0.5
+    ref_metrics = None if metrics is None else metrics.clone()
+    tri_metrics = None if metrics is None else metrics.clone()
+    expected = reference_attention(
+        query, key_cache, value_cache, positions, tables, lens, starts, query_pos, scale,
+        slot_metrics=ref_metrics, metric_seqs=flags, metric_power=power,
+    )
+    out = torch.full_like(query, float("nan"))
+    result = triton_attention.paged_attention_triton(
+        query, key_cache, value_cache, positions, tables, lens, starts, query_pos, scale,
+        out=out, slot_metrics=tri_metrics, metric_seqs=flags, metric_power=power, **triton_kwargs,
+    )
+    assert result is out
+    return expected, out, ref_metrics, tri_metrics
+
+
+def _assert_close(actual, expected, dtype):
+    tol = TOLERANCE[dtype]
+    assert not torch.isnan(actual).any(), "a row was not written"
+    torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
+
+
+# -- decode ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_with_partitions_matches_reference(group, dtype):
+    """Ragged heads (one empty), partial pages, unsorted positions, several partitions
+    per head (partition = 2 pages), some keys invisible to the query by position."""
+    block_size, head_dim, kv_heads = 16, 64, 2
+    lengths = torch.tensor([[37, 5], [1, 70], [33, 0], [20, 64]])
+    key_cache, value_cache, positions, tables, top = _random_cache(
+        group, lengths, block_size, head_dim, dtype
+    )
+    # Seq 0 sees all its keys; the others only those at positions <= their query's.
+    query_pos = torch.tensor([top[0], 60, 40, 3], device=DEVICE)
+    query = torch.randn(4, kv_heads * group, head_dim).to(dtype).to(DEVICE)
+    starts = [0, 1, 2, 3, 4]
+    for partition_size in (32, 512):  # v2 (split + reduce) and v1 (single partition)
+        expected, out, _, _ = _run_both(
+            query, key_cache, value_cache, positions, tables, lengths.to(DEVICE), starts, query_pos,
+            partition_size=partition_size,
+        )
+        _assert_close(out, expected, dtype)
+    # The empty head's query group reads nothing: zeros, like the reference.
+    assert torch.equal(out[2, group:].float().cpu(), torch.zeros(group, head_dim))
+
+
+@pytest.mark.parametrize(
+    "head_dim,block_size,dtype",
+    [(128, 32, torch.float16), (256, 16, torch.float32), (80, 32, torch.bfloat16)],
+)
+def test_decode_head_sizes_block_sizes_dtypes(head_dim, block_size, dtype):
+    lengths = torch.tensor([[45, 100], [3, 64]])
+    key_cache, value_cache, positions, tables, top = _random_cache(
+        7, lengths, block_size, head_dim, dtype, num_pages=32
+    )
+    query = torch.randn(2, 4, head_dim).to(dtype).to(DEVICE)
+    query_pos = torch.tensor(top, device=DEVICE)
+    expected, out, _, _ = _run_both(
+        query, key_cache, value_cache, positions, tables, lengths.to(DEVICE), [0, 1, 2], query_pos,
+        partition_size=64,
+    )
+    _assert_close(out, expected, dtype)
+
+
+# -- decode metrics -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("power", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_metrics_match_reference_deltas(power, dtype):
+    """slot_metrics gains sum_group(prob ** power) at the visible held slots of flagged
+    sequences only; every other slot of the pool keeps its value bit for bit."""
+    block_size, head_dim, kv_heads, group = 16, 64, 2, 2
+    lengths = torch.tensor([[37, 5], [1, 70], [33, 33], [20, 64]])
+    key_cache, value_cache, positions, tables, top = _random_cache(
+        11, lengths, block_size, head_dim, dtype
+    )
+    num_pages = key_cache.shape[0]
+    base = torch.rand(num_pages, block_size, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    flags = torch.tensor([True, True, False, True], device=DEVICE)
+    query_pos = torch.tensor([top[0], top[1], top[2], 50], device=DEVICE)
+    query = torch.randn(4, kv_heads * group, head_dim).to(dtype).to(DEVICE)
+    for partition_size in (32, 512):
+        expected, out, ref_metrics, tri_metrics = _run_both(
+            query, key_cache, value_cache, positions, tables, lengths.to(DEVICE), [0, 1, 2, 3, 4],
+            query_pos, metrics=base, flags=flags, power=power, partition_size=partition_size,
+        )
+        _assert_close(out, expected, dtype)
+        ref_delta, tri_delta = ref_metrics - base, tri_metrics - base
+        touched = ref_delta != 0
+        assert touched.sum() > 50  # the check is not vacuous
+        torch.testing.assert_close(tri_delta, ref_delta, atol=1e-6, rtol=1e-4)
+        # Sparse: slots nobody read are untouched (exact), unflagged seq 2 included.
+        assert torch.equal(tri_metrics[~touched], base[~touched])
+        seq2_pages = tables[2, :, :3].reshape(-1)
+        assert torch.equal(tri_metrics[seq2_pages], base[seq2_pages])
+
+
+# -- mixed batches (prefill, chunked-prefill continuations, decodes) ---------------------------
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_prefill_and_decode_batch(group, dtype):
+    """Seq 0: a chunked-prefill continuation (queries start mid-sequence); seq 1: decode;
+    seq 2: a longer chunk split over several query blocks, some of whose queries see no
+    key; seq 3: decode with several partitions; seq 4: a fresh prefill over ragged heads."""
+    block_size, head_dim, kv_heads = 16, 64, 2
+    lengths = torch.tensor([[37, 5], [1, 70], [33, 40], [50, 64], [9, 9]])
+    key_cache, value_cache, positions, tables, top = _random_cache(
+        3 + group, lengths, block_size, head_dim, dtype
+    )
+    query_lens = [3, 1, 21, 1, 9]
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    query_pos = []
+    for s, n in enumerate(query_lens):
+        if s == 2:
+            query_pos += list(range(-2, n - 2))  # the first two see nothing
+        else:
+            query_pos += list(range(top[s] - n + 1, top[s] + 1))
+    query_pos = torch.tensor(query_pos, device=DEVICE)
+    query = torch.randn(starts[-1], kv_heads * group, head_dim).to(dtype).to(DEVICE)
+    expected, out, _, _ = _run_both(
+        query, key_cache, value_cache, positions, tables, lengths.to(DEVICE), starts, query_pos,
+        partition_size=32, block_m=16, varlen_tile=32,
+    )
+    _assert_close(out, expected, dtype)
+    assert torch.equal(out[4:6].float().cpu(), torch.zeros(2, kv_heads * group, head_dim))
+
+
+def test_write_then_attend_through_the_paged_cache_in_chunks():
+    """End to end with the real page tables: a prompt written in two chunks (the second a
+    continuation) then one decode; each step's Triton output equals the reference's."""
+    from kvcompress.ops import PerHeadPagedCache, write_kv
+
+    triton_attention, _ = _kernels()
+    torch.manual_seed(3)
+    heads, group, head_dim, block_size = 2, 2, 64, 16
+    cache = PerHeadPagedCache(32, 1, heads, block_size, max_seqs=2, max_pages_per_head=8, device=DEVICE)
+    pool = torch.zeros(32, 2, block_size, head_dim, device=DEVICE)
+    key_cache, value_cache = pool[:, 0], pool[:, 1]
+    seq = torch.tensor([cache.new_sequence()], device=DEVICE)
+    total = 40
+    queries = torch.randn(total, heads * group, head_dim, device=DEVICE)
+    keys = torch.randn(total, heads, head_dim, device=DEVICE)
+    values = torch.randn(total, heads, head_dim, device=DEVICE)
+    for start, end in [(0, 17), (17, 39), (39, 40)]:
+        plan = cache.append(seq, torch.tensor([end - start]), torch.arange(start, end))
+        write_kv(key_cache, value_cache, keys[start:end], values[start:end],
+                 plan.write_pages[0], plan.write_offsets[0])
+        args = (queries[start:end], key_cache, value_cache, cache.slot_positions,
+                cache.page_tables[seq, 0], cache.head_lens[seq, 0], [0, end - start],
+                torch.arange(start, end, device=DEVICE), head_dim**-0.5)
+        expected = reference_attention(*args)
+        out = torch.full_like(expected, float("nan"))
+        triton_attention.paged_attention_triton(*args, out=out, partition_size=16)
+        _assert_close(out, expected, torch.float32)
+
+
+# -- MoveCache ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_move_cache_is_bit_exact(dtype):
+    _, triton_move_cache = _kernels()
+    generator = torch.Generator().manual_seed(0)
+    num_pages, block_size, head_dim = 12, 16, 64
+    pool = torch.randn(num_pages, 2, block_size, head_dim, generator=generator).to(dtype)
+    metrics = torch.rand(num_pages, block_size, generator=generator)
+    positions = torch.randperm(num_pages * block_size, generator=generator).to(torch.int32)
+    positions = positions.view(num_pages, block_size)
+    slots = torch.randperm(num_pages * block_size, generator=generator)
+    num_moves = 37  # not a multiple of the moves per program
+    src, dst = slots[:num_moves], slots[num_moves : 2 * num_moves]  # disjoint
+    moves = [
+        t.to(DEVICE) for t in (src // block_size, src % block_size, dst // block_size, dst % block_size)
+    ]
+
+    def copies():
+        return pool.clone().to(DEVICE), metrics.clone().to(DEVICE), positions.clone().to(DEVICE)
+
+    ref_pool, ref_metrics, ref_positions = copies()
+    reference_move_cache(ref_pool[:, 0], ref_pool[:, 1], ref_metrics, ref_positions, *moves)
+    tri_pool, tri_metrics, tri_positions = copies()
+    triton_move_cache.move_cache_triton(tri_pool[:, 0], tri_pool[:, 1], tri_metrics, tri_positions, *moves)
+    assert not torch.equal(ref_pool, pool.to(DEVICE))  # something moved
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(tri_pool.view(bits), ref_pool.view(bits))
+    assert torch.equal(tri_metrics, ref_metrics)
+    assert torch.equal(tri_positions, ref_positions)
+    # No moves: nothing happens (and no launch with an empty grid).
+    empty = torch.empty(0, dtype=torch.int64, device=DEVICE)
+    triton_move_cache.move_cache_triton(tri_pool[:, 0], tri_pool[:, 1], tri_metrics, tri_positions,
+                                        empty, empty, empty, empty)
+    assert torch.equal(tri_metrics, ref_metrics)
+
+
+# -- dispatch ---------------------------------------------------------------------------------
+
+
+def _small_decode_case():
+    lengths = torch.tensor([[20, 7], [1, 33]])
+    key_cache, value_cache, positions, tables, top = _random_cache(1, lengths, 16, 64, torch.float32, num_pages=16)
+    query = torch.randn(2, 4, 64, device=DEVICE)
+    return (query, key_cache, value_cache, positions, tables, lengths.to(DEVICE), [0, 1, 2],
+            torch.tensor(top, device=DEVICE), 0.125)
+
+
+@pytest.mark.skipif(_WANT_CUDA, reason="CPU dispatch rules")
+def test_dispatch_defaults_to_reference_on_cpu(monkeypatch):
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    assert dispatch.requested_backend() == "auto"
+    # Even with the interpreter on, "auto" never picks it.
+    assert dispatch.selected_backend("cpu") == "reference"
+    assert dispatch.selected_backend("cpu", "move_cache") == "reference"
+    assert dispatch.available_backends("cpu") == ["triton", "reference"]
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert dispatch.available_backends("cpu") == ["reference"]
+    args = _small_decode_case()
+    torch.testing.assert_close(dispatch.paged_attention(*args), reference_attention(*args))
+
+
+@pytest.mark.skipif(_WANT_CUDA, reason="CPU dispatch rules")
+def test_dispatch_forced_triton_under_interpreter(monkeypatch):
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    args = _small_decode_case()
+    expected = reference_attention(*args)
+    calls = []
+    triton_attention, triton_move_cache = _kernels()
+    original = triton_attention.paged_attention_triton
+
+    def spy(*a, **k):
+        calls.append("attention")
+        return original(*a, **k)
+
+    monkeypatch.setattr(triton_attention, "paged_attention_triton", spy)
+    with dispatch.use_backend("triton"):
+        assert dispatch.selected_backend("cpu") == "triton"
+        torch.testing.assert_close(dispatch.paged_attention(*args), expected, atol=1e-5, rtol=1e-5)
+        with dispatch.use_backend("reference"):  # nests
+            assert dispatch.selected_backend("cpu") == "reference"
+        assert dispatch.requested_backend() == "triton"
+    assert calls == ["attention"]
+    assert dispatch.requested_backend() == "auto"
+    # The environment variable works too, for both ops.
+    monkeypatch.setenv(dispatch.ENV_VAR, "triton")
+    assert dispatch.selected_backend("cpu", "move_cache") == "triton"
+    key_cache, value_cache, positions = args[1], args[2], args[3]
+    metrics = torch.zeros(positions.shape, device=DEVICE)
+    one = torch.tensor([0], device=DEVICE)
+    moved = key_cache[1, 3].clone()
+    dispatch.move_cache(key_cache, value_cache, metrics, positions, one + 1, one + 3, one, one)
+    assert torch.equal(key_cache[0, 0], moved)
+    # Forced Triton without the interpreter on CPU tensors is refused.
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(dispatch.BackendUnavailableError, match="TRITON_INTERPRET"):
+        dispatch.paged_attention(*args)
+
+
+@pytest.mark.skipif(_WANT_CUDA, reason="CPU dispatch rules")
+def test_dispatch_forcing_cuda_on_cpu_raises(monkeypatch):
+    monkeypatch.setenv(dispatch.ENV_VAR, "cuda")
+    with pytest.raises(dispatch.BackendUnavailableError, match="cuda.*CUDA tensors"):
+        dispatch.selected_backend("cpu")
+    with pytest.raises(dispatch.BackendUnavailableError, match="KVCOMPRESS_OPS_BACKEND=cuda"):
+        dispatch.paged_attention(*_small_decode_case())
+    monkeypatch.setenv(dispatch.ENV_VAR, "gpu")
+    with pytest.raises(ValueError, match="unknown kvcompress ops backend"):
+        dispatch.selected_backend("cpu")
+    with pytest.raises(ValueError):
+        with dispatch.use_backend("fast"):
+            pass
+
+
+def test_kernel_layer_imports_without_triton():
+    """With triton unimportable the modules still import, dispatch runs the reference,
+    and forcing Triton names the reason."""
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch\n"
+        "from kvcompress.ops import dispatch, triton_attention, triton_move_cache\n"
+        "assert not triton_attention.HAS_TRITON and not triton_move_cache.HAS_TRITON\n"
+        "assert dispatch.selected_backend('cpu') == 'reference'\n"
+        "q = torch.randn(1, 2, 64); kc = torch.randn(2, 16, 64)\n"
+        "pos = torch.arange(32, dtype=torch.int32).view(2, 16)\n"
+        "tables = torch.zeros(1, 1, 1, dtype=torch.long)\n"
+        "out = dispatch.paged_attention(\n"
+        "    q, kc, kc, pos, tables, torch.tensor([[5]]), [0, 1], torch.tensor([9]), 0.1)\n"
+        "assert out.shape == q.shape and not out.isnan().any()\n"
+        "with dispatch.use_backend('triton'):\n"
+        "    try:\n"
+        "        dispatch.selected_backend('cpu')\n"
+        "    except dispatch.BackendUnavailableError as e:\n"
+        "        assert 'triton is not importable' in str(e), e\n"
+        "    else:\n"
+        "        raise AssertionError('forced triton did not raise')\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", dispatch.ENV_VAR)}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+# The schemas registered by csrc/torch_bindings.cpp, implemented on CPU by the reference:
+# checks the CUDA branch of the dispatch (argument names, decode-only routing) without a GPU.
+_FAKE_SCHEMAS = {
+    "paged_decode_attention": (
+        "paged_decode_attention(Tensor! out, Tensor query, Tensor key_cache, Tensor value_cache, "
+        "Tensor slot_positions, Tensor block_tables, Tensor head_lens, Tensor query_positions, "
+        "float scale, int partition_size, Tensor!? slot_metrics, Tensor? metric_seqs, "
+        "int metric_power) -> ()"
+    ),
+    "move_cache": (
+        "move_cache(Tensor! key_cache, Tensor! value_cache, Tensor! slot_metrics, "
+        "Tensor! slot_positions, Tensor src_pages, Tensor src_offsets, Tensor dst_pages, "
+        "Tensor dst_offsets) -> ()"
+    ),
+}
+_fake_calls = []
+_fake_library = None
+
+
+def _fake_cuda_ops():
+    global _fake_library
+    if _fake_library is None:
+        _fake_library = torch.library.Library("kvcompress_dispatch_test", "DEF")
+        for schema in _FAKE_SCHEMAS.values():
+            _fake_library.define(schema)
+
+        def decode(out, query, key_cache, value_cache, slot_positions, block_tables, head_lens,
+                   query_positions, scale, partition_size, slot_metrics, metric_seqs, metric_power):
+            _fake_calls.append(("paged_decode_attention", partition_size))
+            starts = list(range(query.shape[0] + 1))
+            reference_attention(query, key_cache, value_cache, slot_positions, block_tables, head_lens,
+                                starts, query_positions, scale, out=out, slot_metrics=slot_metrics,
+                                metric_seqs=metric_seqs, metric_power=metric_power)
+
+        def move(*args):
+            _fake_calls.append(("move_cache",))
+            reference_move_cache(*args)
+
+        _fake_library.impl("paged_decode_attention", decode, "CPU")
+        _fake_library.impl("move_cache", move, "CPU")
+    namespace = torch.ops.kvcompress_dispatch_test
+    return {"paged_attention": namespace.paged_decode_attention, "move_cache": namespace.move_cache}
+
+
+@pytest.mark.skipif(_WANT_CUDA, reason="CPU stand-in for the CUDA ops")
+def test_dispatch_cuda_branch_with_stand_in_ops(monkeypatch):
+    """Forced "cuda" with the CUDA ops replaced by CPU stand-ins of the same schemas:
+    decode-only batches (with metrics) reach the op with the right arguments, mixed
+    batches and unsupported shapes go to Triton, move_cache reaches its op."""
+    ops = _fake_cuda_ops()
+    monkeypatch.setattr(dispatch, "_cuda_unavailable_reason", lambda device, op: None)
+    monkeypatch.setattr(dispatch, "_cuda_op", lambda op: ops[op])
+    monkeypatch.setenv(dispatch.ENV_VAR, "cuda")
+    _fake_calls.clear()
+    args = _small_decode_case()
+    metrics = torch.rand(args[3].shape, generator=torch.Generator().manual_seed(0))
+    flags = torch.tensor([True, False])
+    expected_metrics = metrics.clone()
+    expected = reference_attention(*args, slot_metrics=expected_metrics, metric_seqs=flags)
+    out = torch.full_like(args[0], float("nan"))
+    dispatch.paged_attention(*args, out=out, slot_metrics=metrics, metric_seqs=flags, partition_size=64)
+    assert _fake_calls == [("paged_decode_attention", 64)]
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(metrics, expected_metrics)
+
+    # A prefill row: the decode-only op is skipped, Triton runs the batch.
+    query, key_cache, value_cache, positions, tables, lens, _, _, scale = args
+    mixed = torch.randn(4, 4, 64)
+    mixed_pos = torch.tensor([5, 6, 7, 40])
+    mixed_args = (mixed, key_cache, value_cache, positions, tables, lens, [0, 3, 4], mixed_pos, scale)
+    expected = reference_attention(*mixed_args)
+    got = dispatch.paged_attention(*mixed_args)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    # Head size 80 has no CUDA kernel: Triton again.
+    odd = torch.randn(2, 4, 80)
+    odd_cache = torch.randn(key_cache.shape[0], 16, 80)
+    expected = reference_attention(odd, odd_cache, odd_cache, *args[3:])
+    torch.testing.assert_close(dispatch.paged_attention(odd, odd_cache, odd_cache, *args[3:]), expected,
+                               atol=1e-5, rtol=1e-5)
+    assert _fake_calls == [("paged_decode_attention", 64)]
+
+    one = torch.tensor([0])
+    dispatch.move_cache(key_cache, value_cache, metrics, positions, one + 1, one + 3, one, one)
+    assert _fake_calls[-1] == ("move_cache",)
+    assert torch.equal(key_cache[0, 0], key_cache[1, 3]) and torch.equal(metrics[0, 0], metrics[1, 3])
+
+
+# Compiles the kernels for an H100 (sm_90) through the real launch paths, without a GPU:
+# the launches are recorded instead of run, then each is compiled with triton.compile
+# (Triton -> PTX -> cubin with the bundled ptxas), specialised like the JIT does.
+_AOT_SCRIPT = r'''
+import os, sys
+os.environ.pop("TRITON_INTERPRET", None)
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import kvcompress.ops.triton_attention as ta
+import kvcompress.ops.triton_move_cache as tm
+
+TY = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
+      torch.int32: "i32", torch.int8: "i8"}
+launches = []
+
+class Recorder:
+    def __init__(self, kernel):
+        self.kernel = kernel
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: launches.append((self.kernel, args, kwargs))
+
+for module, names in ((ta, ["_decode_kernel", "_decode_reduce_kernel", "_decode_metric_kernel",
+                            "_varlen_kernel"]), (tm, ["_move_cache_kernel"])):
+    for name in names:
+        setattr(module, name, Recorder(getattr(module, name)))
+
+def attention(dtype, head_dim, group, block_size, partition_size, metrics):
+    lens = torch.tensor([[40, 5], [70, 3], [16, 16]])
+    pool = torch.zeros(64, 2, block_size, head_dim, dtype=dtype)
+    query = torch.zeros(7, 2 * group, head_dim, dtype=dtype)
+    ta.paged_attention_triton(
+        query, pool[:, 0], pool[:, 1], torch.zeros(64, block_size, dtype=torch.int32),
+        torch.zeros(3, 2, 8, dtype=torch.int64), lens, [0, 1, 2, 7], torch.arange(7), 0.1,
+        slot_metrics=torch.zeros(64, block_size) if metrics else None,
+        metric_seqs=torch.ones(3, dtype=torch.bool) if metrics else None,
+        partition_size=partition_size)
+
+attention(torch.bfloat16, 128, 4, 16, 32, True)    # v2 decode + reduce + metrics + varlen
+attention(torch.float16, 64, 1, 32, 512, False)    # v1 decode
+attention(torch.float32, 256, 8, 16, 512, False)   # float32 operands, widest head
+pool = torch.zeros(8, 2, 16, 128, dtype=torch.bfloat16)
+index = torch.zeros(3, dtype=torch.int64)
+tm.move_cache_triton(pool[:, 0], pool[:, 1], torch.zeros(8, 16), torch.zeros(8, 16, dtype=torch.int32),
+                     index, index, index + 1, index)
+
+target = GPUTarget("cuda", int(sys.argv[1]), 32)
+for kernel, args, kwargs in launches:
+    names = kernel.arg_names
+    positional = [n for n in names if n not in kwargs]
+    signature, constants, attrs, options = {}, {}, {}, {}
+    for name, value in zip(positional, args, strict=True):
+        index = (names.index(name),)
+        if isinstance(value, torch.Tensor):
+            signature[name] = "*" + TY[value.dtype]
+            attrs[index] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        elif value == 1:  # the JIT specialises 1 into a constant
+            signature[name], constants[name] = "constexpr", 1
+        else:
+            signature[name] = "i32" if abs(value) < 2**31 else "i64"
+            if value % 16 == 0:
+                attrs[index] = [["tt.divisibility", 16]]
+    for name, value in kwargs.items():
+        if name in names:
+            signature[name], constants[name] = "constexpr", value
+        else:
+            options[name] = value
+    signature = {name: signature[name] for name in names}
+    compiled = triton.compile(ASTSource(kernel, signature, constants, attrs), target=target, options=options)
+    assert compiled.asm.get("cubin"), kernel.__name__
+print("compiled", len(launches), *sorted({kernel.__name__ for kernel, _, _ in launches}))
+'''
+
+
+@pytest.mark.skipif(_WANT_CUDA, reason="the CUDA run compiles the kernels anyway")
+def test_kernels_compile_for_sm90_without_a_gpu():
+    import triton.backends
+
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("triton has no NVIDIA backend here")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silences a Triton 3.9 warning
+    result = subprocess.run(
+        [sys.executable, "-c", _AOT_SCRIPT, "90"], capture_output=True, text=True, env=env, timeout=300
+    )
+    expected = (
+        "compiled 9 _decode_kernel _decode_metric_kernel _decode_reduce_kernel _move_cache_kernel _varlen_kernel"
+    )
+    assert result.returncode == 0 and result.stdout.strip() == expected, (result.stdout + result.stderr)[-3000:]
