@@ -55,6 +55,26 @@ def _attend(
     return torch.einsum("bhgtk,bhkd->bthgd", probs, values.float()), probs
 
 
+def _attend_fused(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    visible: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``_attend`` without probabilities, through torch's fused SDPA (prefill chunks:
+    several times faster on CPU, same float32 math). Shapes as ``_attend``."""
+    batch, num_tokens, num_kv_heads, group, head_dim = query.shape
+    q = query.float().permute(0, 2, 3, 1, 4).reshape(batch, num_kv_heads * group, num_tokens, head_dim)
+    mask = visible.repeat_interleave(group, dim=1)  # [B, Hq, Tq, K]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, keys.float(), values.float(), attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    # A query that sees no key (padding rows) gets zeros, not NaN.
+    out = torch.nan_to_num(out, nan=0.0)
+    return out.reshape(batch, num_kv_heads, group, num_tokens, head_dim).permute(0, 3, 1, 2, 4)
+
+
 def _gather_heads(
     cache: torch.Tensor, block_tables: torch.Tensor
 ) -> torch.Tensor:
@@ -168,7 +188,7 @@ def paged_attention(
             q = query[chunk_start:chunk_end].view(
                 1, chunk_end - chunk_start, num_kv_heads, group, head_dim
             )
-            result, _ = _attend(q, keys, values, visible.unsqueeze(0), scale)
+            result = _attend_fused(q, keys, values, visible.unsqueeze(0), scale)
             out[chunk_start:chunk_end] = result.reshape(
                 chunk_end - chunk_start, num_q_heads, head_dim
             ).to(out.dtype)
