@@ -10,6 +10,26 @@ import shutil
 from setuptools import setup
 
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def csrc_sources():
+    """The torch binding (csrc/*.cpp, csrc/*.cu) plus the torch-free kernels (csrc/kernels/*.cu).
+
+    Paths are relative to the project root, as setuptools wants them.
+    """
+    sources = []
+    for folder in ("csrc", os.path.join("csrc", "kernels")):
+        full = os.path.join(HERE, folder)
+        if os.path.isdir(full):
+            sources += sorted(
+                os.path.join(folder, name)
+                for name in os.listdir(full)
+                if name.endswith((".cu", ".cpp"))
+            )
+    return sources
+
+
 def cuda_extensions():
     if os.environ.get("KVCOMPRESS_NO_CUDA") == "1":
         return [], {}
@@ -20,9 +40,7 @@ def cuda_extensions():
         return [], {}
     if torch.version.cuda is None or CUDA_HOME is None or shutil.which("nvcc") is None:
         return [], {}
-    sources = sorted(
-        os.path.join("csrc", name) for name in os.listdir("csrc") if name.endswith((".cu", ".cpp"))
-    )
+    sources = csrc_sources()
     if not sources:
         return [], {}
     archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
@@ -30,7 +48,8 @@ def cuda_extensions():
     extension = CUDAExtension(
         name="kvcompress._C",
         sources=sources,
-        extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "--use_fast_math"]},
+        include_dirs=[os.path.join(HERE, "csrc")],
+        extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "--use_fast_math", "-lineinfo"]},
     )
     return [extension], {"build_ext": BuildExtension}
 

@@ -1,0 +1,1148 @@
+"""GPU kernels of kvcompress: build, check against the PyTorch reference, benchmark.
+
+The one script to run on a GPU machine (H100 / H200; torch + triton + nvcc, no vLLM):
+
+    python benchmarks/bench_kernels.py                 # build, check, full benchmark
+    python benchmarks/bench_kernels.py --quick         # fewer shapes
+    python benchmarks/bench_kernels.py --checks-only   # build + correctness only
+    python benchmarks/bench_kernels.py --dry-run-cpu   # CPU smoke test of this script
+                                                       # (reference path, tiny shapes)
+
+Steps (each section records its errors and the run goes on):
+
+1. Build ``kvcompress._C`` (``--build``: import an installed one, else JIT-compile
+   csrc/ with torch.utils.cpp_extension.load when ninja exists, else
+   ``pip install -e . --no-build-isolation --no-deps``).
+2. Check every CUDA op against the PyTorch reference on fresh random inputs (outputs
+   poisoned with NaN first): paged decode attention for float32 / float16 / bfloat16,
+   head sizes 64 / 128 / 256, block sizes 16 / 32, several GQA groups and partition
+   sizes, masked positions, empty heads, strided K / V views of a [N, 2, b, D] pool,
+   with and without the sparse metric update; MoveCache; the allocator page-table fill.
+   Tolerances (relative to max |reference|): float32 1e-4, float16 4e-3, bfloat16 1.6e-2.
+3. Device copy bandwidth (read + write of a large tensor, torch ``copy_``).
+4. Decode attention for Llama-3.1-8B shapes (32 q / 8 KV heads, head 128, block 16;
+   one layer per call, as in the model) at batch 1..256 x context 1K..32K with random
+   per-head lengths in [context / 2, context] on randomly scattered pages: time and
+   achieved bandwidth (K/V bytes of the held slots / time, cold L2) of the CUDA op, the
+   Triton backend (when ``kvcompress.ops.dispatch`` exists) and torch SDPA over a
+   contiguous [B, H, L_max, D] cache of the same sequences (the GQA group folded into
+   the query length, so no K/V repeat). Configs that do not fit in memory are skipped.
+5. MoveCache GB/s (CUDA op, Triton, reference indexing).
+6. Allocator page-table fill and eviction-schedule latency for 64 sequences x 32
+   layers x 8 KV heads x 4K tokens (``schedule_evictions``, ``compress_sequences``).
+
+Results go to ``benchmarks/results/kernels-<device>-<date>.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import importlib
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import types
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from kvcompress.ops import move_cache as move_cache_module  # noqa: E402
+from kvcompress.ops.eviction import schedule_evictions  # noqa: E402
+from kvcompress.ops.move_cache import compress_sequences, gather_logical  # noqa: E402
+from kvcompress.ops.move_cache import move_cache as reference_move_cache  # noqa: E402
+from kvcompress.ops.paged_attention import paged_attention as reference_paged_attention  # noqa: E402
+from kvcompress.ops.paged_cache import PerHeadPagedCache, pages_for  # noqa: E402
+
+try:  # written concurrently by another engineer; optional
+    from kvcompress.ops import dispatch as ops_dispatch  # noqa: E402
+except Exception:  # pragma: no cover - absent or broken
+    ops_dispatch = None
+
+# Llama-3.1-8B
+LLAMA = dict(num_layers=32, num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 1.6e-2}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+# ----------------------------------------------------------------------------------
+# Inputs (CPU or GPU)
+# ----------------------------------------------------------------------------------
+
+
+@dataclass
+class DecodeCase:
+    """One layer of paged decode inputs; K / V are strided views of a [N, 2, b, D] pool."""
+
+    query: torch.Tensor  # [B, Hq, D]
+    key_cache: torch.Tensor  # [N, b, D] view
+    value_cache: torch.Tensor  # [N, b, D] view
+    slot_positions: torch.Tensor  # [N, b] int32
+    block_tables: torch.Tensor  # [B, H, P] int64
+    head_lens: torch.Tensor  # [B, H] int64
+    query_positions: torch.Tensor  # [B] int64
+    scale: float
+    pool: torch.Tensor  # [N, 2, b, D]
+
+    @property
+    def batch(self) -> int:
+        return self.query.shape[0]
+
+    @property
+    def max_head_len(self) -> int:
+        return int(self.head_lens.max().item()) if self.head_lens.numel() else 0
+
+    def kv_bytes(self) -> int:
+        """K + V bytes of the held slots (whole pages: a kernel reads whole rows)."""
+        block_size, head_dim = self.key_cache.shape[1], self.key_cache.shape[2]
+        slots = int(pages_for(self.head_lens, block_size).sum().item()) * block_size
+        return 2 * slots * head_dim * self.key_cache.element_size()
+
+
+def random_head_lens(batch: int, num_kv_heads: int, low: int, high: int, generator) -> torch.Tensor:
+    """``[B, H]`` int64 uniform in ``[low, high]``."""
+    return torch.randint(low, high + 1, (batch, num_kv_heads), generator=generator, dtype=torch.int64)
+
+
+def make_decode_case(
+    head_lens: torch.Tensor,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    seed: int = 0,
+    positions: str = "random",
+    extra_pages: int = 7,
+) -> DecodeCase:
+    """Random paged decode inputs for the given per-head lengths.
+
+    Pages are a random permutation of the pool (scattered, as after churn); table
+    entries past a head's pages point at random valid pages (ignored by the kernels).
+    ``positions="random"``: slot positions uniform in [0, 2 * max_len) and query
+    positions uniform in [max_len / 2, 2 * max_len], so some held slots are masked;
+    ``positions="visible"``: position = logical slot, query position = max_len.
+    """
+    device = torch.device(device)
+    cpu_gen = torch.Generator().manual_seed(seed)
+    dev_gen = torch.Generator(device=device).manual_seed(seed + 1)
+    head_lens = head_lens.to(torch.int64)
+    batch, num_kv_heads = head_lens.shape
+    pages = pages_for(head_lens, block_size).reshape(-1)  # [R]
+    total = int(pages.sum().item())
+    num_pool_pages = total + extra_pages
+    max_pages = max(1, int(pages.max().item()) if pages.numel() else 1)
+    max_len = max(1, int(head_lens.max().item()) if head_lens.numel() else 1)
+
+    page_ids = torch.randperm(num_pool_pages, generator=cpu_gen)[:total].to(device)
+    starts = (torch.cumsum(pages, 0) - pages).to(device)  # exclusive prefix sum
+    column = torch.arange(max_pages, device=device)
+    held = column < pages.to(device).unsqueeze(-1)  # [R, P]
+    index = (starts.unsqueeze(-1) + column).clamp(max=max(total - 1, 0))
+    filler = torch.randint(0, num_pool_pages, (pages.numel(), max_pages), generator=cpu_gen).to(device)
+    if total:
+        tables = torch.where(held, page_ids[index], filler)
+    else:
+        tables = filler
+    block_tables = tables.reshape(batch, num_kv_heads, max_pages).contiguous()
+
+    # Generated in the cache dtype directly: a float32 temporary would double the peak.
+    pool = torch.randn(
+        (num_pool_pages, 2, block_size, head_dim), generator=dev_gen, device=device, dtype=dtype
+    )
+    if positions == "random":
+        slot_positions = torch.randint(
+            0, 2 * max_len, (num_pool_pages, block_size), generator=cpu_gen, dtype=torch.int32
+        ).to(device)
+        query_positions = torch.randint(
+            max_len // 2, 2 * max_len + 1, (batch,), generator=cpu_gen, dtype=torch.int64
+        ).to(device)
+    else:
+        slot_positions = torch.zeros((num_pool_pages, block_size), dtype=torch.int32, device=device)
+        if total:
+            held_pages = tables[held]  # [total] in (row, page) order
+            page_index = column.expand_as(tables)[held]
+            slot_positions[held_pages] = (
+                page_index.unsqueeze(-1) * block_size + torch.arange(block_size, device=device)
+            ).to(torch.int32)
+        query_positions = torch.full((batch,), max_len, dtype=torch.int64, device=device)
+    query = torch.randn(
+        (batch, num_kv_heads * group, head_dim), generator=dev_gen, device=device, dtype=dtype
+    )
+    return DecodeCase(
+        query=query,
+        key_cache=pool[:, 0],
+        value_cache=pool[:, 1],
+        slot_positions=slot_positions,
+        block_tables=block_tables,
+        head_lens=head_lens.to(device),
+        query_positions=query_positions,
+        scale=1.0 / math.sqrt(head_dim),
+        pool=pool,
+    )
+
+
+def decode_case_bytes(batch: int, num_kv_heads: int, group: int, head_dim: int, block_size: int,
+                      max_len: int, element_size: int) -> int:
+    """Upper bound of the device bytes of make_decode_case (all heads at max_len)."""
+    pages = batch * num_kv_heads * (-(-max_len // block_size)) + 7
+    pool = pages * 2 * block_size * head_dim * element_size
+    return pool + pages * block_size * 4 + batch * num_kv_heads * (-(-max_len // block_size)) * 8 * 3
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |out - ref| / max |ref| (NaN anywhere in out -> inf)."""
+    out, ref = out.double(), ref.double()
+    if torch.isnan(out).any() or torch.isinf(out).any():
+        return float("inf")
+    scale = ref.abs().max().item() if ref.numel() else 0.0
+    diff = (out - ref).abs().max().item() if ref.numel() else 0.0
+    return diff / max(scale, 1e-30) if diff else 0.0
+
+
+def dense_decode_oracle(case: DecodeCase) -> torch.Tensor:
+    """Float64 per-head loop over the logical slots: an independent check of the
+    reference and of make_decode_case (CPU dry run)."""
+    query = case.query.double()
+    batch, num_q_heads, head_dim = query.shape
+    num_kv_heads = case.block_tables.shape[1]
+    group = num_q_heads // num_kv_heads
+    block_size = case.key_cache.shape[1]
+    out = torch.zeros_like(query)
+    for s in range(batch):
+        for h in range(num_kv_heads):
+            n = int(case.head_lens[s, h])
+            if n == 0:
+                continue
+            k_index = torch.arange(n)
+            pages = case.block_tables[s, h, k_index // block_size].cpu()
+            offsets = k_index % block_size
+            keys = case.key_cache.cpu()[pages, offsets].double()
+            values = case.value_cache.cpu()[pages, offsets].double()
+            visible = case.slot_positions.cpu()[pages, offsets] <= int(case.query_positions[s])
+            if not bool(visible.any()):
+                continue
+            for g in range(group):
+                scores = keys @ query[s, h * group + g].cpu() * case.scale
+                scores[~visible] = float("-inf")
+                out[s, h * group + g] = torch.softmax(scores, 0) @ values
+    return out
+
+
+# ----------------------------------------------------------------------------------
+# Timing
+# ----------------------------------------------------------------------------------
+
+
+class Timer:
+    """Median wall time of a callable: CUDA events on GPU (optionally flushing L2 before
+    every run, outside the timed region), perf_counter on CPU."""
+
+    def __init__(self, device: torch.device, iters: int, warmup: int, flush_l2: bool = True):
+        self.device = device
+        self.iters = iters
+        self.warmup = warmup
+        self.flush = None
+        if device.type == "cuda" and flush_l2:
+            self.flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
+
+    def __call__(self, fn, iters: int | None = None, setup=None) -> float:
+        """Milliseconds (median). ``setup`` runs untimed before each call."""
+        iters = iters or self.iters
+        for _ in range(self.warmup):
+            if setup is not None:
+                setup()
+            fn()
+        times = []
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            for _ in range(iters):
+                if setup is not None:
+                    setup()
+                if self.flush is not None:
+                    self.flush.zero_()
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+        else:
+            for _ in range(iters):
+                if setup is not None:
+                    setup()
+                begin = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - begin) * 1e3)
+        times.sort()
+        return times[len(times) // 2]
+
+
+def copy_bandwidth(device: torch.device, timer: Timer, size_bytes: int) -> dict:
+    src = torch.empty(size_bytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    ms = timer(lambda: dst.copy_(src))
+    del src, dst
+    return {"bytes": size_bytes, "ms": ms, "GBps": 2 * size_bytes / ms / 1e6}
+
+
+# ----------------------------------------------------------------------------------
+# Ops: CUDA extension, Triton (via dispatch), reference
+# ----------------------------------------------------------------------------------
+
+
+def build_extension(mode: str, verbose: bool = True) -> str:
+    """Makes torch.ops.kvcompress.* available; returns how."""
+    if mode in ("auto", "import"):
+        try:
+            import kvcompress._C  # noqa: F401
+
+            return "import kvcompress._C"
+        except Exception as exc:
+            if mode == "import":
+                raise RuntimeError(f"kvcompress._C is not importable: {exc}") from exc
+    ninja = shutil.which("ninja") is not None
+    if mode == "jit" or (mode == "auto" and ninja):
+        from torch.utils.cpp_extension import load
+
+        sources = [str(ROOT / "csrc" / "torch_bindings.cpp")] + sorted(
+            str(path) for path in (ROOT / "csrc" / "kernels").glob("*.cu")
+        )
+        load(
+            name="kvcompress_C",
+            sources=sources,
+            extra_include_paths=[str(ROOT / "csrc")],
+            extra_cflags=["-O3"],
+            extra_cuda_cflags=["-O3", "--use_fast_math", "-lineinfo"],
+            is_python_module=False,
+            verbose=verbose,
+        )
+        # kvcompress.ops.dispatch detects the extension by importing kvcompress._C: make
+        # that import succeed in this process (the ops are registered already).
+        stub = types.ModuleType("kvcompress._C")
+        stub.__doc__ = "JIT-built by benchmarks/bench_kernels.py (torch.ops.kvcompress registered)"
+        sys.modules["kvcompress._C"] = stub
+        return "torch.utils.cpp_extension.load (JIT)"
+    env = dict(os.environ)
+    if "TORCH_CUDA_ARCH_LIST" not in env and torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        env["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}"
+    cmd = [sys.executable, "-m", "pip", "install", "-e", str(ROOT), "--no-build-isolation", "--no-deps"]
+    print("$", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, env=env, cwd=str(ROOT))
+    importlib.invalidate_caches()
+    import kvcompress._C  # noqa: F401
+
+    return "pip install -e . --no-build-isolation"
+
+
+def cuda_ops():
+    return torch.ops.kvcompress
+
+
+def synchronize(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class ReferenceOps:
+    """The CUDA ops' signatures on the PyTorch reference: lets --dry-run-cpu exercise
+    the check harness (argument order, poisoning, comparisons) without a GPU."""
+
+    @staticmethod
+    def paged_decode_attention(out, query, key_cache, value_cache, slot_positions, block_tables, head_lens,
+                               query_positions, scale, partition_size=0, slot_metrics=None,
+                               metric_seqs=None, metric_power=2, max_head_len=None):
+        reference_paged_attention(query, key_cache, value_cache, slot_positions, block_tables, head_lens,
+                                  list(range(query.shape[0] + 1)), query_positions, scale, out=out,
+                                  slot_metrics=slot_metrics, metric_seqs=metric_seqs,
+                                  metric_power=metric_power)
+
+    @staticmethod
+    def move_cache(*args):
+        reference_move_cache(*args)
+
+    @staticmethod
+    def allocate_pages(page_tables, free_stack, stack_start, offsets, first_column, rows):
+        demand = offsets[1:] - offsets[:-1]
+        reference_page_fill(page_tables, free_stack, stack_start, offsets, first_column, rows, demand,
+                            int(offsets[-1]))
+
+
+def triton_available(device: torch.device) -> bool:
+    if ops_dispatch is None or device.type != "cuda":
+        return False
+    try:
+        return "triton" in ops_dispatch.available_backends(device, "paged_attention")
+    except Exception:
+        return False
+
+
+def backend_context(name: str):
+    if ops_dispatch is None:
+        return nullcontext()
+    return ops_dispatch.use_backend(name)
+
+
+# ----------------------------------------------------------------------------------
+# Correctness checks (GPU)
+# ----------------------------------------------------------------------------------
+
+
+def check_decode_attention(device: torch.device, ops, dtype, head_dim, block_size, group,
+                           partition_size, metrics: bool, seed: int, max_head_len_hint: bool) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    batch, num_kv_heads = 5, 2
+    high = 3 * 512 // 2 + 7  # several partitions of 512 too
+    head_lens = random_head_lens(batch, num_kv_heads, 0, high, gen)
+    head_lens[0, 0] = 0  # empty head
+    head_lens[1] = 0  # sequence with no KVs at all
+    head_lens[2, 0] = block_size * 4  # exact pages
+    head_lens[-1, -1] = high
+    case = make_decode_case(head_lens, group, head_dim, block_size, dtype, device, seed=seed)
+    out = torch.full_like(case.query, float("nan"))
+    metric_seqs = slot_metrics = ref_metrics = None
+    if metrics:
+        metric_seqs = torch.rand(batch, generator=gen) < 0.7
+        metric_seqs[-1] = True
+        metric_seqs = metric_seqs.to(device)
+        # Half the slots start at 0 so the adds are seen at full precision.
+        slot_metrics = torch.rand(case.slot_positions.shape, generator=gen)
+        slot_metrics = (slot_metrics * (torch.rand(slot_metrics.shape, generator=gen) < 0.5)).to(device)
+        ref_metrics = slot_metrics.clone()
+        start_metrics = slot_metrics.clone()
+    args = [out, case.query, case.key_cache, case.value_cache, case.slot_positions, case.block_tables,
+            case.head_lens, case.query_positions, case.scale, partition_size, slot_metrics, metric_seqs, 2,
+            case.max_head_len if max_head_len_hint else None]
+    ops.paged_decode_attention(*args)
+    ref = reference_paged_attention(
+        case.query, case.key_cache, case.value_cache, case.slot_positions, case.block_tables,
+        case.head_lens, list(range(batch + 1)), case.query_positions, case.scale,
+        slot_metrics=ref_metrics, metric_seqs=metric_seqs,
+    )
+    synchronize(device)
+    error = rel_error(out.float(), ref.float())
+    result = {
+        "op": "paged_decode_attention", "dtype": str(dtype).replace("torch.", ""), "head_dim": head_dim,
+        "block_size": block_size, "group": group, "partition_size": partition_size, "metrics": metrics,
+        "max_head_len_hint": max_head_len_hint, "rel_error": error, "tolerance": TOLERANCE[dtype],
+    }
+    ok = error <= TOLERANCE[dtype]
+    if metrics:
+        delta = (ref_metrics - start_metrics).abs().max().item()
+        metric_error = (slot_metrics - ref_metrics).abs().max().item() / max(delta, 1e-12)
+        # Informational: which slots changed (can differ where a gain underflows, the
+        # kernels flush denormals).
+        untouched = bool(torch.equal(slot_metrics == start_metrics, ref_metrics == start_metrics))
+        result.update(metric_rel_error=metric_error, metric_untouched_match=untouched)
+        ok = ok and metric_error <= 1e-3
+    result["ok"] = bool(ok)
+    return result
+
+
+def random_moves(num_pages: int, block_size: int, count: int, device, generator):
+    """``count`` moves between distinct random slots (sources and destinations disjoint)."""
+    slots = torch.randperm(num_pages * block_size, generator=generator)[: 2 * count].to(device)
+    src, dst = slots[:count], slots[count:]
+    return src // block_size, src % block_size, dst // block_size, dst % block_size
+
+
+def check_move_cache(device, ops, dtype, head_dim, block_size, seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    num_pages, count = 300, 1000
+    pool = torch.randn((num_pages, 2, block_size, head_dim), generator=gen).to(device, dtype)
+    metrics = torch.rand((num_pages, block_size), generator=gen).to(device)
+    positions = torch.randint(0, 10**6, (num_pages, block_size), generator=gen, dtype=torch.int32).to(device)
+    moves = random_moves(num_pages, block_size, count, device, gen)
+    mine = [pool.clone(), metrics.clone(), positions.clone()]
+    ref = [pool.clone(), metrics.clone(), positions.clone()]
+    ops.move_cache(mine[0][:, 0], mine[0][:, 1], mine[1], mine[2], *moves)
+    reference_move_cache(ref[0][:, 0], ref[0][:, 1], ref[1], ref[2], *moves)
+    synchronize(device)
+    ok = all(torch.equal(a, b) for a, b in zip(mine, ref))
+    return {"op": "move_cache", "dtype": str(dtype).replace("torch.", ""), "head_dim": head_dim,
+            "block_size": block_size, "moves": count, "ok": bool(ok)}
+
+
+def page_fill_inputs(num_seqs, num_layers, num_kv_heads, max_pages, demand_high, device, generator):
+    """Random allocator demand over a subset of sequence slots, as PerHeadPagedCache.append."""
+    max_seqs = num_seqs + 3
+    seq_slots = torch.randperm(max_seqs, generator=generator)[:num_seqs]
+    heads = num_layers * num_kv_heads
+    rows = (seq_slots.repeat_interleave(heads) * heads + torch.arange(heads).repeat(num_seqs))
+    demand = torch.randint(0, demand_high + 1, (rows.numel(),), generator=generator)
+    first_column = (torch.rand(rows.numel(), generator=generator) * (max_pages - demand + 1)).long()
+    first_column = torch.minimum(first_column, max_pages - demand)
+    offsets = torch.zeros(rows.numel() + 1, dtype=torch.int64)
+    torch.cumsum(demand, 0, out=offsets[1:])
+    total = int(offsets[-1])
+    num_pages = total + 100
+    free_stack = torch.randperm(num_pages, generator=generator)
+    stack_start = num_pages - total
+    to = dict(device=device)
+    return dict(
+        page_tables=torch.full((max_seqs, num_layers, num_kv_heads, max_pages), -1, dtype=torch.int64, **to),
+        free_stack=free_stack.to(**to), stack_start=stack_start, offsets=offsets.to(**to),
+        first_column=first_column.to(**to), rows=rows.to(**to), demand=demand.to(**to), total=total,
+    )
+
+
+def reference_page_fill(page_tables, free_stack, stack_start, offsets, first_column, rows, demand, total):
+    """The page-table scatter of PerHeadPagedCache.append (torch ops)."""
+    if total == 0:
+        return
+    device = page_tables.device
+    requester = torch.repeat_interleave(torch.arange(demand.numel(), device=device), demand)
+    within = torch.arange(total, device=device) - offsets[requester]
+    pages = free_stack[stack_start : stack_start + total]
+    page_tables.view(-1, page_tables.shape[-1])[rows[requester], first_column[requester] + within] = pages
+
+
+def check_allocate_pages(device, ops, seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    inputs = page_fill_inputs(7, 4, 3, 40, 5, device, gen)
+    mine = inputs["page_tables"].clone()
+    ref = inputs["page_tables"].clone()
+    ops.allocate_pages(mine, inputs["free_stack"], inputs["stack_start"], inputs["offsets"],
+                       inputs["first_column"], inputs["rows"])
+    reference_page_fill(ref, inputs["free_stack"], inputs["stack_start"], inputs["offsets"],
+                        inputs["first_column"], inputs["rows"], inputs["demand"], inputs["total"])
+    synchronize(device)
+    return {"op": "allocate_pages", "pages": inputs["total"], "ok": bool(torch.equal(mine, ref))}
+
+
+def run_checks(device, ops, quick: bool) -> list[dict]:
+    results = []
+    seed = 100
+    combos = [(64, 16), (128, 16), (256, 16), (64, 32), (128, 32), (256, 32)]
+    groups = [1, 3, 4, 8, 10, 2]
+    partitions = [0, 512, 64, 16, 4096, 128]
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for index, (head_dim, block_size) in enumerate(combos):
+            if quick and index % 2:
+                continue
+            group = groups[(index + len(results)) % len(groups)]
+            partition = partitions[index % len(partitions)]
+            if partition and partition % block_size:
+                partition = 2 * block_size
+            for metrics in (False, True):
+                seed += 1
+                try:
+                    results.append(check_decode_attention(
+                        device, ops, dtype, head_dim, block_size, group, partition, metrics, seed,
+                        max_head_len_hint=bool(seed % 2)))
+                except Exception as exc:
+                    results.append({"op": "paged_decode_attention", "dtype": str(dtype), "head_dim": head_dim,
+                                    "block_size": block_size, "ok": False, "error": repr(exc)})
+    # Llama shape with every partition mode.
+    for partition in (0, 16, 256, 512):
+        seed += 1
+        try:
+            results.append(check_decode_attention(device, ops, torch.bfloat16, 128, 16, 4, partition, True,
+                                                  seed, max_head_len_hint=False))
+        except Exception as exc:
+            results.append({"op": "paged_decode_attention", "ok": False, "error": repr(exc)})
+    for dtype, head_dim, block_size in ((torch.bfloat16, 128, 16), (torch.float32, 64, 32),
+                                        (torch.float16, 256, 16)):
+        seed += 1
+        try:
+            results.append(check_move_cache(device, ops, dtype, head_dim, block_size, seed))
+        except Exception as exc:
+            results.append({"op": "move_cache", "ok": False, "error": repr(exc)})
+    for _ in range(2):
+        seed += 1
+        try:
+            results.append(check_allocate_pages(device, ops, seed))
+        except Exception as exc:
+            results.append({"op": "allocate_pages", "ok": False, "error": repr(exc)})
+    return results
+
+
+# ----------------------------------------------------------------------------------
+# Benchmarks
+# ----------------------------------------------------------------------------------
+
+
+def sdpa_decode(query, keys, values, scale):
+    """Decode GQA over a contiguous cache: the group is folded into the query length."""
+    batch, num_kv_heads = keys.shape[0], keys.shape[1]
+    q = query.view(batch, num_kv_heads, -1, query.shape[-1])  # [B, H, G, D]
+    return torch.nn.functional.scaled_dot_product_attention(q, keys, values, scale=scale)
+
+
+def bench_decode(device, timer, dtype, batches, contexts, copy_gbps, mem_fraction, cuda_ok, triton_ok,
+                 shapes=LLAMA, seed=0) -> list[dict]:
+    rows = []
+    group = shapes["num_q_heads"] // shapes["num_kv_heads"]
+    head_dim, block_size, num_kv_heads = shapes["head_dim"], shapes["block_size"], shapes["num_kv_heads"]
+    element = torch.tensor([], dtype=dtype).element_size()
+    for context in contexts:
+        for batch in batches:
+            row = {"batch": batch, "context": context}
+            rows.append(row)
+            need = decode_case_bytes(batch, num_kv_heads, group, head_dim, block_size, context, element)
+            sdpa_need = 2 * batch * num_kv_heads * (context + block_size) * head_dim * element
+            free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 2**63
+            if need > mem_fraction * free:
+                row["skipped"] = f"needs {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
+                print(f"  B={batch:4d} ctx={context:6d}: skipped ({row['skipped']})", flush=True)
+                continue
+            case = None
+            try:
+                gen = torch.Generator().manual_seed(seed + batch * 7919 + context)
+                lens = random_head_lens(batch, num_kv_heads, max(1, context // 2), context, gen)
+                case = make_decode_case(lens, group, head_dim, block_size, dtype, device, seed=seed,
+                                        positions="visible")
+                kv_bytes = case.kv_bytes()
+                max_len = case.max_head_len
+                row.update(mean_head_len=float(lens.float().mean()), max_head_len=max_len,
+                           kv_GB=kv_bytes / 1e9)
+                out = torch.empty_like(case.query)
+                qsl = list(range(batch + 1))
+                if cuda_ok:
+                    ops = cuda_ops()
+                    run = lambda: ops.paged_decode_attention(  # noqa: E731
+                        out, case.query, case.key_cache, case.value_cache, case.slot_positions,
+                        case.block_tables, case.head_lens, case.query_positions, case.scale, 0,
+                        None, None, 2, max_len)
+                    ms = timer(run)
+                    row.update(cuda_ms=ms, cuda_GBps=kv_bytes / ms / 1e6)
+                    row["cuda_pct_copy"] = 100 * row["cuda_GBps"] / copy_gbps if copy_gbps else None
+                    check = torch.full_like(out, float("nan"))
+                    ops.paged_decode_attention(check, case.query, case.key_cache, case.value_cache,
+                                               case.slot_positions, case.block_tables, case.head_lens,
+                                               case.query_positions, case.scale, 0, None, None, 2, max_len)
+                    if batch * context <= 64 * 4096:  # spot check against the reference
+                        ref = reference_paged_attention(
+                            case.query, case.key_cache, case.value_cache, case.slot_positions,
+                            case.block_tables, case.head_lens, qsl, case.query_positions, case.scale)
+                        row["cuda_rel_error"] = rel_error(check.float(), ref.float())
+                        del ref
+                if triton_ok:
+                    def run_triton():
+                        with backend_context("triton"):
+                            ops_dispatch.paged_attention(
+                                case.query, case.key_cache, case.value_cache, case.slot_positions,
+                                case.block_tables, case.head_lens, qsl, case.query_positions, case.scale,
+                                out=out, max_head_len=max_len)
+                    try:
+                        ms = timer(run_triton)
+                        row.update(triton_ms=ms, triton_GBps=kv_bytes / ms / 1e6)
+                    except Exception as exc:
+                        row["triton_error"] = repr(exc)[:300]
+                if not cuda_ok and not triton_ok:  # CPU dry run: reference only
+                    run_ref = lambda: reference_paged_attention(  # noqa: E731
+                        case.query, case.key_cache, case.value_cache, case.slot_positions,
+                        case.block_tables, case.head_lens, qsl, case.query_positions, case.scale, out=out)
+                    ms = timer(run_ref, iters=3)
+                    row.update(reference_ms=ms, reference_GBps=kv_bytes / ms / 1e6)
+                free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 2**63
+                if sdpa_need * 1.05 > mem_fraction * free:
+                    row["sdpa_skipped"] = "contiguous copy does not fit"
+                else:
+                    keys, values = contiguous_cache(case, max_len)
+                    ms = timer(lambda: sdpa_decode(case.query, keys, values, case.scale),
+                               iters=3 if device.type == "cpu" else None)
+                    sdpa_bytes = 2 * keys.numel() * keys.element_size()
+                    row.update(sdpa_ms=ms, sdpa_GBps=sdpa_bytes / ms / 1e6, sdpa_len=keys.shape[2])
+                    del keys, values
+                summary = ", ".join(
+                    f"{name} {row[name + '_ms']:.3f} ms {row[name + '_GBps']:.0f} GB/s"
+                    for name in ("cuda", "triton", "reference", "sdpa") if name + "_ms" in row)
+                print(f"  B={batch:4d} ctx={context:6d}: {summary}", flush=True)
+            except torch.cuda.OutOfMemoryError as exc:
+                row["skipped"] = f"out of memory: {str(exc)[:120]}"
+                print(f"  B={batch:4d} ctx={context:6d}: skipped (OOM)", flush=True)
+            except Exception as exc:
+                row["error"] = repr(exc)[:500]
+                print(f"  B={batch:4d} ctx={context:6d}: ERROR {exc!r}", flush=True)
+                traceback.print_exc()
+            finally:
+                del case
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    return rows
+
+
+def contiguous_cache(case: DecodeCase, length: int):
+    """``[B, H, L, D]`` K and V gathered from the pages of each head, ``L`` = ``length``
+    rounded up to whole pages (shorter heads padded with whatever their table holds:
+    timing only, no mask)."""
+    batch, num_kv_heads, _ = case.block_tables.shape
+    block_size = case.key_cache.shape[1]
+    pages = -(-length // block_size)
+    tables = case.block_tables[:, :, :pages]
+    keys = case.key_cache[tables].reshape(batch, num_kv_heads, pages * block_size, -1)
+    values = case.value_cache[tables].reshape(batch, num_kv_heads, pages * block_size, -1)
+    return keys, values
+
+
+def bench_move_cache(device, timer, dtype, num_moves, cuda_ok, triton_ok, seed=0) -> dict:
+    head_dim, block_size = LLAMA["head_dim"], LLAMA["block_size"]
+    num_pages = max(64, -(-4 * num_moves // block_size))
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.empty((num_pages, 2, block_size, head_dim), dtype=dtype, device=device).normal_()
+    metrics = torch.rand((num_pages, block_size), device=device)
+    positions = torch.zeros((num_pages, block_size), dtype=torch.int32, device=device)
+    moves = random_moves(num_pages, block_size, num_moves, device, gen)
+    moved = num_moves * (2 * head_dim * pool.element_size() + 8)
+    result = {"moves": num_moves, "bytes_per_move": 2 * head_dim * pool.element_size() + 8,
+              "GB_read_plus_written": 2 * moved / 1e9}
+    args = (pool[:, 0], pool[:, 1], metrics, positions, *moves)
+    runners = {"reference": lambda: reference_move_cache(*args)}
+    if cuda_ok:
+        runners["cuda"] = lambda: cuda_ops().move_cache(*args)
+    if triton_ok and ops_dispatch is not None:
+        def run_triton():
+            with backend_context("triton"):
+                ops_dispatch.move_cache(*args)
+        runners["triton"] = run_triton
+    for name, run in runners.items():
+        try:
+            ms = timer(run, iters=3 if device.type == "cpu" else None)
+            result[name] = {"ms": ms, "GBps": 2 * moved / ms / 1e6}
+            print(f"  MoveCache {name}: {ms:.3f} ms, {2 * moved / ms / 1e6:.0f} GB/s", flush=True)
+        except Exception as exc:
+            result[name] = {"error": repr(exc)[:300]}
+    return result
+
+
+def bench_allocator(device, timer, num_seqs, num_layers, num_kv_heads, tokens, block_size, cuda_ok,
+                    seed=0) -> dict:
+    """Page-table fill: decode step (0/1 page per head) and prefill (tokens / b per head)."""
+    result = {"seqs": num_seqs, "layers": num_layers, "kv_heads": num_kv_heads, "tokens": tokens}
+    max_pages = -(-tokens // block_size) + 4
+    gen = torch.Generator().manual_seed(seed)
+    for label, high in (("decode_step", 1), ("prefill", max_pages - 4)):
+        inputs = page_fill_inputs(num_seqs, num_layers, num_kv_heads, max_pages, high, device, gen)
+        if label == "prefill":  # every head needs the same pages
+            demand = torch.full_like(inputs["demand"], high)
+            offsets = torch.zeros_like(inputs["offsets"])
+            torch.cumsum(demand, 0, out=offsets[1:])
+            total = int(offsets[-1])
+            inputs.update(demand=demand, offsets=offsets, total=total,
+                          first_column=torch.zeros_like(inputs["first_column"]),
+                          free_stack=torch.randperm(total + 100, generator=gen).to(device), stack_start=100)
+        tables = inputs["page_tables"]
+        entry = {"pages": inputs["total"], "requesters": inputs["rows"].numel()}
+
+        def fill_reference():
+            reference_page_fill(tables, inputs["free_stack"], inputs["stack_start"], inputs["offsets"],
+                                inputs["first_column"], inputs["rows"], inputs["demand"], inputs["total"])
+
+        entry["reference_fill_ms"] = timer(fill_reference, iters=5 if device.type == "cpu" else None)
+        if cuda_ok:
+            entry["cuda_fill_ms"] = timer(lambda: cuda_ops().allocate_pages(
+                tables, inputs["free_stack"], inputs["stack_start"], inputs["offsets"],
+                inputs["first_column"], inputs["rows"]))
+        result[label] = entry
+        print(f"  allocator {label}: {entry}", flush=True)
+
+    # The whole reference append() of one decode step (allocate_for + fill + write plan),
+    # on a cache whose heads hold random lengths (filled directly: a 4K-token append of
+    # 64 sequences would build a [T, L, H, P] index tensor of tens of GB).
+    total_pages = num_seqs * num_layers * num_kv_heads * (max_pages + 2)
+    cache = PerHeadPagedCache(total_pages, num_layers, num_kv_heads, block_size, num_seqs,
+                              max_pages + 2, device)
+    seq_slots = torch.tensor([cache.new_sequence() for _ in range(num_seqs)], device=device)
+    lens = torch.randint(1, tokens + 1, (num_seqs, num_layers, num_kv_heads), generator=gen).to(device)
+    demand = pages_for(lens, block_size).reshape(-1)
+    pages, offsets = cache.allocator.allocate_for(demand)
+    heads = num_layers * num_kv_heads
+    rows = (seq_slots.repeat_interleave(heads) * heads + torch.arange(heads, device=device).repeat(num_seqs))
+    reference_page_fill(cache.page_tables, pages, 0, offsets, torch.zeros_like(demand), rows, demand,
+                        pages.numel())
+    cache.head_lens[seq_slots] = lens
+    ones = torch.ones(num_seqs, dtype=torch.int64, device=device)
+    lens = lens.amax(dim=(1, 2)).cpu()
+    step = {"n": 0}
+
+    def append_step():
+        step["n"] += 1
+        cache.append(seq_slots, ones, (lens + step["n"]).to(device))
+
+    result["reference_append_decode_ms"] = timer(append_step, iters=5 if device.type == "cpu" else 20)
+    print(f"  allocator reference append (decode step): {result['reference_append_decode_ms']:.3f} ms",
+          flush=True)
+    del cache
+    return result
+
+
+def build_compress_state(device, num_seqs, num_layers, num_kv_heads, tokens, block_size, head_dim, dtype,
+                         seed=0):
+    """A cache with ``tokens`` KVs in every head (tables filled directly, no write plan)."""
+    pages_per_head = -(-tokens // block_size)
+    num_pages = num_seqs * num_layers * num_kv_heads * pages_per_head
+    cache = PerHeadPagedCache(num_pages, num_layers, num_kv_heads, block_size, num_seqs, pages_per_head,
+                              device)
+    seq_slots = torch.tensor([cache.new_sequence() for _ in range(num_seqs)], dtype=torch.int64,
+                             device=device)
+    pages, _ = cache.allocator.allocate_for(
+        torch.full((num_seqs * num_layers * num_kv_heads,), pages_per_head, dtype=torch.int64, device=device))
+    cache.page_tables[seq_slots] = pages.view(num_seqs, num_layers, num_kv_heads, pages_per_head)
+    cache.head_lens[seq_slots] = tokens
+    offsets = torch.arange(block_size, device=device, dtype=torch.int32)
+    column = torch.arange(pages_per_head, device=device, dtype=torch.int32)
+    cache.slot_positions[pages] = (column.repeat(num_seqs * num_layers * num_kv_heads).unsqueeze(-1)
+                                   * block_size + offsets)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    cache.slot_metrics.copy_(torch.rand(cache.slot_metrics.shape, generator=gen, device=device))
+    pool = torch.empty((num_pages, 2, block_size, head_dim), dtype=dtype, device=device)
+    return cache, seq_slots, pool
+
+
+def bench_eviction(device, timer, num_seqs, num_layers, num_kv_heads, tokens, block_size, head_dim, dtype,
+                   mem_fraction, cuda_ok, triton_ok) -> dict:
+    result = {"seqs": num_seqs, "layers": num_layers, "kv_heads": num_kv_heads, "tokens": tokens}
+    pages_per_head = -(-tokens // block_size)
+    num_pages = num_seqs * num_layers * num_kv_heads * pages_per_head
+    pool_bytes = num_pages * 2 * block_size * head_dim * torch.tensor([], dtype=dtype).element_size()
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 2**63
+    full = pool_bytes * 1.3 < mem_fraction * free
+    if not full:  # keep the metadata real, shrink the K / V rows
+        head_dim = 16
+        result["note"] = f"K/V pool of {pool_bytes / 2**30:.1f} GiB does not fit: head_dim 16 pool instead"
+    result["head_dim"] = head_dim
+    cache, seq_slots, pool = build_compress_state(device, num_seqs, num_layers, num_kv_heads, tokens,
+                                                  block_size, head_dim, dtype)
+    evict = torch.full((num_seqs,), num_layers * num_kv_heads * pages_per_head // 4, dtype=torch.int64,
+                       device=device)
+    context = torch.full((num_seqs,), tokens, dtype=torch.int64, device=device)
+    iters = 3 if device.type == "cpu" else 5
+
+    metrics, positions, _ = gather_logical(cache, seq_slots)
+    head_lens = cache.head_lens[seq_slots]
+    protected = torch.zeros_like(metrics, dtype=torch.bool)
+    protected[..., :4] = True
+    protected[..., -32:] = True
+    for cost in ("max", "sum"):
+        result[f"schedule_evictions_{cost}_ms"] = timer(
+            lambda: schedule_evictions(metrics, head_lens, protected, evict, block_size, cost), iters=iters)
+    del metrics, positions, protected
+
+    saved = dict(page_tables=cache.page_tables.clone(), head_lens=cache.head_lens.clone(),
+                 slot_metrics=cache.slot_metrics.clone(), slot_positions=cache.slot_positions.clone(),
+                 free_stack=cache.allocator.free_stack.clone(), num_free=cache.allocator.num_free)
+
+    def restore():
+        cache.page_tables.copy_(saved["page_tables"])
+        cache.head_lens.copy_(saved["head_lens"])
+        cache.slot_metrics.copy_(saved["slot_metrics"])
+        cache.slot_positions.copy_(saved["slot_positions"])
+        cache.allocator.free_stack.copy_(saved["free_stack"])
+        cache.allocator.num_free = saved["num_free"]
+
+    def compress():
+        return compress_sequences(cache, pool[:, 0], pool[:, 1], seq_slots, evict, context, 32, 4)
+
+    variants = {"reference": (nullcontext, None)}
+    if cuda_ok:
+        variants["cuda_move_cache"] = (lambda: backend_context("cuda"), lambda *a: cuda_ops().move_cache(*a))
+    if triton_ok:
+        variants["triton_move_cache"] = (lambda: backend_context("triton"),
+                                         lambda *a: ops_dispatch.move_cache(*a))
+    for name, (context_factory, patched) in variants.items():
+        try:
+            patch = mock.patch.object(move_cache_module, "move_cache", patched) if patched else nullcontext()
+            with context_factory(), patch:
+                ms = timer(compress, iters=iters, setup=restore)
+                restore()
+                stats = compress()
+            result[f"compress_sequences_{name}_ms"] = ms
+            result["pages_freed"] = stats.pages_freed
+            result["kvs_evicted"] = stats.kvs_evicted
+        except Exception as exc:
+            result[f"compress_sequences_{name}_error"] = repr(exc)[:300]
+    print(f"  eviction: {result}", flush=True)
+    del cache, pool, saved
+    return result
+
+
+# ----------------------------------------------------------------------------------
+# Report
+# ----------------------------------------------------------------------------------
+
+
+def fmt(value, digits=3):
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def markdown_report(report: dict) -> str:
+    lines = [f"# kvcompress kernels on {report['device']} ({report['date']})", ""]
+    env = report["environment"]
+    lines += [f"torch {env['torch']}, CUDA {env['cuda']}, triton {env['triton']}, build: {report.get('build')}", ""]
+    if report.get("copy_bandwidth"):
+        cb = report["copy_bandwidth"]
+        lines += [f"Device copy bandwidth (read + write, {cb['bytes'] / 2**30:.1f} GiB): "
+                  f"**{cb['GBps']:.0f} GB/s**", ""]
+    checks = report.get("checks") or []
+    if checks:
+        failed = [c for c in checks if not c.get("ok")]
+        lines += [f"## Correctness: {len(checks) - len(failed)}/{len(checks)} checks passed", ""]
+        lines += ["| op | dtype | head | block | group | partition | metrics | rel error | ok |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for c in checks:
+            lines.append("| " + " | ".join(fmt(c.get(k)) for k in (
+                "op", "dtype", "head_dim", "block_size", "group", "partition_size", "metrics")) +
+                f" | {fmt(c.get('rel_error'), 6) if 'rel_error' in c else '-'} | "
+                f"{'yes' if c.get('ok') else 'NO ' + c.get('error', '')} |")
+        lines.append("")
+    decode = report.get("decode") or []
+    if decode:
+        lines += [f"## Decode attention, Llama-3.1-8B layer ({report.get('dtype')}, 32 q / 8 KV heads, "
+                  "head 128, block 16; per-head lengths uniform in [ctx/2, ctx]; cold L2)", "",
+                  "| batch | ctx | KV GB | CUDA ms | CUDA GB/s | % copy | Triton ms | Triton GB/s | "
+                  "SDPA ms | SDPA GB/s | ref ms | note |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in decode:
+            note = r.get("skipped") or r.get("error") or r.get("sdpa_skipped") or r.get("triton_error") or ""
+            lines.append("| " + " | ".join([
+                str(r["batch"]), str(r["context"]), fmt(r.get("kv_GB")), fmt(r.get("cuda_ms")),
+                fmt(r.get("cuda_GBps"), 0), fmt(r.get("cuda_pct_copy"), 1), fmt(r.get("triton_ms")),
+                fmt(r.get("triton_GBps"), 0), fmt(r.get("sdpa_ms")), fmt(r.get("sdpa_GBps"), 0),
+                fmt(r.get("reference_ms")), note[:80]]) + " |")
+        lines.append("")
+    move = report.get("move_cache")
+    if move:
+        lines += [f"## MoveCache ({move['moves']} moves, {move['bytes_per_move']} B per move)", "",
+                  "| backend | ms | GB/s (read + write) |", "|---|---|---|"]
+        for name in ("cuda", "triton", "reference"):
+            if name in move:
+                entry = move[name]
+                lines.append(f"| {name} | {fmt(entry.get('ms'))} | {fmt(entry.get('GBps'), 0)} "
+                             f"{entry.get('error', '')} |")
+        lines.append("")
+    alloc = report.get("allocator")
+    if alloc:
+        lines += [f"## Allocator ({alloc['seqs']} seqs x {alloc['layers']} layers x {alloc['kv_heads']} "
+                  f"KV heads, {alloc['tokens']} tokens)", "", "| step | pages | reference fill ms | "
+                  "CUDA fill ms |", "|---|---|---|---|"]
+        for label in ("decode_step", "prefill"):
+            if label in alloc:
+                e = alloc[label]
+                lines.append(f"| {label} | {e['pages']} | {fmt(e.get('reference_fill_ms'))} | "
+                             f"{fmt(e.get('cuda_fill_ms'))} |")
+        lines += ["", f"Reference `PerHeadPagedCache.append` of one decode step: "
+                  f"{fmt(alloc.get('reference_append_decode_ms'))} ms", ""]
+    evict = report.get("eviction")
+    if evict:
+        lines += [f"## Eviction step ({evict['seqs']} seqs x {evict['layers']} layers x {evict['kv_heads']} "
+                  f"KV heads x {evict['tokens']} tokens, 25% of pages evicted)", ""]
+        lines += [f"- {key}: {fmt(value)}" for key, value in evict.items()
+                  if key.endswith("_ms") or key.endswith("_error") or key in ("note", "pages_freed", "head_dim")]
+        lines.append("")
+    if report.get("errors"):
+        lines += ["## Errors", ""] + [f"- {e}" for e in report["errors"]] + [""]
+    return "\n".join(lines)
+
+
+def device_slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-") or "device"
+
+
+def write_report(report: dict, out_dir: Path) -> tuple[Path, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"kernels-{device_slug(report['device'])}-{report['date']}"
+    json_path = out_dir / f"{stem}.json"
+    md_path = out_dir / f"{stem}.md"
+    json_path.write_text(json.dumps(report, indent=2, default=str))
+    md_path.write_text(markdown_report(report))
+    return json_path, md_path
+
+
+# ----------------------------------------------------------------------------------
+# Main
+# ----------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description="Build, check and benchmark the kvcompress CUDA kernels (needs a CUDA GPU; "
+        "--dry-run-cpu runs a tiny reference-only smoke test of this script on CPU).")
+    parser.add_argument("--dry-run-cpu", action="store_true",
+                        help="tiny shapes, PyTorch reference only, on CPU (no build, no GPU)")
+    parser.add_argument("--build", choices=("auto", "import", "jit", "pip"), default="auto",
+                        help="how to get kvcompress._C (default: import, else JIT with ninja, else pip -e)")
+    parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="cache dtype of the benchmark")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64, 256])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
+    parser.add_argument("--quick", action="store_true", help="fewer checks and shapes")
+    parser.add_argument("--checks-only", action="store_true", help="build and check, no benchmark")
+    parser.add_argument("--skip-checks", action="store_true")
+    parser.add_argument("--skip", nargs="*", default=[], choices=("decode", "move", "alloc", "evict"),
+                        help="benchmark sections to skip")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--moves", type=int, default=1 << 20, help="MoveCache moves")
+    parser.add_argument("--mem-fraction", type=float, default=0.85,
+                        help="use at most this fraction of free device memory per config")
+    parser.add_argument("--out-dir", type=Path, default=None,
+                        help="default benchmarks/results (a temporary folder with --dry-run-cpu)")
+    return parser.parse_args(argv)
+
+
+@contextmanager
+def section(report: dict, name: str):
+    print(f"== {name}", flush=True)
+    started = time.perf_counter()
+    try:
+        yield
+    except Exception as exc:
+        traceback.print_exc()
+        report["errors"].append(f"{name}: {exc!r}"[:1000])
+    print(f"   ({time.perf_counter() - started:.1f} s)", flush=True)
+
+
+def dry_run_checks() -> list[dict]:
+    """CPU: the reference against a float64 per-head oracle, MoveCache and page fill
+    reference consistency: exercises this script's input builders and comparisons."""
+    results = []
+    for seed, (head_dim, block_size, group) in enumerate(((64, 16, 2), (32, 32, 3))):
+        gen = torch.Generator().manual_seed(seed)
+        lens = random_head_lens(3, 2, 0, 70, gen)
+        lens[0, 0] = 0
+        case = make_decode_case(lens, group, head_dim, block_size, torch.float32, "cpu", seed=seed)
+        out = torch.full_like(case.query, float("nan"))
+        reference_paged_attention(case.query, case.key_cache, case.value_cache, case.slot_positions,
+                                  case.block_tables, case.head_lens, list(range(4)), case.query_positions,
+                                  case.scale, out=out)
+        error = rel_error(out, dense_decode_oracle(case))
+        results.append({"op": "reference_paged_attention_vs_oracle", "dtype": "float32", "head_dim": head_dim,
+                        "block_size": block_size, "group": group, "rel_error": error, "ok": error < 1e-5})
+    gen = torch.Generator().manual_seed(7)
+    pool = torch.randn(20, 2, 16, 8, generator=gen)
+    moves = random_moves(20, 16, 50, "cpu", gen)
+    metrics = torch.rand(20, 16, generator=gen)
+    positions = torch.arange(320, dtype=torch.int32).view(20, 16)
+    before = (pool.clone(), metrics.clone(), positions.clone())
+    reference_move_cache(pool[:, 0], pool[:, 1], metrics, positions, *moves)
+    sp, so, dp, do = moves
+    ok = torch.equal(pool[dp, :, do], before[0][sp, :, so]) and torch.equal(positions[dp, do], before[2][sp, so])
+    results.append({"op": "move_cache_reference", "ok": bool(ok)})
+    inputs = page_fill_inputs(3, 2, 2, 12, 3, "cpu", gen)
+    tables = inputs["page_tables"]
+    reference_page_fill(tables, inputs["free_stack"], inputs["stack_start"], inputs["offsets"],
+                        inputs["first_column"], inputs["rows"], inputs["demand"], inputs["total"])
+    filled = tables[tables >= 0]
+    ok = filled.numel() == inputs["total"] and torch.equal(
+        filled.sort().values, inputs["free_stack"][inputs["stack_start"]:].sort().values)
+    results.append({"op": "page_fill_reference", "pages": inputs["total"], "ok": bool(ok)})
+    return results
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not args.dry_run_cpu and not torch.cuda.is_available():
+        print("bench_kernels.py needs a CUDA GPU (torch.cuda.is_available() is False; torch "
+              f"{torch.__version__}, CUDA {torch.version.cuda}). Run it on a GPU machine, or use "
+              "--dry-run-cpu for the tiny reference-only smoke test of this script.", file=sys.stderr)
+        return 2
+    dry = args.dry_run_cpu
+    device = torch.device("cpu") if dry else torch.device("cuda", torch.cuda.current_device())
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except Exception:
+        triton_version = None
+    report = {
+        "device": "cpu-dry-run" if dry else torch.cuda.get_device_name(device),
+        "date": _dt.date.today().isoformat(),
+        "dtype": args.dtype,
+        "environment": {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton_version,
+                        "python": platform.python_version(), "host": platform.node(),
+                        "dispatch": ops_dispatch is not None},
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "errors": [],
+    }
+    if not dry:
+        props = torch.cuda.get_device_properties(device)
+        report["environment"].update(sm_count=props.multi_processor_count,
+                                     memory_GiB=props.total_memory / 2**30,
+                                     capability=f"{props.major}.{props.minor}")
+    dtype = DTYPES[args.dtype]
+    timer = Timer(device, iters=3 if dry else args.iters, warmup=1 if dry else args.warmup)
+    cuda_ok = False
+    triton_ok = False
+    if not dry:
+        with section(report, "build kvcompress._C"):
+            started = time.perf_counter()
+            report["build"] = build_extension(args.build)
+            report["build_seconds"] = time.perf_counter() - started
+            cuda_ok = hasattr(torch.ops.kvcompress, "paged_decode_attention")
+            print(f"   {report['build']}: ops registered = {cuda_ok}", flush=True)
+        triton_ok = triton_available(device)
+        report["environment"]["triton_backend"] = triton_ok
+    else:
+        report["build"] = "none (dry run)"
+
+    if not args.skip_checks:
+        with section(report, "correctness checks"):
+            if dry:  # harness on the reference ops (checks the script, not kernels)
+                report["checks"] = dry_run_checks() + run_checks(device, ReferenceOps(), quick=True)
+            else:
+                report["checks"] = run_checks(device, cuda_ops(), args.quick) if cuda_ok else []
+            failed = [c for c in report["checks"] if not c.get("ok")]
+            for c in report["checks"]:
+                print(f"   {'ok  ' if c.get('ok') else 'FAIL'} {c}", flush=True)
+            print(f"   {len(report['checks']) - len(failed)}/{len(report['checks'])} passed", flush=True)
+            if not dry and not cuda_ok:
+                report["errors"].append("checks: the CUDA ops are not available")
+
+    if not args.checks_only:
+        batches = [1, 2] if dry else (args.batches if not args.quick else [1, 16, 256])
+        contexts = [64, 128] if dry else (args.contexts if not args.quick else [1024, 32768])
+        with section(report, "device copy bandwidth"):
+            report["copy_bandwidth"] = copy_bandwidth(device, timer, (1 << 24) if dry else (4 << 30))
+            print(f"   {report['copy_bandwidth']['GBps']:.0f} GB/s", flush=True)
+        copy_gbps = report.get("copy_bandwidth", {}).get("GBps")
+        if "decode" not in args.skip:
+            with section(report, "decode attention"):
+                shapes = dict(LLAMA, num_q_heads=4, num_kv_heads=2, head_dim=64) if dry else LLAMA
+                report["decode"] = bench_decode(device, timer, dtype, batches, contexts, copy_gbps,
+                                                args.mem_fraction, cuda_ok, triton_ok, shapes=shapes)
+        if "move" not in args.skip:
+            with section(report, "MoveCache"):
+                report["move_cache"] = bench_move_cache(device, timer, dtype, 256 if dry else args.moves,
+                                                        cuda_ok, triton_ok)
+        sizes = (2, 2, 2, 64) if dry else (64, 32, 8, 4096)
+        if "alloc" not in args.skip:
+            with section(report, "allocator"):
+                report["allocator"] = bench_allocator(device, timer, *sizes, LLAMA["block_size"], cuda_ok)
+        if "evict" not in args.skip:
+            with section(report, "eviction schedule / compress_sequences"):
+                report["eviction"] = bench_eviction(device, timer, *sizes, LLAMA["block_size"],
+                                                    16 if dry else LLAMA["head_dim"], dtype,
+                                                    args.mem_fraction, cuda_ok, triton_ok)
+
+    out_dir = args.out_dir or (Path(tempfile.mkdtemp(prefix="bench_kernels_")) if dry
+                               else ROOT / "benchmarks" / "results")
+    json_path, md_path = write_report(report, out_dir)
+    print(markdown_report(report))
+    print(f"wrote {json_path} and {md_path}")
+    failed = [c for c in report.get("checks") or [] if not c.get("ok")]
+    return 1 if failed or report["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
