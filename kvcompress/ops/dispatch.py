@@ -304,6 +304,7 @@ def paged_attention(
                 slot_metrics=slot_metrics if metric_seqs is not None else None,
                 metric_seqs=metric_seqs if slot_metrics is not None else None,
                 metric_power=int(metric_power),
+                max_head_len=max_head_len,
             )
             _call_by_schema(_cuda_op("paged_attention"), values)
             return out

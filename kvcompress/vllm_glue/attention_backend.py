@@ -84,6 +84,7 @@ class PerHeadStep:
         query_positions: ``[num_tokens]`` int64 token positions.
         block_tables: ``[num_reqs, num_layers, num_kv_heads, max_pages]`` int64.
         head_lens: ``[num_reqs, num_layers, num_kv_heads]`` int64 (after this step's KVs).
+        max_head_len: ``head_lens.max()`` on the host (sizes GPU decode grids without a sync).
         plan: where each new KV is written.
         metrics: which queries add to the eviction metrics (None: none).
     """
@@ -94,6 +95,7 @@ class PerHeadStep:
     query_positions: torch.Tensor
     block_tables: torch.Tensor
     head_lens: torch.Tensor
+    max_head_len: int
     plan: AppendPlan
     metrics: MetricQueries | None = None
 
@@ -249,6 +251,7 @@ class PerHeadAttentionImpl(AttentionImpl):
             slot_metrics=state.cache.slot_metrics if metrics is not None else None,
             metric_seqs=metrics.decode_seqs if metrics is not None else None,
             metric_power=metrics.power if metrics is not None else 2,
+            max_head_len=step.max_head_len,
         )
         if metrics is not None:
             self._prompt_metrics(state, step, metrics, query, block_tables, head_lens)

@@ -261,7 +261,8 @@ class PerHeadRunnerMixin:
         positions_t = torch.from_numpy(positions).to(device)
         plan = cache.append(seq_slots, torch.from_numpy(num_new).to(device), positions_t)
         head_lens = cache.head_lens[seq_slots]
-        max_pages = int(((head_lens.max() + cache.block_size - 1) // cache.block_size).item())
+        max_head_len = int(head_lens.max().item())
+        max_pages = -(-max_head_len // cache.block_size)
         set_current_step(
             PerHeadStep(
                 num_reqs=num_reqs,
@@ -270,6 +271,7 @@ class PerHeadRunnerMixin:
                 query_positions=positions_t,
                 block_tables=cache.page_tables[seq_slots, :, :, : max(1, max_pages)],
                 head_lens=head_lens,
+                max_head_len=max_head_len,
                 plan=plan,
                 metrics=self._kvc_metric_queries(req_ids, computed, num_new, query_start),
             )
