@@ -10,5 +10,5 @@ PY="$VENV/bin/python"
 # A metadata-only "vllm" distribution so that the `vllm` CLI starts (patches/README.md).
 "$PY" -m pip install -q --no-deps --no-build-isolation ./patches/vllm_cpu_metadata
 "$PY" -m pip install -q --no-deps --no-build-isolation -e .
-"$PY" -m pip install -q pytest hypothesis gguf
+"$PY" -m pip install -q pytest hypothesis gguf matplotlib
 "$PY" -c "import kvcompress.patches as p; p.check_vllm_version(); print('kvcompress installed')"
