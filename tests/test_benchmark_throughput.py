@@ -1,0 +1,108 @@
+"""Smoke tests of the throughput benchmark (benchmarks/benchmark_throughput.py) and of the
+kvcompress flags through vLLM's own ``vllm bench throughput``."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _benchmark():
+    path = ROOT / "benchmarks" / "benchmark_throughput.py"
+    spec = importlib.util.spec_from_file_location("benchmark_throughput", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_throughput_smoke(tmp_path):
+    bench = _benchmark()
+    prefix = tmp_path / "throughput"
+    num_prompts, output_len = 16, 16
+    results = bench.main(
+        [
+            "--rates", "1", "4", "--input-lens", "512", "--num-prompts", str(num_prompts),
+            "--output-len", str(output_len), "--kv-tokens", "2048", "--output-prefix", str(prefix),
+            "--no-progress",
+        ]
+    )  # fmt: skip
+    saved = json.loads(prefix.with_suffix(".json").read_text())
+    assert saved["rows"] == json.loads(json.dumps(results["rows"]))
+    assert saved["kv_cache_memory_bytes"] == 2048 * saved["kv_bytes_per_token"]
+    assert saved["kv_budget_tokens_uncompressed"] == 2048
+    with open(prefix.with_suffix(".csv")) as handle:
+        csv_rows = list(csv.DictReader(handle))
+    assert [(r["engine"], float(r["rate"])) for r in csv_rows] == [
+        ("stock vLLM", 1.0), ("kvcompress", 1.0), ("kvcompress", 4.0),
+    ]  # fmt: skip
+    assert "| 512 | kvcompress | 4 |" in prefix.with_suffix(".md").read_text()
+
+    rows = {(r["engine"], r["rate"]): r for r in saved["rows"]}
+    for row in rows.values():
+        assert row["input_len"] == 512
+        assert row["finished"] == num_prompts
+        assert row["output_tokens"] == num_prompts * output_len
+        assert row["prompt_tokens"] == num_prompts * 512
+        for key in ("throughput_multiplier", "max_batch_multiplier", "total_tokens_per_s", "requests_per_s"):
+            assert math.isfinite(row[key]) and row[key] > 0, (key, row)
+        assert row["preemptions"] is not None and row["preemptions"] >= 0
+    stock, kvc1, kvc4 = rows[("stock vLLM", 1.0)], rows[("kvcompress", 1.0)], rows[("kvcompress", 4.0)]
+    assert stock["throughput_multiplier"] == 1.0
+    assert kvc4["max_decode_batch"] > stock["max_decode_batch"]
+    assert kvc4["pages_freed"] > 0 and kvc1["pages_freed"] == 0
+    assert kvc1["mismatches"] == kvc4["mismatches"] == 0
+    assert 0 <= kvc4["compress_share_of_step_time"] < 1
+    assert kvc1["throughput_vs_rate1"] == 1.0 and stock["throughput_vs_rate1"] is None
+
+    # The report can be rewritten from the saved JSON without running anything.
+    again = bench.main(["--from-json", str(prefix.with_suffix(".json")), "--output-prefix", str(tmp_path / "again"),
+                        "--no-plots", "--note", "rewritten"])  # fmt: skip
+    assert again["rows"] == saved["rows"]
+    assert "note: rewritten" in (tmp_path / "again.md").read_text()
+
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    for name in ("throughput-multiplier", "max-batch", "throughput-by-input"):
+        assert (tmp_path / f"throughput-{name}.png").stat().st_size > 0
+
+
+def test_vllm_bench_throughput_with_kv_compress_flags(tmp_path):
+    """``vllm bench throughput`` takes the plugin's ``--kv-compress-*`` flags and runs the
+    kvcompress engine (random dataset: needs a tokenizer, hence SmolLM2)."""
+    from kvcompress.offline_assets import smollm2_checkpoint
+
+    model = str(smollm2_checkpoint())
+    out = tmp_path / "bench.json"
+    vllm_cli = Path(sys.executable).parent / "vllm"
+    command = [
+        str(vllm_cli), "bench", "throughput", "--model", model,
+        "--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "16",
+        "--num-prompts", "8", "--kv-cache-memory-bytes", str(4096 * 30 * 2 * 3 * 64 * 4),
+        "--enforce-eager", "--dtype", "float32", "--max-model-len", "1024",
+        "--kv-compress-rate", "4", "--kv-compress-protected-window", "8",
+        "--output-json", str(out),
+    ]  # fmt: skip
+    env = dict(os.environ, VLLM_TARGET_DEVICE=os.environ.get("VLLM_TARGET_DEVICE", "cpu"), VLLM_LOGGING_LEVEL="INFO")
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-4000:]
+    assert "kvcompress scheduler:" in log  # the per-head scheduler ran
+    assert "'kvcompress': {'rate': 4.0, 'protected_window': 8}" in log
+    report = json.loads(out.read_text())
+    assert report["num_requests"] == 8
+    assert report["total_num_tokens"] == 8 * (256 + 16)
+    assert report["tokens_per_second"] > 0
