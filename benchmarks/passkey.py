@@ -10,8 +10,8 @@ One stock ``vllm.LLM`` answers every prompt; then one ``kvcompress.LLM`` engine 
 the same prompts once per rate, the rate set per request
 (``SamplingParams(extra_args={"kv_compress_rate": r})``; rate 1 evicts nothing and must
 be token-identical to stock). Pages held after compression are read from the scheduler
-(``kvcompress_page_stats``) at each request's first decode step, when its prompt has
-just been compressed; "full" is what the same request holds uncompressed.
+(``kvcompress_page_stats``): per request the fewest pages held while decoding, i.e. just
+after its prompt was compressed; "full" is what it would hold uncompressed.
 
     python benchmarks/passkey.py                                  # ~15 prompts, rates 1 4 8 16
     python benchmarks/passkey.py --context-tokens 3000 --depths 0.1 0.5 0.9 --trials 2 \\
@@ -32,16 +32,22 @@ from typing import Any
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 INTRO = (
-    "There is an important piece of information hidden inside a lot of irrelevant text. "
-    "Find it and memorize it. I will quiz you about the important information there."
+    "There is a pass key hidden inside a lot of irrelevant text. "
+    "Find it and memorize it. I will quiz you about the pass key."
 )
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "What is the pass key?"
 ANSWER_PREFIX = "The pass key is"
-PROMPT_FORMATS = ("chat", "chat-user", "plain")
-"""``chat``: chat template, the question in the user turn, the assistant turn opened with
+PROMPT_FORMATS = ("plain", "chat", "chat-user")
+"""``plain`` (default): no template, a completion prompt ending "The pass key is";
+``chat``: chat template, the question in the user turn, the assistant turn opened with
 "The pass key is"; ``chat-user``: chat template, question and "The pass key is" both in
-the user turn; ``plain``: no template, a completion prompt ending "The pass key is"."""
+the user turn.
+
+Measured with stock vLLM (the default 15 prompts: 3K tokens, 5 depths x 3 trials):
+``plain`` finds 10/15, ``chat`` 1/15, ``chat-user`` 0/15 (SmolLM2 answers "a term coined
+by ..."); with a generic intro ("an important piece of information" instead of "a pass
+key") ``plain`` found 8/15, ``chat`` 2/15, ``chat-user`` 0/15; ``plain`` without any intro 6/15."""
 
 ENGINE_ARGS = dict(
     dtype="float32",
@@ -101,7 +107,7 @@ def build_prompt(
     depth: float,
     key: int,
     first_essay: int = 0,
-    prompt_format: str = "chat",
+    prompt_format: str = "plain",
 ) -> dict[str, Any]:
     """One passkey prompt of about ``context_tokens`` tokens (never more).
 
@@ -155,7 +161,7 @@ def build_prompts(
     depths=(0.1, 0.3, 0.5, 0.7, 0.9),
     trials: int = 3,
     seed: int = 0,
-    prompt_format: str = "chat",
+    prompt_format: str = "plain",
 ) -> list[dict[str, Any]]:
     """``len(depths) x trials`` prompts; pass keys from ``random.Random(seed)``; trial t
     of every depth uses the haystack that starts at essay ``7 t`` (so trials differ)."""
@@ -184,7 +190,9 @@ def found(key: int, text: str) -> bool:
 
 def _generate(llm, prompts, params_list, page_stats: bool = False) -> dict[str, Any]:
     """Add every request, step to completion. With ``page_stats``, also read the
-    scheduler's per-request pages at each request's first decode step."""
+    scheduler's pages after every step: per request, the fewest pages it held while
+    decoding, i.e. just after its prompt was compressed (the engine core steps on its
+    own, so the snapshots are a sample of its steps)."""
     from vllm.inputs import TokensPrompt
 
     engine = llm.llm_engine
@@ -208,15 +216,16 @@ def _generate(llm, prompts, params_list, page_stats: bool = False) -> dict[str, 
             heads = stats["num_layers"] * stats["num_kv_heads"]
             for rid, request in stats["requests"].items():
                 index = internal.get(rid)
-                if index is None or index in after_compression:
-                    continue
-                if request["logical_len"] > prompts[index]["prompt_tokens"]:
-                    block = stats["block_size"]
+                if index is None or request["logical_len"] <= prompts[index]["prompt_tokens"]:
+                    continue  # not ours, or still in prefill (not compressed yet)
+                seen = after_compression.get(index)
+                if seen is None or request["pages_held"] < seen["pages_held"]:
                     after_compression[index] = {
                         "pages_held": request["pages_held"],
-                        "full_pages": heads * -(-request["logical_len"] // block),
+                        "full_pages": heads * -(-request["logical_len"] // stats["block_size"]),
                         "kvs_held": sum(map(sum, request["head_lens"])),
                         "full_kvs": heads * request["logical_len"],
+                        "logical_len": request["logical_len"],
                     }
     seconds = time.perf_counter() - started
     result = {
@@ -265,7 +274,7 @@ def run_passkey(
     trials: int = 3,
     max_tokens: int = 12,
     seed: int = 0,
-    prompt_format: str = "chat",
+    prompt_format: str = "plain",
     protected_window: int | None = None,
     engine_args: dict | None = None,
     model: str | None = None,
@@ -405,9 +414,9 @@ def format_table(results: dict) -> str:
             "rate 1 outputs token-identical to stock vLLM: " + ("yes" if identical else "NO")
         )
     lines.append(
-        "pages held: per-(layer, KV head) pages of 16 tokens at the first decode step, "
-        "just after the prompt was compressed (mean over prompts); evictions: compressions "
-        "that freed pages"
+        "pages held: per-(layer, KV head) pages (16 tokens each) while decoding, just after "
+        "the prompt was compressed, mean over prompts; full: the same uncompressed; "
+        "KVs kept: of the full cache; evictions: compressions that freed pages"
     )
     lines.append(f"wall time: {results['wall_seconds']:.0f} s")
     return "\n".join(lines)
@@ -423,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=3, help="prompts per depth")
     parser.add_argument("--max-tokens", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="chat")
+    parser.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="plain")
     parser.add_argument("--protected-window", type=int, default=None,
                         help="kvcompress protected window (default: the server default, 64)")
     parser.add_argument("--show-outputs", action="store_true", help="print every answer")

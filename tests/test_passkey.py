@@ -1,0 +1,76 @@
+"""Passkey retrieval (benchmarks/passkey.py) with SmolLM2-135M-Instruct at ~3K tokens,
+small (2 prompts, ~2.5 min on 2 CPU cores): stock vLLM vs kvcompress at rates 1 and 8
+in one engine (per-request rates).
+
+Checked: rate 1 is token-identical to stock (greedy, float32) and so finds the same keys;
+every rate answers every prompt; rate 8 really evicts KVs and holds fewer pages. Accuracy
+at high rates is a quality measurement (printed), not asserted."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.engine, pytest.mark.assets]
+
+RATES = (1, 8)
+DEPTHS = (0.5, 0.75)
+
+
+def _load_benchmark():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "passkey.py"
+    spec = importlib.util.spec_from_file_location("kvcompress_bench_passkey", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def passkey_results():
+    passkey = _load_benchmark()
+    results = passkey.run_passkey(
+        context_tokens=3000, depths=DEPTHS, trials=1, rates=RATES, log=lambda _: None
+    )
+    print("\n" + passkey.format_table(results))
+    return results
+
+
+def test_prompts_are_about_the_requested_length(passkey_results):
+    prompts = passkey_results["prompts"]
+    assert len(prompts) == len(DEPTHS)
+    assert all(2900 <= p["prompt_tokens"] <= 3000 for p in prompts)
+    assert len({p["key"] for p in prompts}) == len(DEPTHS)
+
+
+def test_rate1_is_token_identical_to_stock(passkey_results):
+    stock = passkey_results["stock"]
+    rate1 = passkey_results["kvcompress"][1.0]
+    assert rate1["token_ids"] == stock["token_ids"]
+    assert passkey_results["rate1_identical"] is True
+    assert rate1["found"] == stock["found"] and rate1["accuracy"] == stock["accuracy"]
+    assert rate1["compressions"] == 0 and rate1["pages_freed"] == 0
+
+
+def test_every_rate_answers_every_prompt(passkey_results):
+    count = len(passkey_results["prompts"])
+    for run in [passkey_results["stock"], *passkey_results["kvcompress"].values()]:
+        assert len(run["token_ids"]) == count
+        assert all(len(ids) >= 1 for ids in run["token_ids"])
+        assert len(run["found"]) == count and 0.0 <= run["accuracy"] <= 1.0
+
+
+def test_compressed_requests_evict_kvs(passkey_results):
+    run = passkey_results["kvcompress"][8.0]
+    count = len(passkey_results["prompts"])
+    assert run["compressions"] >= count and run["pages_freed"] > 0
+    assert run["mismatches"] == 0  # scheduler and worker agree on every page
+    pages = run["pages_after_compression"]
+    assert all(p is not None for p in pages)
+    # Rate 8 keeps about 1/8 of the prompt plus the protected window: well under half.
+    assert all(p["pages_held"] < 0.5 * p["full_pages"] for p in pages)
+    assert all(p["kvs_held"] < 0.5 * p["full_kvs"] for p in pages)
+    # Rate 1 held everything.
+    for p in passkey_results["kvcompress"][1.0]["pages_after_compression"]:
+        assert p is not None and p["pages_held"] == p["full_pages"]
