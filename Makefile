@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test demo clean
+.PHONY: setup test demo bench eval clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -16,6 +16,14 @@ test: setup
 
 demo: setup
 	$(PY) benchmarks/demo.py
+
+# Throughput + max decode batch vs stock vLLM (tiny model, ~8 min on 2 CPU cores).
+bench: setup
+	$(PY) benchmarks/benchmark_throughput.py
+
+# Quality suite (SmolLM2-135M, RULER-style tasks) as % of the full cache; EVAL_ARGS=--limit 1 for a quick run.
+eval: setup
+	$(PY) benchmarks/eval_quality.py $(EVAL_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
