@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from kvcompress.config import KVCompressConfig
+from kvcompress.policies import POLICY_NAMES
 
 
 class RequestFieldError(ValueError):
@@ -41,6 +42,7 @@ REQUEST_FIELDS = {
     "kv_compress_rate": "compression rate >= 1 for this request (1 = no eviction)",
     "kv_compress_max_cache_tokens": "keep at most this many tokens' worth of KVs (>= 1)",
     "kv_compress_protected_window": "the last N tokens of this request are never evicted (>= 0)",
+    "kv_compress_policy": "eviction policy for this request: " + ", ".join(POLICY_NAMES),
 }
 """Keys of ``SamplingParams.extra_args`` / OpenAI ``vllm_xargs`` that kvcompress reads."""
 
@@ -55,6 +57,7 @@ class RequestBudget:
     protected_window: int
     sink_tokens: int
     min_cache_tokens: int
+    policy: str = "kvc"
 
     @property
     def compresses(self) -> bool:
@@ -101,6 +104,7 @@ def request_budget(
     rate = settings.rate
     max_cache = settings.max_cache_tokens
     window = settings.protected_window
+    policy = settings.policy
     for key, value in (extra_args or {}).items():
         if not key.startswith("kv_compress"):
             continue
@@ -112,6 +116,12 @@ def request_budget(
             max_cache = _as_number(key, value, int, 1)
         elif key == "kv_compress_protected_window":
             window = _as_number(key, value, int, 0)
+        elif key == "kv_compress_policy":
+            if not isinstance(value, str) or value.strip().lower() not in POLICY_NAMES:
+                raise RequestFieldError(
+                    key, f"must be one of {', '.join(POLICY_NAMES)}, got {value!r}"
+                )
+            policy = value.strip().lower()
         else:
             raise RequestFieldError(
                 key, f"unknown kvcompress field (known: {sorted(REQUEST_FIELDS)})"
@@ -126,8 +136,9 @@ def request_budget(
         rate=rate,
         max_cache_tokens=max_cache,
         protected_window=window,
-        sink_tokens=settings.sink_tokens,
+        sink_tokens=settings.policy_for(policy).sink_tokens,
         min_cache_tokens=settings.min_cache_tokens,
+        policy=policy,
     )
 
 

@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
+from kvcompress.policies import POLICY_NAMES, Policy, load_layer_profile, resolve_policy
+
 ADDITIONAL_CONFIG_KEY = "kvcompress"
 SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
 
@@ -39,21 +41,42 @@ class KVCompressConfig(BaseModel):
     """Tokens per page; each page holds one (layer, KV head) (``--kv-compress-block-size``)."""
     min_cache_tokens: int = 128
     """Rate budgets never go below this many tokens per sequence (``--kv-compress-min-cache-tokens``)."""
-    sink_tokens: int = 0
-    """The first N tokens of a sequence are never evicted (``--kv-compress-sink-tokens``)."""
-    metric: Literal["l2", "l1"] = "l2"
-    """How attention becomes a KV's metric: squared (l2, the paper) or plain (l1) attention
-    probabilities, summed over the query heads of the KV head's group (``--kv-compress-metric``)."""
-    metric_queries: Literal["window", "full"] = "window"
-    """Prompt queries that score keys: the last ``observation_window`` (KVC-w) or all later queries
-    but the ``full_skip_nearest`` nearest (KVC-full, quadratic) (``--kv-compress-metric-queries``)."""
-    observation_window: int = 8
-    """w: prompt queries that score the keys in ``window`` mode (``--kv-compress-observation-window``)."""
-    full_skip_nearest: int = 10
-    """v: in ``full`` mode a query scores only keys at least v positions before it
-    (``--kv-compress-full-skip-nearest``)."""
-    pool_kernel: int = 7
-    """Max-pool kernel over key positions applied to prompt metrics; 1 = off (``--kv-compress-pool-kernel``)."""
+    sink_tokens: int | None = None
+    """The first N tokens of a sequence are never evicted; default: the policy's (4 for
+    streamingllm, else 0) (``--kv-compress-sink-tokens``)."""
+    policy: Literal[POLICY_NAMES] = "kvc"
+    """Eviction policy: how KVs are scored and how the budget is split over layers and heads:
+    kvc (the paper), snapkv, pyramidkv, ada-snapkv, ada-pyramidkv, xkv, h2o, streamingllm, random
+    (``--kv-compress-policy``)."""
+    metric: Literal["l2", "l1"] | None = None
+    """How attention becomes a KV's metric: squared (l2) or plain (l1) attention probabilities,
+    summed over the query heads of the KV head's group; default: the policy's (l2 for kvc, l1 for
+    the others) (``--kv-compress-metric``)."""
+    metric_queries: Literal["window", "full"] | None = None
+    """Prompt queries that score keys: the last ``observation_window`` (window) or all later
+    queries but the ``full_skip_nearest`` nearest (full, quadratic); default: the policy's (full
+    for h2o) (``--kv-compress-metric-queries``)."""
+    observation_window: int | None = None
+    """w: prompt queries that score the keys in window mode; default: the policy's (8 for kvc,
+    pyramidkv, xkv; 32 for snapkv, ada-*) (``--kv-compress-observation-window``)."""
+    full_skip_nearest: int | None = None
+    """v: in full mode a query scores only keys at least v positions before it; default: the
+    policy's (10 for kvc, 0 for h2o) (``--kv-compress-full-skip-nearest``)."""
+    pool: Literal["max", "avg"] | None = None
+    """Pooling of prompt metrics over neighbouring key positions; default: the policy's (avg for
+    xkv, else max) (``--kv-compress-pool``)."""
+    pool_kernel: int | None = None
+    """Pooling width in tokens (odd), 1 = off; default: the policy's (7; 1 for h2o, streamingllm,
+    random) (``--kv-compress-pool-kernel``)."""
+    pyramid_beta: float = 20.0
+    """PyramidKV's beta (pyramidkv, ada-pyramidkv): the last layer keeps 1/beta of the average
+    per-head budget, the first layer 2 - 1/beta of it (``--kv-compress-pyramid-beta``)."""
+    ada_floor: float = 0.5
+    """Ada-KV's safeguard alpha (ada-*): each head keeps at least alpha of its layer's
+    per-head average budget (``--kv-compress-ada-floor``)."""
+    xkv_profile: str | None = None
+    """xkv only: JSON file of per-layer budget shares (benchmarks/xkv_profile.py writes one) used
+    instead of each request's own allocation (``--kv-compress-xkv-profile``)."""
     block_cost: Literal["max", "sum"] = "max"
     """Cost of evicting a candidate block: its largest metric (the paper's schedule, minimax) or the
     sum of its metrics (exact minimum of total evicted metric) (``--kv-compress-block-cost``)."""
@@ -80,8 +103,8 @@ class KVCompressConfig(BaseModel):
 
     @field_validator("protected_window", "sink_tokens")
     @classmethod
-    def _non_negative_window(cls, value: int) -> int:
-        if value < 0:
+    def _non_negative_window(cls, value: int | None) -> int | None:
+        if value is not None and value < 0:
             raise ValueError(f"must be >= 0, got {value}")
         return value
 
@@ -94,15 +117,15 @@ class KVCompressConfig(BaseModel):
 
     @field_validator("min_cache_tokens", "full_skip_nearest")
     @classmethod
-    def _non_negative(cls, value: int) -> int:
-        if value < 0:
+    def _non_negative(cls, value: int | None) -> int | None:
+        if value is not None and value < 0:
             raise ValueError(f"must be >= 0, got {value}")
         return value
 
     @field_validator("observation_window", "max_kv_per_iteration")
     @classmethod
-    def _positive(cls, value: int) -> int:
-        if value < 1:
+    def _positive(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
             raise ValueError(f"must be >= 1, got {value}")
         return value
 
@@ -115,15 +138,48 @@ class KVCompressConfig(BaseModel):
 
     @field_validator("pool_kernel")
     @classmethod
-    def _odd_kernel(cls, value: int) -> int:
-        if value < 1 or value % 2 == 0:
+    def _odd_kernel(cls, value: int | None) -> int | None:
+        if value is not None and (value < 1 or value % 2 == 0):
             raise ValueError(f"must be an odd number >= 1 (1 = no pooling), got {value}")
         return value
 
-    @property
-    def metric_power(self) -> int:
-        """Exponent applied to attention probabilities: 2 for l2, 1 for l1."""
-        return 2 if self.metric == "l2" else 1
+    @field_validator("pyramid_beta")
+    @classmethod
+    def _beta(cls, value: float) -> float:
+        if not value >= 1.0:
+            raise ValueError(f"must be >= 1 (1 = uniform layers), got {value}")
+        return value
+
+    @field_validator("ada_floor")
+    @classmethod
+    def _floor(cls, value: float) -> float:
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"must be in [0, 1], got {value}")
+        return value
+
+    @field_validator("xkv_profile")
+    @classmethod
+    def _profile(cls, value: str | None) -> str | None:
+        if value is not None:
+            load_layer_profile(value)  # fails now, naming the file, not at the first request
+        return value
+
+    def policy_for(self, name: str | None = None) -> Policy:
+        """Policy ``name`` (default: ``policy``) with its paper defaults, overridden by every
+        metric setting given explicitly here."""
+        return resolve_policy(
+            name or self.policy,
+            metric=self.metric,
+            metric_queries=self.metric_queries,
+            observation_window=self.observation_window,
+            full_skip_nearest=self.full_skip_nearest,
+            pool=self.pool,
+            pool_kernel=self.pool_kernel,
+            sink_tokens=self.sink_tokens,
+            pyramid_beta=self.pyramid_beta,
+            ada_floor=self.ada_floor,
+            layer_profile=_cached_profile(self.xkv_profile) if self.xkv_profile else None,
+        )
 
     @property
     def compresses(self) -> bool:
@@ -164,12 +220,26 @@ FLAGS: dict[str, str] = {
     "block_size": "--kv-compress-block-size",
     "min_cache_tokens": "--kv-compress-min-cache-tokens",
     "sink_tokens": "--kv-compress-sink-tokens",
+    "policy": "--kv-compress-policy",
     "metric": "--kv-compress-metric",
     "metric_queries": "--kv-compress-metric-queries",
     "observation_window": "--kv-compress-observation-window",
     "full_skip_nearest": "--kv-compress-full-skip-nearest",
+    "pool": "--kv-compress-pool",
     "pool_kernel": "--kv-compress-pool-kernel",
+    "pyramid_beta": "--kv-compress-pyramid-beta",
+    "ada_floor": "--kv-compress-ada-floor",
+    "xkv_profile": "--kv-compress-xkv-profile",
     "block_cost": "--kv-compress-block-cost",
     "interval": "--kv-compress-interval",
     "max_kv_per_iteration": "--kv-compress-max-kv-per-iteration",
 }
+
+
+_PROFILES: dict[str, tuple[float, ...]] = {}
+
+
+def _cached_profile(path: str) -> tuple[float, ...]:
+    if path not in _PROFILES:
+        _PROFILES[path] = load_layer_profile(path)
+    return _PROFILES[path]

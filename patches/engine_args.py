@@ -11,11 +11,15 @@ and worker before the engine starts.
 from __future__ import annotations
 
 import argparse
+import types
 import typing
 
 from vllm.engine.arg_utils import EngineArgs
 
 from kvcompress.config import ADDITIONAL_CONFIG_KEY, FLAGS, KVCompressConfig
+from kvcompress.policies import policy_defaults
+
+POLICY_DEFAULT_FIELDS = set(policy_defaults("kvc"))
 from kvcompress.patches.util import apply_once
 
 def _flag_help(field: str) -> str:
@@ -40,14 +44,25 @@ def _flag_help(field: str) -> str:
 
 
 def _value_parser(field: str):
-    """(type, choices) of a field for argparse."""
+    """(type, choices) of a field for argparse; ``X | None`` parses as X."""
     annotation = KVCompressConfig.model_fields[field].annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
     choices = typing.get_args(annotation) if typing.get_origin(annotation) is typing.Literal else None
     if choices:
         return str, list(choices)
     if annotation is float:
         return float, None
+    if annotation is str:
+        return str, None
     return int, None
+
+
+def _default_text(field: str, defaults: KVCompressConfig) -> str:
+    value = getattr(defaults, field)
+    if value is None and field in POLICY_DEFAULT_FIELDS:
+        return ""  # the help text names each policy's default
+    return f" (default: {value})"
 
 
 def add_kvcompress_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,7 +85,7 @@ def add_kvcompress_arguments(parser: argparse.ArgumentParser) -> None:
         kind, choices = _value_parser(field)
         group.add_argument(
             FLAGS[field], dest=f"kv_compress_{field}", type=kind, choices=choices,
-            default=None, help=f"{_flag_help(field)} (default: {getattr(defaults, field)})",
+            default=None, help=f"{_flag_help(field)}{_default_text(field, defaults)}",
         )
 
 

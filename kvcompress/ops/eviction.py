@@ -16,6 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcompress.ops.budget_split import keep_targets
+from kvcompress.policies import BudgetSplit
+
 
 @dataclass
 class EvictionPlan:
@@ -127,6 +130,7 @@ def schedule_evictions(
     evict_blocks_per_seq: torch.Tensor,
     block_size: int,
     block_cost: str = "max",
+    split: BudgetSplit | None = None,
 ) -> EvictionPlan:
     """Choose which KVs to evict so that each sequence frees ``E_s`` whole blocks.
 
@@ -167,6 +171,11 @@ def schedule_evictions(
         evict_blocks_per_seq: ``[S]`` int64 ``E_s``, blocks wanted per sequence.
         block_size: ``b``, KVs per page.
         block_cost: ``"max"`` or ``"sum"``.
+        split: a policy's budget split; None or ``global`` = the paper's global order
+            above. Otherwise the same candidates (same evictability, same KVs per
+            block) are taken in a different order: whole pages from the heads most
+            above their targets (``kvcompress.ops.budget_split``), so the sequence
+            still frees ``min(E_s, evictable)`` pages.
 
     Returns:
         The :class:`EvictionPlan`.
@@ -206,10 +215,18 @@ def schedule_evictions(
         cost = rows[..., -1]  # sorted: the last column is the row's max
     else:
         cost = rows.sum(dim=-1)  # +inf if any entry is +inf
+    evictable = torch.isfinite(cost).sum(dim=(1, 2, 3))  # [S]
+    take = torch.minimum(wanted, evictable)  # [S]
+    if split is not None and split.kind != "global":
+        # Order candidates by how far their head is above its target before losing them.
+        held_pages = padded_lens.squeeze(-1) // block_size  # [S, L, H]
+        keep_tokens = (held_pages.sum(dim=(1, 2)) - take) * block_size
+        targets = keep_targets(split, values, held, protected & held, keep_tokens)
+        pages_left = held_pages.unsqueeze(-1) - torch.arange(num_rows, device=device)
+        excess = pages_left.to(torch.float64) * block_size - targets.unsqueeze(-1)
+        cost = torch.where(torch.isfinite(cost), -excess, torch.tensor(float("inf"), dtype=torch.float64, device=device))
     # [S, L * H * R], flattened in (layer, head, k) order for the stable tie-break.
     cost = cost.reshape(num_seqs, -1)
-    evictable = torch.isfinite(cost).sum(dim=-1)  # [S]
-    take = torch.minimum(wanted, evictable)  # [S]
     _, block_order = torch.sort(cost, dim=-1, stable=True)
     chosen_sorted = torch.arange(cost.shape[-1], device=device) < take.unsqueeze(-1)
     chosen = torch.zeros_like(chosen_sorted).scatter_(-1, block_order, chosen_sorted)

@@ -9,7 +9,7 @@ group (query-group compression). Metrics live beside the pages in
 - Prompt metrics (``attention_metrics``): the last ``w`` prompt queries (KVC-w),
   or all queries but the ``v`` nearest to each key (KVC-full, computed in query
   chunks: memory is ``chunk x keys`` per head, never the full attention matrix),
-  then max-pooled over key positions (``max_pool_metrics``).
+  then pooled over key positions (``pool_metrics``: max, or avg for XKV).
 - Decode metrics (continual compression): ``paged_attention`` adds the decode
   queries' probabilities into ``slot_metrics`` as it attends.
 """
@@ -92,22 +92,44 @@ def accumulate_metrics(
     slot_metrics.view(-1).index_add_(0, slots[held], metric[held].to(slot_metrics.dtype))
 
 
+def pool_metrics(
+    slot_metrics: torch.Tensor,
+    block_tables: torch.Tensor,
+    head_lens: torch.Tensor,
+    kernel: int,
+    mode: str = "max",
+) -> None:
+    """Pool each head's metrics over neighbouring key positions, in place.
+
+    ``mode``: ``max`` (SnapKV, PyramidKV, Ada-KV, KV-Compress) or ``avg`` (XKV; the
+    mean over the window's held KVs, edges included). Only valid while a head is
+    uncompressed (logical slot order = position order), which is when prompt metrics
+    are final. ``kernel`` odd; 1 = no-op.
+    """
+    if kernel <= 1:
+        return
+    if mode not in ("max", "avg"):
+        raise ValueError(f"pool mode must be 'max' or 'avg', got {mode!r}")
+    block_size = slot_metrics.shape[1]
+    slots = _logical_slots(block_tables, block_size)
+    held = torch.arange(slots.shape[1], device=slots.device) < head_lens.unsqueeze(-1)
+    values = slot_metrics.view(-1)[slots]
+    if mode == "max":
+        values = values.masked_fill(~held, float("-inf"))
+        pooled = F.max_pool1d(values.unsqueeze(1), kernel, stride=1, padding=kernel // 2).squeeze(1)
+    else:
+        ones = torch.ones((1, 1, kernel), dtype=values.dtype, device=values.device)
+        total = F.conv1d(values.masked_fill(~held, 0.0).unsqueeze(1), ones, padding=kernel // 2)
+        count = F.conv1d(held.to(values.dtype).unsqueeze(1), ones, padding=kernel // 2)
+        pooled = (total / count.clamp(min=1)).squeeze(1)
+    slot_metrics.view(-1)[slots[held]] = pooled[held]
+
+
 def max_pool_metrics(
     slot_metrics: torch.Tensor,
     block_tables: torch.Tensor,
     head_lens: torch.Tensor,
     kernel: int,
 ) -> None:
-    """Max-pool each head's metrics over neighbouring key positions, in place.
-
-    Only valid while a head is uncompressed (logical slot order = position order),
-    which is when prompt metrics are final. ``kernel`` odd; 1 = no-op.
-    """
-    if kernel <= 1:
-        return
-    block_size = slot_metrics.shape[1]
-    slots = _logical_slots(block_tables, block_size)
-    held = torch.arange(slots.shape[1], device=slots.device) < head_lens.unsqueeze(-1)
-    values = slot_metrics.view(-1)[slots].masked_fill(~held, float("-inf"))
-    pooled = F.max_pool1d(values.unsqueeze(1), kernel, stride=1, padding=kernel // 2).squeeze(1)
-    slot_metrics.view(-1)[slots[held]] = pooled[held]
+    """``pool_metrics`` in ``max`` mode."""
+    pool_metrics(slot_metrics, block_tables, head_lens, kernel, "max")

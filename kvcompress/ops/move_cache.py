@@ -19,6 +19,7 @@ import torch
 
 from kvcompress.ops.eviction import protected_slots, schedule_evictions
 from kvcompress.ops.paged_cache import PerHeadPagedCache, pages_for
+from kvcompress.policies import Policy
 
 
 @dataclass
@@ -134,6 +135,26 @@ def gather_logical(
     return cache.slot_metrics[pages, offsets], cache.slot_positions[pages, offsets], tables
 
 
+def policy_metrics(
+    policy: Policy | None,
+    metrics: torch.Tensor,
+    positions: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """The metrics a policy ranks KVs by, ``[S, L, H, K]`` in logical slot order.
+
+    ``attention`` policies use the stored metrics; ``position`` (StreamingLLM) the
+    token position, so the oldest unprotected KVs go first; ``random`` uniform noise
+    from ``generator``.
+    """
+    source = policy.metric.source if policy is not None else "attention"
+    if source == "position":
+        return positions.to(torch.float32)
+    if source == "random":
+        return torch.rand(metrics.shape, generator=generator, device=metrics.device)
+    return metrics
+
+
 def compress_sequences(
     cache: PerHeadPagedCache,
     key_cache: torch.Tensor,
@@ -144,6 +165,8 @@ def compress_sequences(
     protected_window: torch.Tensor | int,
     sink_tokens: torch.Tensor | int,
     block_cost: str = "max",
+    policy: Policy | None = None,
+    generator: torch.Generator | None = None,
 ) -> CompressResult:
     """Evict, compact and free pages for a batch of sequences (one compression step).
 
@@ -166,6 +189,10 @@ def compress_sequences(
         protected_window: ``[S]`` int64, the last this-many token positions are kept.
         sink_tokens: ``[S]`` int64, the first this-many token positions are kept.
         block_cost: ``"max"`` (paper) or ``"sum"``, see ``schedule_evictions``.
+        policy: eviction policy (None: ``kvc``). Its metric source replaces the stored
+            metrics for ``position`` (oldest first) and ``random``; its budget split
+            orders the pages freed (``kvcompress.ops.budget_split``).
+        generator: random source of the ``random`` policy (on ``cache.device``).
 
     Returns:
         The :class:`CompressResult`. Afterwards every kept KV sits at a logical slot
@@ -181,9 +208,11 @@ def compress_sequences(
         return CompressResult(head_lens.clone(), zeros, 0, 0)
 
     metrics, positions, tables = gather_logical(cache, seq_slots)
+    metrics = policy_metrics(policy, metrics, positions, generator)
     protected = protected_slots(positions, head_lens, context_lens, protected_window, sink_tokens)
     plan = schedule_evictions(
-        metrics, head_lens, protected, evict_blocks_per_seq, block_size, block_cost
+        metrics, head_lens, protected, evict_blocks_per_seq, block_size, block_cost,
+        split=policy.split if policy is not None else None,
     )
 
     num_slots = metrics.shape[-1]

@@ -29,7 +29,8 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 from kvcompress.config import SUPPORTED_BLOCK_SIZES
 from kvcompress.ops import AppendPlan, PerHeadPagedCache, write_kv
 from kvcompress.ops.dispatch import paged_attention
-from kvcompress.ops.metrics import accumulate_metrics, attention_metrics, max_pool_metrics
+from kvcompress.ops.metrics import accumulate_metrics, attention_metrics, pool_metrics
+from kvcompress.policies import MetricSpec
 
 SUPPORTED_HEAD_SIZES = (64, 128, 256)
 
@@ -51,26 +52,38 @@ class WorkerCacheState:
 
 
 @dataclass
+class PromptMetricRows:
+    """Prompt queries of one sequence that score its keys this step.
+
+    Attributes:
+        seq_index: the sequence's index in the batch.
+        row_start, row_end: query rows ``[row_start, row_end)`` (window or full mode).
+        prompt_done: this chunk ends the prompt, so the prompt metrics are final and
+            get pooled.
+        spec: the request's policy metric (power, skip_nearest, pooling).
+    """
+
+    seq_index: int
+    row_start: int
+    row_end: int
+    prompt_done: bool
+    spec: MetricSpec
+
+
+@dataclass
 class MetricQueries:
     """Queries of one step that add to the eviction metrics.
 
     Attributes:
-        prompt_rows: ``(seq_index, row_start, row_end, prompt_done)`` per sequence:
-            query rows ``[row_start, row_end)`` score the keys (KVC-w window or
-            KVC-full); ``prompt_done``: this chunk ends the prompt, so the
-            sequence's prompt metrics are final and get max-pooled.
+        prompt_rows: per sequence whose prompt queries score keys this step.
         decode_seqs: ``[num_reqs]`` bool, sequences whose decode query adds its
             attention to the metrics (continual compression), or None.
-        power: 2 (L2, squared attention) or 1 (L1).
-        skip_nearest: KVC-full's ``v`` (0 in window mode).
-        pool_kernel: max-pool kernel over key positions (1 = off).
+        power: decode metric power, 2 (L2, squared attention) or 1 (L1).
     """
 
-    prompt_rows: list[tuple[int, int, int, bool]]
+    prompt_rows: list[PromptMetricRows]
     decode_seqs: torch.Tensor | None
     power: int
-    skip_nearest: int
-    pool_kernel: int
 
 
 @dataclass
@@ -260,23 +273,24 @@ class PerHeadAttentionImpl(AttentionImpl):
     def _prompt_metrics(self, state, step, metrics, query, block_tables, head_lens) -> None:
         """Score this layer's keys with the prompt queries chosen by the runner."""
         cache = state.cache
-        for seq_index, row_start, row_end, prompt_done in metrics.prompt_rows:
-            tables = block_tables[seq_index]
-            lens = head_lens[seq_index]
+        for rows in metrics.prompt_rows:
+            tables = block_tables[rows.seq_index]
+            lens = head_lens[rows.seq_index]
+            spec = rows.spec
             scored = attention_metrics(
-                query[row_start:row_end],
-                step.query_positions[row_start:row_end],
+                query[rows.row_start:rows.row_end],
+                step.query_positions[rows.row_start:rows.row_end],
                 state.key_cache,
                 cache.slot_positions,
                 tables,
                 lens,
                 self.scale,
-                power=metrics.power,
-                skip_nearest=metrics.skip_nearest,
+                power=spec.power,
+                skip_nearest=spec.skip_nearest if spec.queries == "full" else 0,
             )
             accumulate_metrics(cache.slot_metrics, tables, lens, scored)
-            if prompt_done:
-                max_pool_metrics(cache.slot_metrics, tables, lens, metrics.pool_kernel)
+            if rows.prompt_done:
+                pool_metrics(cache.slot_metrics, tables, lens, spec.pool_kernel, spec.pool)
 
 
 class PerHeadAttentionBackend(AttentionBackend):

@@ -31,8 +31,10 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 from kvcompress.budget import request_budget
 from kvcompress.config import KVCompressConfig
 from kvcompress.ops import PerHeadPagedCache
+from kvcompress.policies import POLICY_NAMES
 from kvcompress.vllm_glue.attention_backend import (
     MetricQueries,
+    PromptMetricRows,
     PerHeadStep,
     WorkerCacheState,
     get_worker_state,
@@ -98,7 +100,10 @@ class PerHeadRunnerMixin:
             "compress_seconds": 0.0,
             "step_seconds": 0.0,
             "evict_mismatches": 0,
+            "pages_freed_by_policy": {},
         }
+        self.kvc_generator: torch.Generator | None = None
+        self.kvc_policy: dict[str, object] = {}
         set_worker_state(
             WorkerCacheState(
                 cache=cache,
@@ -118,6 +123,7 @@ class PerHeadRunnerMixin:
         for request_id in request_ids:
             self.kvc_logical_len.pop(request_id, None)
             self.kvc_compresses.pop(request_id, None)
+            self.kvc_policy.pop(request_id, None)
         if slots:
             self.kvc_cache.release(torch.tensor(slots, dtype=torch.int64))
 
@@ -145,7 +151,8 @@ class PerHeadRunnerMixin:
         """Compress the sequences the scheduler ordered; returns their request ids.
 
         ``orders``: request id -> ``(evict_blocks, context_len, protected_window,
-        sink_tokens)``, computed by the scheduler from the same head lengths.
+        sink_tokens, policy index in POLICY_NAMES)``, computed by the scheduler from
+        the same head lengths.
         """
         from kvcompress.ops.move_cache import compress_sequences
 
@@ -155,30 +162,47 @@ class PerHeadRunnerMixin:
         started = time.perf_counter()
         cache = self.kvc_cache
         device = cache.device
-        columns = np.array([orders[r] for r in request_ids], dtype=np.int64)  # [S, 4]
+        columns = np.array([orders[r] for r in request_ids], dtype=np.int64)  # [S, 5]
         columns_t = torch.from_numpy(columns).to(device)
-        state = get_worker_state()
-        result = compress_sequences(
-            cache,
-            state.key_cache,
-            state.value_cache,
-            torch.tensor([self.kvc_seq_slot[r] for r in request_ids], dtype=torch.int64, device=device),
-            columns_t[:, 0],
-            columns_t[:, 1],
-            columns_t[:, 2],
-            columns_t[:, 3],
-            block_cost=self.kvc_settings.block_cost,
+        seq_slots = torch.tensor(
+            [self.kvc_seq_slot[r] for r in request_ids], dtype=torch.int64, device=device
         )
+        state = get_worker_state()
+        pages_freed = kvs_evicted = 0
+        # One batched compression per policy present in this step's orders.
+        for policy_index in np.unique(columns[:, 4]).tolist():
+            rows = torch.from_numpy(np.flatnonzero(columns[:, 4] == policy_index)).to(device)
+            policy = self.kvc_settings.policy_for(POLICY_NAMES[policy_index])
+            if self.kvc_generator is None:
+                self.kvc_generator = torch.Generator(device=device)
+                self.kvc_generator.manual_seed(self.vllm_config.model_config.seed or 0)
+            result = compress_sequences(
+                cache,
+                state.key_cache,
+                state.value_cache,
+                seq_slots[rows],
+                columns_t[rows, 0],
+                columns_t[rows, 1],
+                columns_t[rows, 2],
+                columns_t[rows, 3],
+                block_cost=self.kvc_settings.block_cost,
+                policy=policy,
+                generator=self.kvc_generator,
+            )
+            pages_freed += int(result.pages_freed)
+            kvs_evicted += int(result.kvs_evicted)
+            by_policy = self.kvc_stats["pages_freed_by_policy"]
+            by_policy[policy.name] = by_policy.get(policy.name, 0) + int(result.pages_freed)
         stats = self.kvc_stats
         stats["compressions"] += len(request_ids)
-        stats["pages_freed"] += int(result.pages_freed)
-        stats["kvs_evicted"] += int(result.kvs_evicted)
-        if int(result.pages_freed) != int(columns[:, 0].sum()):
+        stats["pages_freed"] += pages_freed
+        stats["kvs_evicted"] += kvs_evicted
+        if pages_freed != int(columns[:, 0].sum()):
             # The scheduler credited columns[:, 0] pages; the report corrects it.
             stats["evict_mismatches"] += 1
             logger.error(
                 "kvcompress: scheduler ordered %d pages evicted, the schedule freed %d",
-                int(columns[:, 0].sum()), int(result.pages_freed),
+                int(columns[:, 0].sum()), pages_freed,
             )
         stats["compress_seconds"] += time.perf_counter() - started
         return request_ids
@@ -240,9 +264,9 @@ class PerHeadRunnerMixin:
                 self.kvc_seq_slot[request_id] = slot
                 self.kvc_logical_len[request_id] = 0
                 params = self.requests[request_id].sampling_params
-                self.kvc_compresses[request_id] = request_budget(
-                    self.kvc_settings, getattr(params, "extra_args", None)
-                ).compresses
+                budget = request_budget(self.kvc_settings, getattr(params, "extra_args", None))
+                self.kvc_compresses[request_id] = budget.compresses
+                self.kvc_policy[request_id] = self.kvc_settings.policy_for(budget.policy)
             elif self.kvc_logical_len[request_id] != done:
                 raise RuntimeError(
                     f"kvcompress: request {request_id} has {done} computed tokens but "
@@ -280,9 +304,10 @@ class PerHeadRunnerMixin:
     def _kvc_metric_queries(self, req_ids, computed, num_new, query_start) -> MetricQueries | None:
         """Which of this step's queries add to eviction metrics (compressing requests only).
 
-        Prompt queries: the last ``observation_window`` prompt positions (or, in
-        ``full`` mode, every prompt query); decode queries: every query past the
-        prompt, added by the attention kernel itself.
+        Prompt queries, by the request's policy: the last ``observation_window``
+        prompt positions (or, in ``full`` mode, every prompt query; none for the
+        position and random policies); decode queries: every query past the prompt,
+        added by the attention kernel itself.
         """
         settings = self.kvc_settings
         if not settings.compresses and not any(self.kvc_compresses.values()):
@@ -297,21 +322,23 @@ class PerHeadRunnerMixin:
             if first >= prompt_len:
                 decode_seqs[index] = count == 1
                 continue
-            scoring_from = 0 if settings.metric_queries == "full" else prompt_len - settings.observation_window
+            spec = self.kvc_policy[request_id].metric
+            if not spec.scores_prompt:
+                continue  # position / random policies need no attention scores
+            scoring_from = 0 if spec.queries == "full" else prompt_len - spec.observation_window
             lo = max(first, scoring_from)
             hi = min(first + count, prompt_len)
             if hi > lo:
                 start = int(query_start[index]) - first
-                prompt_rows.append((index, start + lo, start + hi, hi == prompt_len))
+                prompt_rows.append(PromptMetricRows(index, start + lo, start + hi, hi == prompt_len, spec))
         if not prompt_rows and not decode_seqs.any():
             return None
         return MetricQueries(
             prompt_rows=prompt_rows,
             decode_seqs=torch.from_numpy(decode_seqs).to(self.kvc_cache.device)
             if decode_seqs.any() else None,
-            power=settings.metric_power,
-            skip_nearest=settings.full_skip_nearest if settings.metric_queries == "full" else 0,
-            pool_kernel=settings.pool_kernel,
+            # Decode queries of one batch share one kernel call: the server policy's power.
+            power=settings.policy_for().metric.power,
         )
 
     def _dummy_run(self, *args, **kwargs):

@@ -33,6 +33,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
+from kvcompress.policies import POLICY_NAMES
 from kvcompress.budget import RequestBudget, RequestFieldError, blocks_to_evict, request_budget
 from kvcompress.config import KVCompressConfig
 from kvcompress.page_accounting import PageAccounting
@@ -238,7 +239,8 @@ class KVCompressScheduler(Scheduler):
         self.kvc_kvs_this_step += kvs
         accounting.mark_compressed(request_id, evict)
         self.kvc_orders[request_id] = (
-            evict, context_len, budget.protected_window, budget.sink_tokens
+            evict, context_len, budget.protected_window, budget.sink_tokens,
+            POLICY_NAMES.index(budget.policy),
         )
         stats = self.kvc_stats
         stats["compressions"] += 1
