@@ -1,4 +1,5 @@
-"""`vllm serve MODEL --kv-compress --kv-compress-rate 1` over HTTP on 127.0.0.1 (real server)."""
+"""`vllm serve MODEL --kv-compress --kv-compress-rate 1 --kv-compress-policy pyramidkv` over
+HTTP on 127.0.0.1 (real server); per-request rates and policies through `vllm_xargs`."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from kvcompress.policies import POLICY_NAMES
 
 pytestmark = [pytest.mark.engine, pytest.mark.assets]
 
@@ -42,9 +45,12 @@ def server():
         [str(vllm_cli), "serve", model, "--host", "127.0.0.1", "--port", str(port),
          "--served-model-name", "smollm2", "--dtype", "float32", "--enforce-eager",
          "--max-model-len", "2048", "--kv-cache-memory-bytes", str(256 << 20),
-         "--kv-compress", "--kv-compress-rate", "1"],
+         "--kv-compress", "--kv-compress-rate", "1",
+         "--kv-compress-policy", "pyramidkv", "--kv-compress-pyramid-beta", "10"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"}, start_new_session=True,
+        # Dev mode serves /collective_rpc, through which the tests read worker page stats.
+        env={**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_SERVER_DEV_MODE": "1"},
+        start_new_session=True,
     )
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
@@ -104,6 +110,8 @@ def _post_status(url: str, body: dict) -> tuple[int, dict]:
         ({"kv_compress_protected_window": -3}, "kv_compress_protected_window"),
         ({"kv_compress": "perhaps"}, "kv_compress"),
         ({"kv_compress_ratio": 4}, "kv_compress_ratio"),
+        ({"kv_compress_policy": "pyramidinfer"}, "kv_compress_policy"),
+        ({"kv_compress_policy": 3}, "kv_compress_policy"),
     ],
 )
 def test_invalid_per_request_field_is_http_400_naming_it(server, xargs, field):
@@ -136,3 +144,35 @@ def test_per_request_compression_over_http(server):
         "vllm_xargs": {"kv_compress_rate": 2},
     })
     assert "Paris" in reply["choices"][0]["message"]["content"]
+
+
+def _worker_stats(server: str) -> dict:
+    reply = _post(f"{server}/collective_rpc", {"method": "kvcompress_pages_used"})
+    return reply["results"][0]
+
+
+@pytest.mark.parametrize("policy", list(POLICY_NAMES) + [None])
+def test_every_policy_frees_pages_through_the_server(server, policy):
+    """Each policy, chosen per request (None: the server's --kv-compress-policy
+    pyramidkv), compresses a ~1.5K-token prompt at rate 4 and frees pages."""
+    from kvcompress.offline_assets import paul_graham_essays
+
+    name = policy or "pyramidkv"
+    before = _worker_stats(server)
+    xargs = {"kv_compress_rate": 4, "kv_compress_protected_window": 16}
+    if policy is not None:
+        xargs["kv_compress_policy"] = policy
+    essay = paul_graham_essays()[1][:6000]
+    reply = _post(f"{server}/v1/completions", {
+        "model": "smollm2", "prompt": essay + "\n\nThe author's main point is",
+        "temperature": 0, "max_tokens": 8, "vllm_xargs": xargs,
+    })
+    assert reply["usage"]["prompt_tokens"] > 1000 and reply["usage"]["completion_tokens"] == 8
+    assert reply["choices"][0]["text"].strip()
+    after = _worker_stats(server)
+    freed = after["pages_freed_by_policy"].get(name, 0) - before["pages_freed_by_policy"].get(name, 0)
+    prompt_pages = -(-reply["usage"]["prompt_tokens"] // 16) * 30 * 3  # SmolLM2: 30 layers x 3 KV heads
+    # Rate 4 with a 128-token floor and a 16-token window keeps well under half.
+    assert freed > prompt_pages // 2, (name, freed, prompt_pages)
+    assert after["evict_mismatches"] == 0
+    assert after["live_requests"] == 0
