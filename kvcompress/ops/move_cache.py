@@ -31,12 +31,16 @@ class CompressResult:
         evict_blocks: ``[S, L, H]`` int64, pages each head gave back.
         pages_freed: total pages returned to the allocator (``== evict_blocks.sum()``).
         kvs_evicted: total KVs evicted (``(old_lens - new_head_lens).sum()``).
+        kept_unprotected_by_layer: ``[L]`` int64, KVs kept that are not protected
+            (window, sinks), summed over sequences and heads: how a policy split the
+            budget over layers (XKV profiles are made from it).
     """
 
     new_head_lens: torch.Tensor
     evict_blocks: torch.Tensor
     pages_freed: int
     kvs_evicted: int
+    kept_unprotected_by_layer: torch.Tensor | None = None
 
 
 def plan_moves(
@@ -243,9 +247,12 @@ def compress_sequences(
     freed_pages = tables[freed]
     cache.allocator.free(freed_pages)
     cache.head_lens[seq_slots] = plan.new_head_lens
+    held = torch.arange(num_slots, device=device) < head_lens.unsqueeze(-1)
+    kept_unprotected = plan.new_head_lens - (protected & held).sum(dim=-1)
     return CompressResult(
         new_head_lens=plan.new_head_lens,
         evict_blocks=plan.evict_blocks,
         pages_freed=int(freed_pages.numel()),
         kvs_evicted=int((head_lens - plan.new_head_lens).sum().item()),
+        kept_unprotected_by_layer=kept_unprotected.clamp(min=0).sum(dim=(0, 2)),
     )

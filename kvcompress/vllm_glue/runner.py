@@ -101,6 +101,8 @@ class PerHeadRunnerMixin:
             "step_seconds": 0.0,
             "evict_mismatches": 0,
             "pages_freed_by_policy": {},
+            # policy -> [layers]: unprotected KVs kept after its compressions.
+            "kept_unprotected_by_layer": {},
         }
         self.kvc_generator: torch.Generator | None = None
         self.kvc_policy: dict[str, object] = {}
@@ -193,6 +195,10 @@ class PerHeadRunnerMixin:
             kvs_evicted += int(result.kvs_evicted)
             by_policy = self.kvc_stats["pages_freed_by_policy"]
             by_policy[policy.name] = by_policy.get(policy.name, 0) + int(result.pages_freed)
+            by_layer = self.kvc_stats["kept_unprotected_by_layer"]
+            kept = result.kept_unprotected_by_layer.tolist()
+            previous = by_layer.get(policy.name, [0] * len(kept))
+            by_layer[policy.name] = [a + b for a, b in zip(previous, kept)]
         stats = self.kvc_stats
         stats["compressions"] += len(request_ids)
         stats["pages_freed"] += pages_freed

@@ -1,0 +1,76 @@
+"""Policies inside the real engine (shared tiny-model kvcompress engine, policy and rate
+chosen per request): the budget split the worker applied, read back from its
+per-layer statistics, has each policy's shape; the XKV profile script works."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from conftest import TINY_KV_HEADS, TINY_LAYERS, worker_page_stats
+from kvcompress.policies import POLICY_NAMES, load_layer_profile
+
+pytestmark = pytest.mark.engine
+
+PROMPT_TOKENS = 900
+BLOCK = 16
+
+
+def _prompt(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 1000) for _ in range(PROMPT_TOKENS)]
+
+
+def _kept_by_layer(llm, policy: str, rate: float = 4.0) -> list[int]:
+    """Unprotected KVs per layer kept by one compressed request of ``policy``."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    def kept():
+        return worker_page_stats(llm)["kept_unprotected_by_layer"].get(policy, [0] * TINY_LAYERS)
+
+    before = kept()
+    params = SamplingParams(
+        temperature=0.0, max_tokens=4, ignore_eos=True,
+        extra_args={"kv_compress_rate": rate, "kv_compress_policy": policy},
+    )  # fmt: skip
+    (output,) = llm.generate([TokensPrompt(prompt_token_ids=_prompt(len(policy)))], params, use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == 4
+    return [a - b for a, b in zip(kept(), before)]
+
+
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_every_policy_compresses_in_the_engine(kvc_tiny_llm, policy):
+    layers = _kept_by_layer(kvc_tiny_llm, policy)
+    # rate 4: keep max(128, 225) + 64 protected per head on average -> 225 unprotected.
+    average = sum(layers) / (TINY_LAYERS * TINY_KV_HEADS)
+    assert 225 - BLOCK <= average <= 225 + BLOCK, (policy, layers)
+    if policy in ("snapkv", "h2o", "streamingllm", "random"):
+        # Uniform: every head within one page of the others.
+        assert max(layers) - min(layers) <= BLOCK * TINY_KV_HEADS, (policy, layers)
+    if policy in ("pyramidkv", "ada-pyramidkv"):
+        # Arithmetic schedule (beta 20): from 2B - B/20 down to B/20, B = the average.
+        expected = [(1.95 - 1.9 * layer / 3) * average * TINY_KV_HEADS for layer in range(4)]
+        tolerance = BLOCK * TINY_KV_HEADS if policy == "pyramidkv" else 0.5 * 225 * TINY_KV_HEADS
+        assert all(abs(a - e) <= tolerance for a, e in zip(layers, expected)), (policy, layers)
+        assert layers == sorted(layers, reverse=True)
+    stats = worker_page_stats(kvc_tiny_llm)
+    assert stats["pages_freed_by_policy"][policy] > 0
+    assert stats["evict_mismatches"] == 0
+
+
+def test_xkv_profile_script(kvc_tiny_llm, tmp_path):
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "xkv_profile.py"
+    spec = importlib.util.spec_from_file_location("kvcompress_bench_xkv_profile", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    profile = module.collect_profile(kvc_tiny_llm, [_prompt(1), _prompt(2)], rate=4.0)
+    assert len(profile["layer_shares"]) == TINY_LAYERS
+    assert sum(profile["layer_shares"]) == pytest.approx(1.0)
+    out = tmp_path / "xkv.json"
+    out.write_text(json.dumps(profile))
+    assert load_layer_profile(out) == pytest.approx(tuple(profile["layer_shares"]))
