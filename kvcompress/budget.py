@@ -43,6 +43,7 @@ REQUEST_FIELDS = {
     "kv_compress_max_cache_tokens": "keep at most this many tokens' worth of KVs (>= 1)",
     "kv_compress_protected_window": "the last N tokens of this request are never evicted (>= 0)",
     "kv_compress_policy": "eviction policy for this request: " + ", ".join(POLICY_NAMES),
+    "kv_compress_observation_window": "prompt queries that score keys in window mode (>= 1)",
 }
 """Keys of ``SamplingParams.extra_args`` / OpenAI ``vllm_xargs`` that kvcompress reads."""
 
@@ -58,6 +59,7 @@ class RequestBudget:
     sink_tokens: int
     min_cache_tokens: int
     policy: str = "kvc"
+    observation_window: int | None = None
 
     @property
     def compresses(self) -> bool:
@@ -105,6 +107,7 @@ def request_budget(
     max_cache = settings.max_cache_tokens
     window = settings.protected_window
     policy = settings.policy
+    observation_window = None
     for key, value in (extra_args or {}).items():
         if not key.startswith("kv_compress"):
             continue
@@ -122,6 +125,8 @@ def request_budget(
                     key, f"must be one of {', '.join(POLICY_NAMES)}, got {value!r}"
                 )
             policy = value.strip().lower()
+        elif key == "kv_compress_observation_window":
+            observation_window = _as_number(key, value, int, 1)
         else:
             raise RequestFieldError(
                 key, f"unknown kvcompress field (known: {sorted(REQUEST_FIELDS)})"
@@ -139,6 +144,7 @@ def request_budget(
         sink_tokens=settings.policy_for(policy).sink_tokens,
         min_cache_tokens=settings.min_cache_tokens,
         policy=policy,
+        observation_window=observation_window,
     )
 
 

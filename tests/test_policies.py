@@ -260,6 +260,9 @@ def test_policy_settings_and_errors(tmp_path):
     assert request_budget(settings, {"kv_compress_policy": "H2O"}).policy == "h2o"
     assert request_budget(settings, {"kv_compress_policy": "streamingllm"}).sink_tokens == 4
     assert request_budget(settings, None).policy == "snapkv"
+    assert request_budget(settings, {"kv_compress_observation_window": 16}).observation_window == 16
+    with pytest.raises(RequestFieldError, match="kv_compress_observation_window"):
+        request_budget(settings, {"kv_compress_observation_window": 0})
     with pytest.raises(RequestFieldError, match="kv_compress_policy"):
         request_budget(settings, {"kv_compress_policy": "pyramidinfer"})
     with pytest.raises(KVCompressConfigError, match="--kv-compress-policy"):

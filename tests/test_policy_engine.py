@@ -74,3 +74,24 @@ def test_xkv_profile_script(kvc_tiny_llm, tmp_path):
     out = tmp_path / "xkv.json"
     out.write_text(json.dumps(profile))
     assert load_layer_profile(out) == pytest.approx(tuple(profile["layer_shares"]))
+
+
+def test_per_request_observation_window(kvc_tiny_llm):
+    """The engine accepts a per-request scoring window; the uniform split keeps the same
+    counts per layer whatever the window (which KVs are kept is the metric tests' job)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    layers = {}
+    for window in (8, 128):
+        before = worker_page_stats(kvc_tiny_llm)["kept_unprotected_by_layer"].get("snapkv", [0] * TINY_LAYERS)
+        params = SamplingParams(
+            temperature=0.0, max_tokens=4, ignore_eos=True,
+            extra_args={"kv_compress_rate": 4, "kv_compress_policy": "snapkv",
+                        "kv_compress_observation_window": window},
+        )  # fmt: skip
+        kvc_tiny_llm.generate([TokensPrompt(prompt_token_ids=_prompt(99))], params, use_tqdm=False)
+        after = worker_page_stats(kvc_tiny_llm)["kept_unprotected_by_layer"]["snapkv"]
+        layers[window] = [a - b for a, b in zip(after, before)]
+    assert layers[8] == layers[128]  # uniform split: same counts per layer
+    assert worker_page_stats(kvc_tiny_llm)["evict_mismatches"] == 0

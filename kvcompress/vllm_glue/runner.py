@@ -19,6 +19,7 @@ vLLM updates its persistent batch:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 
 import numpy as np
@@ -272,7 +273,15 @@ class PerHeadRunnerMixin:
                 params = self.requests[request_id].sampling_params
                 budget = request_budget(self.kvc_settings, getattr(params, "extra_args", None))
                 self.kvc_compresses[request_id] = budget.compresses
-                self.kvc_policy[request_id] = self.kvc_settings.policy_for(budget.policy)
+                policy = self.kvc_settings.policy_for(budget.policy)
+                if budget.observation_window is not None:
+                    policy = dataclasses.replace(
+                        policy,
+                        metric=dataclasses.replace(
+                            policy.metric, observation_window=budget.observation_window
+                        ),
+                    )
+                self.kvc_policy[request_id] = policy
             elif self.kvc_logical_len[request_id] != done:
                 raise RuntimeError(
                     f"kvcompress: request {request_id} has {done} computed tokens but "
