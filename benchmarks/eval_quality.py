@@ -27,9 +27,11 @@ per (task, length), and per rate over all RULER cells (ratio of the cell-mean sc
 Perplexity's "% of full" is ``100 x ppl_full / ppl``.
 
 Engines: one stock ``vllm.LLM`` (the full-cache reference) answers everything once;
-then one ``kvcompress.LLM(kv_compress=True)`` answers everything once per rate, the rate
-set per request (``SamplingParams(extra_args={"kv_compress_rate": r})``); all prompts
-of a rate go in one batch. Rate 1 evicts nothing and must be token-identical to stock.
+then one ``kvcompress.LLM(kv_compress=True)`` answers everything once per (eviction
+policy, rate), both set per request (``SamplingParams(extra_args={"kv_compress_rate": r,
+"kv_compress_policy": name})``); all prompts of a (policy, rate) go in one batch. Rate 1
+evicts nothing under any policy and must be token-identical to stock: it is run once
+(under the first policy) and that run is every policy's rate-1 column.
 
 The continual-compression interval counts engine steps since a request was last
 compressed; RULER answers are at most 64 tokens, so with the default interval of 64 they
@@ -37,12 +39,19 @@ are compressed once, right after their prefill (the paper's setting), while the
 perplexity windows (256 forced tokens) are recompressed every 64 steps
 (``compressions_on_interval`` in the JSON counts them).
 
+``--policies`` picks the eviction policies (``kvcompress.policies.POLICY_NAMES``;
+default ``kvc``, the paper's). With several, the table starts with a summary (rows:
+policies, columns: rates; cells: all RULER cells and perplexity as % of full), then the
+per-(task, length) table of each policy; the plot has one line per policy.
+
 Results are rows keyed by (policy, rate, task, length): policy ``full`` (stock vLLM, rate
-1) and ``kvc``; other eviction policies will add rows.
+1) and one row set per requested policy (``kvc``, ``snapkv``, ...).
 
     python benchmarks/eval_quality.py --limit 2                     # quick look
     python benchmarks/eval_quality.py --limit 6 --lengths 2048 4096 \\
         --out benchmarks/results/quality-smollm2-cpu               # .json .md .png
+    python benchmarks/eval_quality.py --limit 2 --rates 1 4 8 \\
+        --policies kvc snapkv pyramidkv h2o streamingllm random     # policies compared
 """
 
 from __future__ import annotations
@@ -81,6 +90,8 @@ try:  # importable in vLLM's worker processes
     from vllm.v1.sample.logits_processor.interface import MoveDirectionality as _Move
 except ImportError:  # lets --help and the prompt builders run without vLLM
     _LogitsProcessorBase, _Move = object, None
+
+from kvcompress.policies import POLICY_NAMES  # noqa: E402  (no vLLM, no torch)
 
 RULER_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe")
 TASKS = (*RULER_TASKS, "ppl")
@@ -525,9 +536,10 @@ def _shutdown(llm) -> None:
         gc.collect()
 
 
-def _generate(llm, samples, rate: float | None, kvc: bool) -> dict[str, Any]:
+def _generate(llm, samples, rate: float | None, kvc: bool, policy: str | None = None) -> dict[str, Any]:
     """Every sample in one batch (added, then stepped to completion). ``rate`` None: no
-    kvcompress field (stock). With ``kvc``, also reads the scheduler's page counts in the
+    kvcompress field (stock); ``policy``: the request's ``kv_compress_policy`` (None:
+    the engine's). With ``kvc``, also reads the scheduler's page counts in the
     step after each request's prefill: the fraction of its KVs held just after its prompt
     was compressed (``kv_kept``)."""
     from vllm import SamplingParams
@@ -538,6 +550,8 @@ def _generate(llm, samples, rate: float | None, kvc: bool) -> dict[str, Any]:
     internal: dict[str, int] = {}
     for index, sample in enumerate(samples):
         extra: dict[str, Any] = {} if rate is None else {"kv_compress_rate": rate}
+        if policy is not None:
+            extra["kv_compress_policy"] = policy
         if sample["task"] == "ppl":
             extra[TEACHER_KEY] = sample["forced"]
             params = SamplingParams(
@@ -618,6 +632,7 @@ def run_quality(
     tasks=TASKS,
     lengths=(2048, 4096),
     rates=(1, 2, 4, 8, 16, 32),
+    policies=("kvc",),
     limit: int = 2,
     depths=None,
     seed: int = 0,
@@ -628,10 +643,12 @@ def run_quality(
     engine_args: dict | None = None,
     log=print,
 ) -> dict[str, Any]:
-    """Stock vLLM once, then kvcompress once per rate, on the same samples.
+    """Stock vLLM once, then kvcompress once per (policy, rate), on the same samples.
+    Rate 1 evicts nothing whatever the policy: it is run once, under ``policies[0]``,
+    and that same run is stored as every policy's rate 1.
 
-    Returns ``{"config", "machine", "samples", "runs": {"full": run, "kvc": {rate: run}},
-    "rows", "rate1_identical", "timings"}``; ``rows`` as in :func:`score_rows`.
+    Returns ``{"config", "machine", "samples", "runs": {"full": run, policy: {rate: run},
+    ...}, "rows", "rate1_identical", "timings"}``; ``rows`` as in :func:`score_rows`.
     """
     from transformers import AutoTokenizer
     from vllm import LLM
@@ -644,6 +661,10 @@ def run_quality(
     unknown = set(tasks) - set(TASKS)
     if unknown:
         raise ValueError(f"unknown tasks {sorted(unknown)}; choose from {TASKS}")
+    policies = list(dict.fromkeys(policies))
+    unknown = set(policies) - set(POLICY_NAMES)
+    if unknown or not policies:
+        raise ValueError(f"unknown policies {sorted(unknown)}; choose from {POLICY_NAMES}")
     path, model_name = _model_path(model)
     ruler_max = max((MAX_TOKENS[t] for t in tasks if t in RULER_TASKS), default=0)
     if interval and ruler_max > interval:
@@ -678,24 +699,30 @@ def run_quality(
     kvc = kvcompress.LLM(path, kv_compress=True, kv_compress_interval=interval, **args)
     timings["kvc_engine_start"] = time.perf_counter() - started
     log(f"kvcompress engine up in {timings['kvc_engine_start']:.0f} s")
-    runs: dict[float, dict] = {}
+    runs: dict[str, dict[float, dict]] = {policy: {} for policy in policies}
+    rate1 = None  # evicts nothing under any policy: one run, shared
     try:
-        for rate in rates:
-            runs[rate] = _generate(kvc, samples, rate, kvc=True)
-            log(f"kvcompress rate {rate:g}: {runs[rate]['seconds']:.0f} s, "
-                f"{runs[rate]['compressions']} compressions "
-                f"({runs[rate]['compressions_on_interval']} on the interval)")
+        for policy in policies:
+            for rate in rates:
+                if rate == 1.0 and rate1 is not None:
+                    runs[policy][rate] = rate1
+                    continue
+                run = runs[policy][rate] = _generate(kvc, samples, rate, kvc=True, policy=policy)
+                if rate == 1.0:
+                    rate1 = run
+                log(f"kvcompress {policy} rate {rate:g}: {run['seconds']:.0f} s, "
+                    f"{run['compressions']} compressions "
+                    f"({run['compressions_on_interval']} on the interval)")
     finally:
         _shutdown(kvc)
 
-    rate1 = runs.get(1.0)
     identical = None
     if rate1 is not None:
         identical = rate1["token_ids"] == full["token_ids"]
     results = {
         "config": {
             "model": model_name, "tasks": tasks, "lengths": lengths, "rates": rates,
-            "limit": limit, "depths": depths, "seed": seed, "ppl_samples": ppl_samples,
+            "policies": policies, "limit": limit, "depths": depths, "seed": seed, "ppl_samples": ppl_samples,
             "ppl_context": ppl_context, "ppl_tokens": ppl_tokens,
             "kv_compress_interval": interval, "max_tokens": MAX_TOKENS,
             "engine_args": {k: v for k, v in args.items()},
@@ -704,14 +731,14 @@ def run_quality(
         "samples": [
             {k: v for k, v in s.items() if k not in ("prompt_token_ids", "forced")} for s in samples
         ],
-        "runs": {"full": full, "kvc": runs},
+        "runs": {"full": full, **runs},
         "rate1_identical": identical,
     }
     results["rows"] = score_rows(results)
     timings["wall"] = time.perf_counter() - wall
     results["timings"] = timings
-    for run in [full, *runs.values()]:
-        run.pop("token_ids")  # compared above; the texts stay
+    for run in [full, *(run for by_rate in runs.values() for run in by_rate.values())]:
+        run.pop("token_ids", None)  # compared above; the texts stay
     return results
 
 
@@ -758,13 +785,18 @@ def _pct(value, reference, lower_is_better=False):
 
 def score_rows(results: dict) -> list[dict]:
     """Rows keyed by (policy, rate, task, length): ``score`` (mean string-match in
-    [0, 1]; for ``ppl`` the perplexity), ``n`` samples, ``pct_of_full`` and for kvc
-    ``kv_kept`` (mean fraction of the KVs held after compression). Plus per (policy,
-    rate) an ``all`` row per length and over all lengths: the mean of the RULER cells,
-    ``pct_of_full`` = that mean over the full cache's."""
+    [0, 1]; for ``ppl`` the perplexity), ``n`` samples, ``pct_of_full`` and for the
+    kvcompress policies ``kv_kept`` (mean fraction of the KVs held after compression).
+    Plus per (policy, rate) an ``all`` row per length and over all lengths: the mean of
+    the RULER cells, ``pct_of_full`` = that mean over the full cache's. Policies are
+    ``full`` (stock vLLM, rate 1) and every other key of ``results["runs"]``."""
     samples = results["samples"]
     runs = [("full", 1.0, results["runs"]["full"])]
-    runs += [("kvc", rate, run) for rate, run in results["runs"]["kvc"].items()]
+    runs += [
+        (policy, float(rate), run)
+        for policy in _policies(results)
+        for rate, run in results["runs"][policy].items()
+    ]
     cells = sorted({(s["task"], s["length"]) for s in samples}, key=lambda c: (TASKS.index(c[0]), c[1]))
     rows, full_scores = [], {}
     for policy, rate, run in runs:
@@ -815,10 +847,48 @@ def _row(rows, policy, rate, task, length):
     return None
 
 
-def format_table(results: dict, markdown: bool = False) -> str:
-    """Full-cache score per (task, length), then % of it per kvc rate."""
-    rows, config = results["rows"], results["config"]
-    rates = [float(r) for r in results["runs"]["kvc"]]
+def _policies(results: dict) -> list[str]:
+    """The kvcompress policies of ``results["runs"]``, in the order they were run."""
+    return [p for p in results["runs"] if p != "full"]
+
+
+def _rates(results: dict, policy: str) -> list[float]:
+    return [float(r) for r in results["runs"][policy]]
+
+
+def _labelled_runs(results: dict) -> list[tuple[str, dict]]:
+    """``(label, run)`` per distinct kvcompress run: ``policy rN``, or ``rN`` for
+    one policy; the shared rate-1 run once, labelled with the policy it ran under."""
+    policies, seen, out = _policies(results), set(), []
+    for policy in policies:
+        for rate, run in results["runs"][policy].items():
+            if id(run) in seen:
+                continue
+            seen.add(id(run))
+            label = f"r{float(rate):g}"
+            out.append((label if len(policies) == 1 else f"{policy} {label}", run))
+    return out
+
+
+def _render(header, body, markdown, left=2) -> list[str]:
+    """A table: the first ``left`` columns left-aligned, the others right-aligned."""
+    if markdown:
+        return [
+            "| " + " | ".join(header) + " |",
+            "| " + " | ".join("---" if i < left else "---:" for i in range(len(header))) + " |",
+            *("| " + " | ".join(line) + " |" for line in body),
+        ]
+    widths = [max(len(x) for x in col) for col in zip(header, *body)]
+    return [
+        "  ".join(x.ljust(w) if i < left else x.rjust(w) for i, (x, w) in enumerate(zip(line, widths)))
+        for line in [header, *body]
+    ]
+
+
+def _policy_table(results: dict, policy: str, markdown: bool) -> list[str]:
+    """Full-cache score per (task, length), then % of it per rate of ``policy``."""
+    rows = results["rows"]
+    rates = _rates(results, policy)
     cells = []
     for r in rows:
         if r["policy"] == "full" and (r["task"], r["length"]) not in cells:
@@ -830,7 +900,7 @@ def format_table(results: dict, markdown: bool = False) -> str:
         fmt = (lambda v: f"{v:.2f}") if task == "ppl" else (lambda v: f"{100 * v:.0f}")
         line = [task, str(length), str(full["n"]), fmt(full["score"])]
         for rate in rates:
-            row = _row(rows, "kvc", rate, task, length)
+            row = _row(rows, policy, rate, task, length)
             pct = row["pct_of_full"]
             if task == "ppl":
                 line.append(f"{row['score']:.2f}")
@@ -838,37 +908,85 @@ def format_table(results: dict, markdown: bool = False) -> str:
                 line.append("-" if pct is None else f"{pct:.0f}%")
         body.append(line)
     kept_line = ["KVs kept", "all", "", ""] + [
-        "-" if (r := _row(rows, "kvc", rate, "all", "all")) is None or r["kv_kept"] is None
+        "-" if (r := _row(rows, policy, rate, "all", "all")) is None or r["kv_kept"] is None
         else f"{100 * r['kv_kept']:.1f}%" for rate in rates
     ]  # fmt: skip
     if any(c[0] != "ppl" for c in cells):
         body.append(kept_line)
-    widths = [max(len(x) for x in col) for col in zip(header, *body)]
+    return _render(header, body, markdown)
+
+
+def _summary_tables(results: dict, markdown: bool) -> list[str]:
+    """Rows: policies; columns: rates; cells: % of full of all RULER cells (``all``,
+    ``all``), then of perplexity (if run), then the KVs kept (RULER samples)."""
+    rows, policies = results["rows"], _policies(results)
+    rates = sorted({rate for p in policies for rate in _rates(results, p)})
+    ppl_length = results["config"].get("ppl_context")
+    pct = lambda r: "-" if r is None or r["pct_of_full"] is None else f"{r['pct_of_full']:.0f}%"  # noqa: E731
+    kept = lambda r: "-" if r is None or r["kv_kept"] is None else f"{100 * r['kv_kept']:.1f}%"  # noqa: E731
+    tables = []
+    if any(r["task"] == "all" for r in rows):
+        tables.append(("RULER, all cells: % of full", "all", "all", pct))
+    if any(r["task"] == "ppl" for r in rows):
+        tables.append(("perplexity: % of full", "ppl", ppl_length, pct))
+    if any(r["task"] == "all" for r in rows):
+        tables.append(("KVs kept (RULER)", "all", "all", kept))
     lines = []
-    if markdown:
-        lines.append("| " + " | ".join(header) + " |")
-        lines.append("| " + " | ".join("---" if i < 2 else "---:" for i in range(len(header))) + " |")
-        lines.extend("| " + " | ".join(line) + " |" for line in body)
+    for title, task, length, fmt in tables:
+        header = [title] + [f"r{r:g}" for r in rates]
+        body = [[p] + [fmt(_row(rows, p, rate, task, length)) for rate in rates] for p in policies]
+        if lines:
+            lines.append("")
+        lines.extend(_render(header, body, markdown, left=1))
+    return lines
+
+
+def format_table(results: dict, markdown: bool = False) -> str:
+    """One policy: full-cache score per (task, length), then % of it per rate. Several:
+    a summary (policies x rates: all RULER cells, perplexity and KVs kept), then that
+    per-(task, length) table for each policy."""
+    rows, config = results["rows"], results["config"]
+    policies = _policies(results)
+    if len(policies) == 1:
+        lines = _policy_table(results, policies[0], markdown)
     else:
-        lines.append("  ".join(h.ljust(w) if i < 2 else h.rjust(w) for i, (h, w) in enumerate(zip(header, widths))))
-        for line in body:
-            lines.append("  ".join(x.ljust(w) if i < 2 else x.rjust(w) for i, (x, w) in enumerate(zip(line, widths))))
+        lines = _summary_tables(results, markdown)
+        for policy in policies:
+            lines += ["", f"**{policy}**" if markdown else f"{policy}:", ""]
+            lines += _policy_table(results, policy, markdown)
+    which = "kvcompress" if policies == ["kvc"] else (
+        f"kvcompress (policy {policies[0]})" if len(policies) == 1 else "kvcompress (that policy)"
+    )
     notes = [
         "",
         f"model: {config['model']}; {config['limit']} samples per RULER (task, length); "
         f"greedy; kvcompress interval {config['kv_compress_interval']} steps.",
+    ]
+    if len(policies) > 1:
+        notes.append(
+            "summary: per eviction policy (rows) and rate (columns), the mean of the RULER "
+            "cells as % of the full cache's (`all`), perplexity as % of full "
+            "(100 x ppl_full / ppl) and the KVs kept; then the table of each policy."
+        )
+    notes += [
         "full: stock vLLM score (RULER: % of expected strings found; ppl: perplexity); "
-        "rN: kvcompress at rate N, RULER cells as % of the full-cache score "
+        f"rN: {which} at rate N, RULER cells as % of the full-cache score "
         "(`all`: mean of the RULER cells over the full cache's), ppl rows as perplexity.",
         "KVs kept: mean fraction of the KVs held just after compression (RULER samples).",
     ]
-    ppl_rows = [r for r in rows if r["task"] == "ppl" and r["policy"] == "kvc"]
+    ppl_rows = [r for r in rows if r["task"] == "ppl" and r["policy"] == policies[0]]
     if ppl_rows:
         notes.append(
             f"ppl: {config['ppl_samples']} Shakespeare windows of {config['ppl_context']} "
-            f"prefilled + {config['ppl_tokens']} teacher-forced tokens; % of full "
-            "(100 x ppl_full / ppl): "
-            + ", ".join(f"r{r['rate']:g} {r['pct_of_full']:.0f}%" for r in ppl_rows)
+            f"prefilled + {config['ppl_tokens']} teacher-forced tokens"
+            + ("" if len(policies) > 1 else
+               "; % of full (100 x ppl_full / ppl): "
+               + ", ".join(f"r{r['rate']:g} {r['pct_of_full']:.0f}%" for r in ppl_rows))
+        )
+    if len(policies) > 1 and 1.0 in _rates(results, policies[0]):
+        notes.append(
+            f"rate 1 evicts nothing under any policy: run once (as {policies[0]}), "
+            "shown in every policy's r1 column."
         )
     identical = results.get("rate1_identical")
     if identical is not None:
@@ -878,7 +996,25 @@ def format_table(results: dict, markdown: bool = False) -> str:
     return "\n".join(lines + notes)
 
 
+def _plot_tasks(ax, results: dict, policy: str) -> None:
+    """One line per RULER task (% of full vs rate) and the ``all`` line, one policy."""
+    rows, rates = results["rows"], _rates(results, policy)
+    for task in [t for t in results["config"]["tasks"] if t in RULER_TASKS]:
+        values = []
+        for rate in rates:
+            cell = [r for r in rows if r["policy"] == policy and r["rate"] == rate and r["task"] == task]
+            full = [r for r in rows if r["policy"] == "full" and r["task"] == task]
+            values.append(_pct(_mean([c["score"] for c in cell]), _mean([f["score"] for f in full])))
+        ax.plot(rates, [v if v is not None else float("nan") for v in values], marker="o", alpha=0.6, label=task)
+    overall = [(_row(rows, policy, rate, "all", "all") or {}).get("pct_of_full") for rate in rates]
+    if any(v is not None for v in overall):
+        ax.plot(rates, [v if v is not None else float("nan") for v in overall], marker="s",
+                color="black", linewidth=2.5, label="all RULER")
+
+
 def write_plot(results: dict, path: str, log=print) -> bool:
+    """One policy: % of full per RULER task and overall vs rate (+ perplexity vs rate).
+    Several: one line per policy, all RULER cells' % of full (+ perplexity) vs rate."""
     try:
         import matplotlib
 
@@ -887,44 +1023,48 @@ def write_plot(results: dict, path: str, log=print) -> bool:
     except ImportError:
         log("warning: matplotlib is not installed: no plot")
         return False
-    rows, rates = results["rows"], [float(r) for r in results["runs"]["kvc"]]
-    tasks = [t for t in results["config"]["tasks"] if t in RULER_TASKS]
+    rows, config, policies = results["rows"], results["config"], _policies(results)
+    rates = sorted({rate for p in policies for rate in _rates(results, p)})
     has_ppl = any(r["task"] == "ppl" for r in rows)
     figure, axes = plt.subplots(1, 2 if has_ppl else 1, figsize=(11 if has_ppl else 6.5, 4.2))
     axes = list(axes) if has_ppl else [axes]
     ax = axes[0]
-    for task in tasks:
-        values = []
-        for rate in rates:
-            cell = [r for r in rows if r["policy"] == "kvc" and r["rate"] == rate and r["task"] == task]
-            full = [r for r in rows if r["policy"] == "full" and r["task"] == task]
-            values.append(_pct(_mean([c["score"] for c in cell]), _mean([f["score"] for f in full])))
-        ax.plot(rates, [v if v is not None else float("nan") for v in values], marker="o", alpha=0.6, label=task)
-    overall = [(_row(rows, "kvc", rate, "all", "all") or {}).get("pct_of_full") for rate in rates]
-    if any(v is not None for v in overall):
-        ax.plot(rates, [v if v is not None else float("nan") for v in overall], marker="s",
-                color="black", linewidth=2.5, label="all RULER")
+    if len(policies) == 1:
+        _plot_tasks(ax, results, policies[0])
+    else:
+        for policy in policies:
+            prates = _rates(results, policy)
+            values = [(_row(rows, policy, rate, "all", "all") or {}).get("pct_of_full") for rate in prates]
+            ax.plot(prates, [v if v is not None else float("nan") for v in values], marker="o",
+                    linewidth=2.5 if policy == "kvc" else 1.5, label=policy)
     ax.set_xscale("log", base=2)
     ax.set_xticks(rates, [f"{r:g}" for r in rates])
     ax.axhline(100, color="grey", linewidth=0.8, linestyle="--")
     ax.set_xlabel("compression rate")
-    ax.set_ylabel("% of full-cache score")
-    ax.set_title(f"RULER-style tasks, lengths {'/'.join(map(str, results['config']['lengths']))}")
+    ax.set_ylabel("% of full-cache score" + ("" if len(policies) == 1 else " (all RULER cells)"))
+    ax.set_title(f"RULER-style tasks, lengths {'/'.join(map(str, config['lengths']))}")
     ax.legend(fontsize=8)
     if has_ppl:
         ax = axes[1]
         full = [r for r in rows if r["policy"] == "full" and r["task"] == "ppl"][0]["score"]
-        ppl = [(_row(rows, "kvc", rate, "ppl", results["config"]["ppl_context"]) or {}).get("score") for rate in rates]
-        ax.plot(rates, ppl, marker="o", label="kvcompress")
+        for policy in policies:
+            prates = _rates(results, policy)
+            ppl = [(_row(rows, policy, rate, "ppl", config["ppl_context"]) or {}).get("score") for rate in prates]
+            label = "kvcompress" if policies == ["kvc"] else policy
+            ax.plot(prates, [v if v is not None else float("nan") for v in ppl], marker="o", label=label)
         ax.axhline(full, color="grey", linestyle="--", label="full cache")
         ax.set_xscale("log", base=2)
         ax.set_xticks(rates, [f"{r:g}" for r in rates])
         ax.set_xlabel("compression rate")
         ax.set_ylabel("perplexity")
-        ax.set_title(f"Shakespeare, {results['config']['ppl_tokens']} tokens after "
-                     f"{results['config']['ppl_context']}, continual compression")
+        ax.set_title(f"Shakespeare, {config['ppl_tokens']} tokens after "
+                     f"{config['ppl_context']}, continual compression")
         ax.legend(fontsize=8)
-    figure.suptitle(results["config"]["model"].split(" (")[0] + " on CPU, KV-Compress vs full cache", fontsize=10)
+    what = (
+        "KV-Compress" if policies == ["kvc"]
+        else f"kvcompress ({policies[0]})" if len(policies) == 1 else "eviction policies"
+    )
+    figure.suptitle(config["model"].split(" (")[0] + f" on CPU, {what} vs full cache", fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -937,9 +1077,8 @@ def write_outputs(results: dict, prefix: str, log=print) -> None:
     with open(f"{prefix}.json", "w") as handle:
         json.dump(results, handle, indent=1, default=str)
     machine, config, timings = results["machine"], results["config"], results["timings"]
-    per_rate = ", ".join(
-        f"r{float(r):g} {run['seconds']:.0f} s" for r, run in results["runs"]["kvc"].items()
-    )
+    policies = _policies(results)
+    per_run = ", ".join(f"{label} {run['seconds']:.0f} s" for label, run in _labelled_runs(results))
     md = [
         f"# Quality: KV-Compress vs full cache ({config['model'].split(' (')[0]}, CPU)",
         "",
@@ -948,10 +1087,13 @@ def write_outputs(results: dict, prefix: str, log=print) -> None:
         f"- model: {config['model']}",
         f"- samples: {config['limit']} per RULER (task, length); lengths {config['lengths']}; "
         f"rates {[f'{r:g}' for r in config['rates']]}; seed {config['seed']}",
+        f"- eviction policies (per request): {', '.join(policies)}"
+        + (f"; rate 1 (no eviction) run once, as {policies[0]}"
+           if len(policies) > 1 and 1.0 in _rates(results, policies[0]) else ""),
         f"- engine: {', '.join(f'{k}={v}' for k, v in config['engine_args'].items() if k != 'logits_processors')}; "
         f"kvcompress interval {config['kv_compress_interval']}",
         f"- wall time {timings['wall']:.0f} s: full cache {results['runs']['full']['seconds']:.0f} s, "
-        f"{per_rate}; engine starts {timings['full_engine_start']:.0f} + {timings['kvc_engine_start']:.0f} s",
+        f"{per_run}; engine starts {timings['full_engine_start']:.0f} + {timings['kvc_engine_start']:.0f} s",
         f"- command: `python benchmarks/eval_quality.py {results.get('argv', '')}`",
         "",
         format_table(results, markdown=True),
@@ -970,6 +1112,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096], help="prompt tokens (at most)")
     parser.add_argument("--rates", type=float, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    parser.add_argument("--policies", nargs="+", default=["kvc"], choices=POLICY_NAMES,
+                        help="eviction policies (per request), each run at every rate; "
+                        "rate 1 (no eviction) is run once")
     parser.add_argument("--limit", type=int, default=2, help="samples per (RULER task, length)")
     parser.add_argument("--depths", type=float, nargs="+", default=None,
                         help="needle depths, cycled over samples (default: evenly spread)")
@@ -985,17 +1130,18 @@ def main(argv: list[str] | None = None) -> dict:
     log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
     results = run_quality(
         model=args.model, tasks=args.tasks, lengths=args.lengths, rates=args.rates,
-        limit=args.limit, depths=args.depths, seed=args.seed, ppl_samples=args.ppl_samples,
+        policies=args.policies, limit=args.limit, depths=args.depths, seed=args.seed, ppl_samples=args.ppl_samples,
         ppl_context=args.ppl_context, ppl_tokens=args.ppl_tokens,
         interval=args.kv_compress_interval, log=log,
     )  # fmt: skip
     results["argv"] = " ".join(sys.argv[1:] if argv is None else argv)
     if args.show_outputs:
+        labelled = _labelled_runs(results)
         for i, sample in enumerate(results["samples"]):
             if sample["task"] == "ppl":
                 continue
             answers = [f"full {results['runs']['full']['texts'][i]!r}"] + [
-                f"r{float(r):g} {run['texts'][i]!r}" for r, run in results["runs"]["kvc"].items()
+                f"{label} {run['texts'][i]!r}" for label, run in labelled
             ]
             print(f"{sample['task']} {sample['length']} #{sample['index']} {sample['answers']}: "
                   + " | ".join(answers))

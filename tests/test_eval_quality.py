@@ -1,11 +1,13 @@
 """Quality benchmark (benchmarks/eval_quality.py), smoke-sized: SmolLM2-135M-Instruct,
 one sample per RULER task at ~1K tokens, one perplexity window (512 prefilled + 32
-teacher-forced tokens), stock vLLM vs kvcompress at rates 1 and 8 (~3 min on 2 cores).
+teacher-forced tokens), stock vLLM vs kvcompress at rates 1 and 8 under the policies kvc,
+snapkv and streamingllm (rate 1 run once; ~4 min on 2 cores).
 
-Checked: every task is scored for the full cache and both rates; rate 1 (evicts nothing)
-is token-identical to stock and scores the same; scores are fractions in [0, 1]; the
-teacher-forced perplexity is finite and the same at rate 1; rate 8 keeps well under half
-of the KVs. Quality at rate 8 is printed, not asserted."""
+Checked: every task is scored for the full cache and both rates of every policy; rate 1
+(evicts nothing) is token-identical to stock and scores the same; scores are fractions in
+[0, 1]; the teacher-forced perplexity is finite and the same at rate 1; rate 8 keeps well
+under half of the KVs under every policy; the summary table lists every policy. Quality
+at rate 8 is printed, not asserted."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.assets]
 
 RATES = (1.0, 8.0)
 LENGTH = 1024
+POLICIES = ("kvc", "snapkv", "streamingllm")
 
 
 def _load_benchmark():
@@ -36,6 +39,7 @@ def quality(tmp_path_factory):
     prefix = tmp_path_factory.mktemp("quality") / "quality-smoke"
     results = bench.main([
         "--lengths", str(LENGTH), "--limit", "1", "--rates", *map(str, RATES),
+        "--policies", *POLICIES,
         "--ppl-samples", "1", "--ppl-context", "512", "--ppl-tokens", "32",
         "--out", str(prefix),
     ])  # fmt: skip
@@ -100,6 +104,38 @@ def test_rate8_compresses(quality):
     assert run["mismatches"] == 0
     (summary,) = _rows(results, policy="kvc", rate=8.0, task="all", length="all")
     assert summary["kv_kept"] < 0.5
+
+
+def test_every_policy_is_scored_and_compresses(quality):
+    bench, results, _ = quality
+    assert results["config"]["policies"] == list(POLICIES)
+    assert set(results["runs"]) == {"full", *POLICIES}
+    for policy in POLICIES:
+        # rate 1 evicts nothing under any policy: one run, shared
+        assert results["runs"][policy][1.0] is results["runs"]["kvc"][1.0]
+        run = results["runs"][policy][8.0]
+        assert run["compressions"] >= len(results["samples"]) and run["pages_freed"] > 0
+        assert run["mismatches"] == 0
+        for task in bench.TASKS:
+            length = 512 if task == "ppl" else LENGTH
+            (row,) = _rows(results, policy=policy, rate=8.0, task=task, length=length)
+            assert row["n"] == 1
+            if task == "ppl":
+                assert math.isfinite(row["score"]) and row["score"] > 1.0
+            else:
+                assert 0.0 <= row["score"] <= 1.0
+        (summary,) = _rows(results, policy=policy, rate=8.0, task="all", length="all")
+        assert 0.0 <= summary["score"] <= 1.0 and summary["kv_kept"] < 0.5
+
+
+def test_summary_table_lists_every_policy(quality):
+    bench, results, _ = quality
+    table = bench.format_table(results)
+    summary = table.split("\n\n")[0].splitlines()  # the first table: policies x rates
+    assert summary[0].startswith("RULER, all cells: % of full") and "r8" in summary[0]
+    assert [line.split()[0] for line in summary[1:]] == list(POLICIES)
+    for policy in POLICIES:
+        assert f"{policy}:" in table  # its per-(task, length) table
 
 
 def test_outputs_are_written(quality):
