@@ -640,6 +640,7 @@ def run_quality(
     ppl_context: int = 2048,
     ppl_tokens: int = 256,
     interval: int = 64,
+    kvc_settings: dict | None = None,
     engine_args: dict | None = None,
     log=print,
 ) -> dict[str, Any]:
@@ -696,7 +697,8 @@ def run_quality(
         f"answered in {full['seconds']:.0f} s")
 
     started = time.perf_counter()
-    kvc = kvcompress.LLM(path, kv_compress=True, kv_compress_interval=interval, **args)
+    extra_settings = {f"kv_compress_{k}": v for k, v in (kvc_settings or {}).items() if v is not None}
+    kvc = kvcompress.LLM(path, kv_compress=True, kv_compress_interval=interval, **extra_settings, **args)
     timings["kvc_engine_start"] = time.perf_counter() - started
     log(f"kvcompress engine up in {timings['kvc_engine_start']:.0f} s")
     runs: dict[str, dict[float, dict]] = {policy: {} for policy in policies}
@@ -725,6 +727,7 @@ def run_quality(
             "policies": policies, "limit": limit, "depths": depths, "seed": seed, "ppl_samples": ppl_samples,
             "ppl_context": ppl_context, "ppl_tokens": ppl_tokens,
             "kv_compress_interval": interval, "max_tokens": MAX_TOKENS,
+            "kvc_settings": {k: v for k, v in (kvc_settings or {}).items() if v is not None},
             "engine_args": {k: v for k, v in args.items()},
         },  # fmt: skip
         "machine": machine_info(),
@@ -1091,7 +1094,8 @@ def write_outputs(results: dict, prefix: str, log=print) -> None:
         + (f"; rate 1 (no eviction) run once, as {policies[0]}"
            if len(policies) > 1 and 1.0 in _rates(results, policies[0]) else ""),
         f"- engine: {', '.join(f'{k}={v}' for k, v in config['engine_args'].items() if k != 'logits_processors')}; "
-        f"kvcompress interval {config['kv_compress_interval']}",
+        f"kvcompress interval {config['kv_compress_interval']}"
+        + "".join(f", {k}={v}" for k, v in config.get("kvc_settings", {}).items()),
         f"- wall time {timings['wall']:.0f} s: full cache {results['runs']['full']['seconds']:.0f} s, "
         f"{per_run}; engine starts {timings['full_engine_start']:.0f} + {timings['kvc_engine_start']:.0f} s",
         f"- command: `python benchmarks/eval_quality.py {results.get('argv', '')}`",
@@ -1124,6 +1128,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--ppl-tokens", type=int, default=256, help="teacher-forced tokens per window")
     parser.add_argument("--kv-compress-interval", type=int, default=64,
                         help="kvcompress engine: recompress every N steps (continual compression)")
+    parser.add_argument("--kv-compress-pool-kernel", type=int, default=None,
+                        help="kvcompress engine: pooling width for every policy (default: each policy's)")
+    parser.add_argument("--kv-compress-observation-window", type=int, default=None,
+                        help="kvcompress engine: scoring window for every policy (default: each policy's)")
     parser.add_argument("--out", default=None, help="write <OUT>.json/.md/.png")
     parser.add_argument("--show-outputs", action="store_true")
     args = parser.parse_args(argv)
@@ -1133,6 +1141,8 @@ def main(argv: list[str] | None = None) -> dict:
         policies=args.policies, limit=args.limit, depths=args.depths, seed=args.seed, ppl_samples=args.ppl_samples,
         ppl_context=args.ppl_context, ppl_tokens=args.ppl_tokens,
         interval=args.kv_compress_interval, log=log,
+        kvc_settings={"pool_kernel": args.kv_compress_pool_kernel,
+                      "observation_window": args.kv_compress_observation_window},
     )  # fmt: skip
     results["argv"] = " ".join(sys.argv[1:] if argv is None else argv)
     if args.show_outputs:
