@@ -62,7 +62,7 @@ def _default_text(field: str, defaults: KVCompressConfig) -> str:
     value = getattr(defaults, field)
     if value is None and field in POLICY_DEFAULT_FIELDS:
         return ""  # the help text names each policy's default
-    return f" (default: {value})"
+    return f" (default: {'none' if value is None else value})"
 
 
 def add_kvcompress_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,7 +74,7 @@ def add_kvcompress_arguments(parser: argparse.ArgumentParser) -> None:
     )
     defaults = KVCompressConfig()
     group.add_argument(
-        FLAGS["enabled"], dest="kv_compress", action="store_true", default=None,
+        FLAGS["enabled"], dest="kv_compress", action="store_true", default=argparse.SUPPRESS,
         help="Keep the KV cache in pages that each hold one (layer, KV head), so heads can be "
         "compressed at their own rates and freed pages return to the scheduler. Implied by "
         "any other --kv-compress-* flag.",
@@ -85,7 +85,8 @@ def add_kvcompress_arguments(parser: argparse.ArgumentParser) -> None:
         kind, choices = _value_parser(field)
         group.add_argument(
             FLAGS[field], dest=f"kv_compress_{field}", type=kind, choices=choices,
-            default=None, help=f"{_flag_help(field)}{_default_text(field, defaults)}",
+            default=argparse.SUPPRESS,  # absent = not given; vLLM's formatter then adds no "(default: None)"
+            help=f"{_flag_help(field)}{_default_text(field, defaults)}",
         )
 
 

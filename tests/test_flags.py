@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -166,3 +167,41 @@ def test_other_vllm_version_fails_loudly(monkeypatch):
     monkeypatch.setattr(vllm, "__version__", "0.33.0")
     with pytest.raises(UnsupportedVLLMVersionError, match="pinned to vLLM 0.32.0"):
         check_vllm_version()
+
+
+def test_policy_flags_reach_the_engine_config_and_help_lists_them(tmp_path):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from kvcompress.policies import POLICY_NAMES
+
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    vllm_cli = Path(sys.executable).parent / "vllm"
+    shown = subprocess.run([str(vllm_cli), "serve", "--help=kvcompress"], capture_output=True,
+                           text=True, timeout=300, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+    help_text = " ".join(shown.stdout.split())
+    for flag in ("--kv-compress-policy", "--kv-compress-pyramid-beta", "--kv-compress-ada-floor",
+                 "--kv-compress-xkv-profile", "--kv-compress-pool "):
+        assert flag in help_text
+    assert "{" + ",".join(POLICY_NAMES) + "}" in help_text
+    assert "(default: 20.0)" in help_text and "(default: 0.5)" in help_text
+    assert "(default: None)" not in help_text
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps([1, 1]))
+    model = _write_config(tmp_path)
+    args = parser.parse_args(
+        ["--model", model, "--skip-tokenizer-init", "--max-model-len", "512",
+         "--kv-compress-rate", "4", "--kv-compress-policy", "xkv", "--kv-compress-pool", "max",
+         "--kv-compress-pyramid-beta", "8", "--kv-compress-ada-floor", "0.25",
+         "--kv-compress-xkv-profile", str(profile)]
+    )
+    section = AsyncEngineArgs.from_cli_args(args).create_engine_config().additional_config["kvcompress"]
+    settings = KVCompressConfig.from_dict(section)
+    assert (settings.policy, settings.pool, settings.pyramid_beta, settings.ada_floor) == ("xkv", "max", 8.0, 0.25)
+    assert settings.policy_for().split.layer_profile == (0.5, 0.5)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", model, "--kv-compress-policy", "pyramidinfer"])
