@@ -61,7 +61,6 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
-import gc
 import json
 import math
 import os
@@ -71,6 +70,8 @@ import time
 import warnings
 from pathlib import Path
 from typing import Any
+
+from kvcompress.vllm_glue.llm import page_stats, shutdown
 
 DEFAULT_RATES = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_INPUT_LENS = (512, 2048)
@@ -192,11 +193,9 @@ def essay_prompts(tokens: list[int], input_len: int, num_prompts: int, vocab_siz
 
 def _shutdown(llm) -> None:
     try:
-        llm.llm_engine.engine_core.shutdown()
+        shutdown(llm)  # collects even when the shutdown fails
     except Exception as error:  # pragma: no cover - best effort
         print(f"warning: engine shutdown failed: {error}", file=sys.stderr)
-    del llm
-    gc.collect()
 
 
 def _preemptions(llm) -> int:
@@ -408,7 +407,7 @@ def measure(
             print(f"error: the kvcompress engine did not start: {error}", file=sys.stderr)
     if kvc is not None:
         results["engine_start_seconds"][KVC] = time.perf_counter() - t0
-        stats = kvc.llm_engine.engine_core.call_utility("kvcompress_page_stats")
+        stats = page_stats(kvc)
         per_token_pages = stats["num_layers"] * stats["num_kv_heads"]
         results["kvcompress_kv_capacity_tokens"] = stats["num_pages"] * stats["block_size"] // per_token_pages
         results["kvcompress_block_size"] = stats["block_size"]
@@ -416,12 +415,12 @@ def measure(
         for n in input_lens:
             for rate in rates:
                 extra = {"kv_compress_rate": rate}
-                sched_before = kvc.llm_engine.engine_core.call_utility("kvcompress_page_stats")
+                sched_before = page_stats(kvc)
                 worker_before = kvc.collective_rpc("kvcompress_pages_used")[0]
                 run = run_batch(
                     kvc, prompts[n], [params(extra) for _ in prompts[n]], f"kvcompress L={n} r={rate:g}", progress
                 )
-                sched = kvc.llm_engine.engine_core.call_utility("kvcompress_page_stats")
+                sched = page_stats(kvc)
                 worker = kvc.collective_rpc("kvcompress_pages_used")[0]
                 step_seconds = worker["step_seconds"] - worker_before["step_seconds"]
                 run.update(

@@ -92,6 +92,7 @@ except ImportError:  # lets --help and the prompt builders run without vLLM
     _LogitsProcessorBase, _Move = object, None
 
 from kvcompress.policies import POLICY_NAMES  # noqa: E402  (no vLLM, no torch)
+from kvcompress.vllm_glue.llm import page_stats, shutdown  # noqa: E402  (vLLM imported lazily)
 
 RULER_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe")
 TASKS = (*RULER_TASKS, "ppl")
@@ -522,20 +523,6 @@ def build_ppl_samples(tokenizer, count, context, forced, seed=0) -> list[dict]:
 # Engines
 
 
-def _page_stats(llm) -> dict:
-    return llm.llm_engine.engine_core.call_utility("kvcompress_page_stats")
-
-
-def _shutdown(llm) -> None:
-    import gc
-
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    finally:
-        del llm
-        gc.collect()
-
-
 def _generate(llm, samples, rate: float | None, kvc: bool, policy: str | None = None) -> dict[str, Any]:
     """Every sample in one batch (added, then stepped to completion). ``rate`` None: no
     kvcompress field (stock); ``policy``: the request's ``kv_compress_policy`` (None:
@@ -566,7 +553,7 @@ def _generate(llm, samples, rate: float | None, kvc: bool, policy: str | None = 
         internal[rid] = index
     outputs: list[Any] = [None] * len(samples)
     kept: dict[int, float] = {}
-    before = _page_stats(llm) if kvc else None
+    before = page_stats(llm) if kvc else None
     started = time.perf_counter()
     poll: set[int] = set()  # requests whose prompt was compressed in this step
     while engine.has_unfinished_requests():
@@ -578,7 +565,7 @@ def _generate(llm, samples, rate: float | None, kvc: bool, policy: str | None = 
             if len(output.outputs[0].token_ids) == 1:
                 first.add(index)  # prefill done: compressed in the next step
         if kvc and poll:
-            stats = _page_stats(llm)
+            stats = page_stats(llm)
             heads = stats["num_layers"] * stats["num_kv_heads"]
             for rid, request in stats["requests"].items():
                 index = internal.get(rid)
@@ -602,7 +589,7 @@ def _generate(llm, samples, rate: float | None, kvc: bool, policy: str | None = 
         nll.append([-d[t].logprob for d, t in zip(output.logprobs, output.token_ids)])
     run["nll"] = nll
     if kvc:
-        after = _page_stats(llm)
+        after = page_stats(llm)
         for key in ("compressions", "compressions_after_prefill", "compressions_on_interval",
                     "compressions_instead_of_preemption", "pages_freed", "num_preemptions"):
             run[key] = after[key] - before[key]
@@ -692,7 +679,7 @@ def run_quality(
     try:
         full = _generate(stock, samples, None, kvc=False)
     finally:
-        _shutdown(stock)
+        shutdown(stock)
     log(f"full cache (stock vLLM): engine up in {timings['full_engine_start']:.0f} s, "
         f"answered in {full['seconds']:.0f} s")
 
@@ -716,7 +703,7 @@ def run_quality(
                     f"{run['compressions']} compressions "
                     f"({run['compressions_on_interval']} on the interval)")
     finally:
-        _shutdown(kvc)
+        shutdown(kvc)
 
     identical = None
     if rate1 is not None:

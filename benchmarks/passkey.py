@@ -29,6 +29,8 @@ import sys
 import time
 from typing import Any
 
+from kvcompress.vllm_glue.llm import page_stats, shutdown
+
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 INTRO = (
@@ -188,8 +190,8 @@ def found(key: int, text: str) -> bool:
 # Engines
 
 
-def _generate(llm, prompts, params_list, page_stats: bool = False) -> dict[str, Any]:
-    """Add every request, step to completion. With ``page_stats``, also read the
+def _generate(llm, prompts, params_list, track_pages: bool = False) -> dict[str, Any]:
+    """Add every request, step to completion. With ``track_pages``, also read the
     scheduler's pages after every step: per request, the fewest pages it held while
     decoding, i.e. just after its prompt was compressed (the engine core steps on its
     own, so the snapshots are a sample of its steps)."""
@@ -205,14 +207,14 @@ def _generate(llm, prompts, params_list, page_stats: bool = False) -> dict[str, 
         internal[rid] = index
     outputs: list[Any] = [None] * len(prompts)
     after_compression: dict[int, dict] = {}
-    before = _page_stats(llm) if page_stats else None
+    before = page_stats(llm) if track_pages else None
     started = time.perf_counter()
     while engine.has_unfinished_requests():
         for output in engine.step():
             if output.finished:
                 outputs[int(output.request_id.split("-")[1])] = output.outputs[0]
-        if page_stats:
-            stats = _page_stats(llm)
+        if track_pages:
+            stats = page_stats(llm)
             heads = stats["num_layers"] * stats["num_kv_heads"]
             for rid, request in stats["requests"].items():
                 index = internal.get(rid)
@@ -233,27 +235,13 @@ def _generate(llm, prompts, params_list, page_stats: bool = False) -> dict[str, 
         "token_ids": [list(o.token_ids) for o in outputs],
         "seconds": seconds,
     }
-    if page_stats:
-        after = _page_stats(llm)
+    if track_pages:
+        after = page_stats(llm)
         for key in ("compressions", "compressions_after_prefill", "pages_freed", "num_preemptions"):
             result[key] = after[key] - before[key]
         result["mismatches"] = after["mismatches"]
         result["pages_after_compression"] = [after_compression.get(i) for i in range(len(prompts))]
     return result
-
-
-def _page_stats(llm) -> dict:
-    return llm.llm_engine.engine_core.call_utility("kvcompress_page_stats")
-
-
-def _shutdown(llm) -> None:
-    import gc
-
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    finally:
-        del llm
-        gc.collect()
 
 
 def _score(prompts, run: dict) -> None:
@@ -317,7 +305,7 @@ def run_passkey(
     try:
         stock_run = _generate(stock, prompts, [params() for _ in prompts])
     finally:
-        _shutdown(stock)
+        shutdown(stock)
     _score(prompts, stock_run)
     log(f"stock vLLM: {stock_run['num_found']}/{len(prompts)} in {stock_run['seconds']:.0f} s")
 
@@ -329,7 +317,7 @@ def run_passkey(
     try:
         for rate in rates:
             extra = {"kv_compress_rate": rate}
-            run = _generate(kvc, prompts, [params(extra) for _ in prompts], page_stats=True)
+            run = _generate(kvc, prompts, [params(extra) for _ in prompts], track_pages=True)
             _score(prompts, run)
             run["rate"] = rate
             run["pct_of_stock"] = (
@@ -344,7 +332,7 @@ def run_passkey(
             runs[rate] = run
             log(f"kvcompress rate {rate:g}: {run['num_found']}/{len(prompts)} in {run['seconds']:.0f} s")
     finally:
-        _shutdown(kvc)
+        shutdown(kvc)
 
     rate1 = runs.get(1.0)
     return {

@@ -3,10 +3,13 @@ is started once per test session and reused."""
 
 from __future__ import annotations
 
-import gc
+import importlib.util
 import os
+from pathlib import Path
 
 import pytest
+
+from kvcompress.vllm_glue.llm import page_stats, shutdown  # noqa: F401  (page_stats: for the tests)
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -43,11 +46,9 @@ def tiny_model() -> str:
 
 def _shutdown(llm) -> None:
     try:
-        llm.llm_engine.engine_core.shutdown()
+        shutdown(llm)  # collects even when the shutdown fails
     except Exception:
         pass
-    del llm
-    gc.collect()
 
 
 @pytest.fixture(scope="session")
@@ -68,9 +69,13 @@ def kvc_tiny_llm(tiny_model):
     _shutdown(llm)
 
 
-def page_stats(llm) -> dict:
-    """Scheduler-side page counters (engine-core process)."""
-    return llm.llm_engine.engine_core.call_utility("kvcompress_page_stats")
+def load_benchmark(name: str):
+    """Import ``benchmarks/<name>.py`` (a script directory, not a package)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"kvcompress_bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def worker_page_stats(llm) -> dict:

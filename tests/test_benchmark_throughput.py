@@ -4,7 +4,6 @@ kvcompress flags through vLLM's own ``vllm bench throughput``."""
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import math
 import os
@@ -14,21 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from conftest import load_benchmark
+
 pytestmark = pytest.mark.engine
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _benchmark():
-    path = ROOT / "benchmarks" / "benchmark_throughput.py"
-    spec = importlib.util.spec_from_file_location("benchmark_throughput", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_benchmark_throughput_smoke(tmp_path):
-    bench = _benchmark()
+    bench = load_benchmark("benchmark_throughput")
     prefix = tmp_path / "throughput"
     num_prompts, output_len = 16, 16
     results = bench.main(

@@ -11,12 +11,13 @@ at rate 8 is printed, not asserted."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
 
 import pytest
+
+from conftest import load_benchmark
 
 pytestmark = [pytest.mark.engine, pytest.mark.assets]
 
@@ -25,17 +26,9 @@ LENGTH = 1024
 POLICIES = ("kvc", "snapkv", "streamingllm")
 
 
-def _load_benchmark():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "eval_quality.py"
-    spec = importlib.util.spec_from_file_location("kvcompress_bench_eval_quality", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def quality(tmp_path_factory):
-    bench = _load_benchmark()
+    bench = load_benchmark("eval_quality")
     prefix = tmp_path_factory.mktemp("quality") / "quality-smoke"
     results = bench.main([
         "--lengths", str(LENGTH), "--limit", "1", "--rates", *map(str, RATES),

@@ -4,24 +4,15 @@ rate r decodes about r times as many requests at once as stock vLLM
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+
+from conftest import load_benchmark
 
 pytestmark = pytest.mark.engine
 
 
-def _benchmark():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_max_batch.py"
-    spec = importlib.util.spec_from_file_location("bench_max_batch", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_max_decode_batch_grows_with_the_rate():
-    bench = _benchmark()
+    bench = load_benchmark("bench_max_batch")
     results = bench.measure(rates=(4,), prompt_len=1024, output_len=32, kv_tokens=8192)
     bench.print_table(results)
     stock, kvc = results["rows"]

@@ -8,10 +8,9 @@ at high rates is a quality measurement (printed), not asserted."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+
+from conftest import load_benchmark
 
 pytestmark = [pytest.mark.engine, pytest.mark.assets]
 
@@ -19,17 +18,9 @@ RATES = (1, 8)
 DEPTHS = (0.5, 0.75)
 
 
-def _load_benchmark():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "passkey.py"
-    spec = importlib.util.spec_from_file_location("kvcompress_bench_passkey", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def passkey_results():
-    passkey = _load_benchmark()
+    passkey = load_benchmark("passkey")
     results = passkey.run_passkey(
         context_tokens=3000, depths=DEPTHS, trials=1, rates=RATES, log=lambda _: None
     )

@@ -4,14 +4,12 @@ per-layer statistics, has each policy's shape; the XKV profile script works."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
-from pathlib import Path
 
 import pytest
 
-from conftest import TINY_KV_HEADS, TINY_LAYERS, worker_page_stats
+from conftest import TINY_KV_HEADS, TINY_LAYERS, load_benchmark, worker_page_stats
 from kvcompress.policies import POLICY_NAMES, load_layer_profile
 
 pytestmark = pytest.mark.engine
@@ -64,11 +62,7 @@ def test_every_policy_compresses_in_the_engine(kvc_tiny_llm, policy):
 
 
 def test_xkv_profile_script(kvc_tiny_llm, tmp_path):
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "xkv_profile.py"
-    spec = importlib.util.spec_from_file_location("kvcompress_bench_xkv_profile", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    profile = module.collect_profile(kvc_tiny_llm, [_prompt(1), _prompt(2)], rate=4.0)
+    profile = load_benchmark("xkv_profile").collect_profile(kvc_tiny_llm, [_prompt(1), _prompt(2)], rate=4.0)
     assert len(profile["layer_shares"]) == TINY_LAYERS
     assert sum(profile["layer_shares"]) == pytest.approx(1.0)
     out = tmp_path / "xkv.json"

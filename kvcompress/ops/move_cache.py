@@ -247,8 +247,8 @@ def compress_sequences(
     freed_pages = tables[freed]
     cache.allocator.free(freed_pages)
     cache.head_lens[seq_slots] = plan.new_head_lens
-    held = torch.arange(num_slots, device=device) < head_lens.unsqueeze(-1)
-    kept_unprotected = plan.new_head_lens - (protected & held).sum(dim=-1)
+    # protected_slots() marks held KVs only, and the schedule never evicts them.
+    kept_unprotected = plan.new_head_lens - protected.sum(dim=-1)
     return CompressResult(
         new_head_lens=plan.new_head_lens,
         evict_blocks=plan.evict_blocks,

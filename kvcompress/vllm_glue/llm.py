@@ -1,10 +1,12 @@
 """``kvcompress.LLM``: vLLM's offline ``LLM`` with kvcompress keyword arguments.
 
-Equivalent to ``vllm.LLM(model, additional_config={"kvcompress": {...}})``.
+Equivalent to ``vllm.LLM(model, additional_config={"kvcompress": {...}})``. Also the
+two engine helpers the benchmarks and tests share: ``page_stats`` and ``shutdown``.
 """
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 from kvcompress.config import ADDITIONAL_CONFIG_KEY, FLAGS, KVCompressConfig
@@ -34,3 +36,17 @@ def LLM(model: str, *, kv_compress: bool = True, **kwargs: Any):  # noqa: N802 -
     additional = dict(kwargs.pop("additional_config", None) or {})
     additional[ADDITIONAL_CONFIG_KEY] = section
     return VllmLLM(model=model, additional_config=additional, **kwargs)
+
+
+def page_stats(llm) -> dict:
+    """Scheduler-side page counts and compression counters (engine-core process)."""
+    return llm.llm_engine.engine_core.call_utility("kvcompress_page_stats")
+
+
+def shutdown(llm) -> None:
+    """Stop ``llm``'s engine core now (not at garbage collection) and collect."""
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    finally:
+        del llm
+        gc.collect()

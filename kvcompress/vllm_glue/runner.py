@@ -105,6 +105,8 @@ class PerHeadRunnerMixin:
             # policy -> [layers]: unprotected KVs kept after its compressions.
             "kept_unprotected_by_layer": {},
         }
+        # Resolved once: the server's policy settings are fixed for the engine's life.
+        self.kvc_policies = {name: self.kvc_settings.policy_for(name) for name in POLICY_NAMES}
         self.kvc_generator: torch.Generator | None = None
         self.kvc_policy: dict[str, object] = {}
         set_worker_state(
@@ -175,7 +177,7 @@ class PerHeadRunnerMixin:
         # One batched compression per policy present in this step's orders.
         for policy_index in np.unique(columns[:, 4]).tolist():
             rows = torch.from_numpy(np.flatnonzero(columns[:, 4] == policy_index)).to(device)
-            policy = self.kvc_settings.policy_for(POLICY_NAMES[policy_index])
+            policy = self.kvc_policies[POLICY_NAMES[policy_index]]
             if self.kvc_generator is None:
                 self.kvc_generator = torch.Generator(device=device)
                 self.kvc_generator.manual_seed(self.vllm_config.model_config.seed or 0)
@@ -273,7 +275,7 @@ class PerHeadRunnerMixin:
                 params = self.requests[request_id].sampling_params
                 budget = request_budget(self.kvc_settings, getattr(params, "extra_args", None))
                 self.kvc_compresses[request_id] = budget.compresses
-                policy = self.kvc_settings.policy_for(budget.policy)
+                policy = self.kvc_policies[budget.policy]
                 if budget.observation_window is not None:
                     policy = dataclasses.replace(
                         policy,
@@ -353,7 +355,7 @@ class PerHeadRunnerMixin:
             decode_seqs=torch.from_numpy(decode_seqs).to(self.kvc_cache.device)
             if decode_seqs.any() else None,
             # Decode queries of one batch share one kernel call: the server policy's power.
-            power=settings.policy_for().metric.power,
+            power=self.kvc_policies[settings.policy].metric.power,
         )
 
     def _dummy_run(self, *args, **kwargs):
