@@ -33,3 +33,9 @@ def apply_all() -> None:
     engine_args.apply()
     engine_core.apply()
     input_processor.apply()
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda():
+        from kvcompress.patches.attention_registry import register_cuda_backend
+
+        register_cuda_backend()

@@ -1,6 +1,7 @@
 """vLLM attention backend over the per-(layer, KV head) paged cache.
 
-On CPU it replaces ``CPU_ATTN`` inside a kvcompress engine (see
+On CPU it replaces ``CPU_ATTN`` inside a kvcompress engine; on CUDA it is
+vLLM's ``CUSTOM`` backend, selected for kvcompress engines (see
 ``patches/attention_registry.py``). The model runner (``runner.py``) plans each
 step (pages allocated, where every new KV goes) and publishes it with
 ``set_current_step``; the metadata builder hands that plan to every layer, and
@@ -18,6 +19,7 @@ import torch
 
 from vllm.v1.attention.backend import (
     AttentionBackend,
+    AttentionCGSupport,
     AttentionImpl,
     AttentionLayer,
     AttentionMetadataBuilder,
@@ -140,6 +142,12 @@ class PerHeadAttentionMetadata:
 
 
 class PerHeadAttentionMetadataBuilder(AttentionMetadataBuilder[PerHeadAttentionMetadata]):
+    # The step plan (tables sized to this step's longest head, per-step write slots,
+    # host-side metric rows) is not in static buffers, so attention is never captured
+    # in a full CUDA graph: vLLM turns FULL_AND_PIECEWISE into PIECEWISE, replaying
+    # the layers between attention calls as graphs.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
     def __init__(
         self,
         kv_cache_spec: AttentionSpec,
@@ -294,7 +302,8 @@ class PerHeadAttentionImpl(AttentionImpl):
 
 
 class PerHeadAttentionBackend(AttentionBackend):
-    """Attention over per-(layer, KV head) pages (PyTorch reference path)."""
+    """Attention over per-(layer, KV head) pages (ops picked by ``kvcompress.ops.dispatch``:
+    CUDA extension, Triton or the PyTorch reference)."""
 
     forward_includes_kv_cache_update: bool = True
     supported_dtypes: ClassVar[list[torch.dtype]] = [
@@ -320,9 +329,11 @@ class PerHeadAttentionBackend(AttentionBackend):
 
     @staticmethod
     def get_name() -> str:
-        # vLLM maps backend names back to its enum: this class is registered as
-        # the override of CPU_ATTN (patches/attention_registry.py).
-        return "CPU_ATTN"
+        # vLLM maps backend names back to its enum: this class is registered as the
+        # override of CPU_ATTN on CPU and as CUSTOM on CUDA (patches/attention_registry.py).
+        from vllm.platforms import current_platform
+
+        return "CPU_ATTN" if current_platform.is_cpu() else "CUSTOM"
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:

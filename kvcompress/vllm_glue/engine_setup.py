@@ -7,6 +7,7 @@ at startup with a message that names the flag.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from kvcompress.config import (
@@ -18,6 +19,8 @@ from kvcompress.config import (
 
 SCHEDULER_CLS = "kvcompress.vllm_glue.scheduler.KVCompressScheduler"
 CPU_WORKER_CLS = "kvcompress.vllm_glue.worker.KVCompressCPUWorker"
+CUDA_WORKER_CLS = "kvcompress.vllm_glue.gpu_worker.KVCompressGPUWorker"
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
 
 def settings_from_engine_args(engine_args: Any) -> KVCompressConfig:
@@ -28,15 +31,71 @@ def settings_from_engine_args(engine_args: Any) -> KVCompressConfig:
     return KVCompressConfig.from_dict(section if isinstance(section, dict) else None)
 
 
-def prepare_engine_args(engine_args: Any) -> KVCompressConfig:
+def _backend_name(value: Any) -> str | None:
+    """An attention-backend setting as an upper-case enum name (None: automatic)."""
+    if value is None:
+        return None
+    name = getattr(value, "name", None) or str(value)
+    return None if name.lower() == "auto" else name.upper()
+
+
+def select_cuda_attention_backend(engine_args: Any) -> None:
+    """Point the engine at vLLM's ``CUSTOM`` attention backend (the per-head one,
+    registered by the plugin on CUDA); refuse any other explicit choice."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    flag = FLAGS["enabled"]
+    config = engine_args.attention_config
+    from_config = _backend_name(
+        config.get("backend") if isinstance(config, dict) else getattr(config, "backend", None)
+    )
+    from_flag = _backend_name(engine_args.attention_backend)
+    for source, chosen in (("--attention-backend", from_flag), ("--attention-config.backend", from_config)):
+        if chosen not in (None, "CUSTOM"):
+            raise KVCompressConfigError(
+                f"{source} {chosen} cannot be combined with {flag}: kvcompress attends over "
+                "its per-(layer, KV head) pages with its own backend (leave the backend unset)"
+            )
+    if from_config is None:
+        engine_args.attention_backend = AttentionBackendEnum.CUSTOM
+
+
+def require_v1_model_runner() -> None:
+    """kvcompress extends vLLM's V1 GPU model runner, which CUDA builds with Triton
+    replace by the V2 runner unless told otherwise."""
+    value = os.environ.get(V2_RUNNER_ENV)
+    if value is not None and value.strip().lower() in ("1", "true", "yes", "on"):
+        raise KVCompressConfigError(
+            f"{FLAGS['enabled']} needs vLLM's V1 model runner; unset {V2_RUNNER_ENV}={value}"
+        )
+    os.environ[V2_RUNNER_ENV] = "0"  # inherited by the worker processes
+
+
+def worker_cls_for_platform(engine_args: Any, platform: Any) -> str:
+    """The kvcompress worker class for vLLM's platform; sets what CUDA needs."""
+    if platform.is_cpu():
+        return CPU_WORKER_CLS
+    if platform.is_cuda():
+        select_cuda_attention_backend(engine_args)
+        require_v1_model_runner()
+        return CUDA_WORKER_CLS
+    raise KVCompressConfigError(
+        f"{FLAGS['enabled']} runs on vLLM's CPU and CUDA platforms; this is "
+        f"{getattr(platform, 'device_name', None) or type(platform).__name__}"
+    )
+
+
+def prepare_engine_args(engine_args: Any, platform: Any = None) -> KVCompressConfig:
     """Validate the kvcompress section and set the engine fields it implies.
 
+    ``platform``: vLLM's platform object (default ``current_platform``).
     Idempotent: a second call on the same arguments changes nothing.
     """
     settings = settings_from_engine_args(engine_args)
     if not settings.enabled:
         return settings
-    from vllm.platforms import current_platform
+    if platform is None:
+        from vllm.platforms import current_platform as platform
 
     flag = FLAGS["enabled"]
     if engine_args.enable_prefix_caching:
@@ -60,14 +119,7 @@ def prepare_engine_args(engine_args: Any) -> KVCompressConfig:
         raise KVCompressConfigError(
             f"--scheduler-cls {engine_args.scheduler_cls} cannot be combined with {flag}"
         )
-    if current_platform.is_cpu():
-        worker_cls = CPU_WORKER_CLS
-    else:
-        raise KVCompressConfigError(
-            f"{flag} currently runs on vLLM's CPU platform only; the CUDA backend "
-            f"(csrc/ kernels) is not wired into the engine yet (platform: "
-            f"{current_platform.device_name})"
-        )
+    worker_cls = worker_cls_for_platform(engine_args, platform)
     if engine_args.worker_cls not in ("auto", worker_cls):
         raise KVCompressConfigError(
             f"--worker-cls {engine_args.worker_cls} cannot be combined with {flag}"

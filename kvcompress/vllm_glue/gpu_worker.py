@@ -1,0 +1,42 @@
+"""CUDA worker and model runner over the per-(layer, KV head) page pool.
+
+Selected through vLLM's public ``--worker-cls`` when kvcompress runs on vLLM's CUDA
+platform (``engine_setup.prepare_engine_args``). The per-head work is the same
+``PerHeadRunnerMixin`` as on CPU; what differs is where vLLM gets the attention
+backend: on CUDA it honours the engine's ``attention_backend``, which kvcompress
+sets to ``CUSTOM`` and registers as ``PerHeadAttentionBackend``
+(``patches/attention_registry.register_cuda_backend``). That backend calls
+``kvcompress.ops.dispatch``: the ``kvcompress._C`` decode kernel when built, Triton
+for prefill / chunked-prefill batches, the PyTorch reference otherwise.
+
+CUDA graphs: the backend declares no full-graph support, so vLLM's default
+``FULL_AND_PIECEWISE`` mode becomes ``PIECEWISE`` (vLLM logs the downgrade): the
+layers between attention calls replay as graphs, attention and compression run
+eagerly on the step's plan.
+
+Not yet run: the GPU machines lent to this project have no vLLM, so this module is
+import- and configuration-checked on CPU (``tests/test_cuda_engine_setup.py``) only.
+"""
+
+from __future__ import annotations
+
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+from vllm.v1.worker.gpu_worker import Worker
+
+from kvcompress.vllm_glue.runner import PerHeadRunnerMixin
+
+
+class KVCompressGPUModelRunner(PerHeadRunnerMixin, GPUModelRunner):
+    """vLLM's V1 GPU model runner over the per-(layer, KV head) page pool."""
+
+
+class KVCompressGPUWorker(Worker):
+    def _make_model_runner(self) -> KVCompressGPUModelRunner:
+        if self.use_v2_model_runner:
+            raise ValueError(
+                "--kv-compress needs vLLM's V1 model runner; set VLLM_USE_V2_MODEL_RUNNER=0"
+            )
+        return KVCompressGPUModelRunner(self.vllm_config, self.device)
+
+    def kvcompress_pages_used(self) -> dict[str, int]:
+        return self.model_runner.kvcompress_pages_used()
