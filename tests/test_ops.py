@@ -84,6 +84,39 @@ def test_paged_cache_tables_match_a_brute_force_model(steps, release_mask, block
     assert cache.allocator.num_free == cache.num_pages
 
 
+@pytest.mark.parametrize("backend", ["auto", "reference", "triton"])
+def test_fill_page_tables_matches_a_python_loop(backend):
+    """The allocator's page-table scatter (dispatched; on CPU every choice but a forced
+    "cuda" runs the reference) against a per-page loop, zero demands included."""
+    from kvcompress.ops import dispatch
+    from kvcompress.ops.paged_cache import fill_page_tables
+
+    generator = torch.Generator().manual_seed(7)
+    num_rows, max_pages = 24, 10
+    tables = torch.randint(0, 1000, (2, 3, 4, max_pages), generator=generator)  # rows = 2*3*4
+    rows = torch.randperm(num_rows, generator=generator)[:15]
+    first_column = torch.randint(0, 5, (15,), generator=generator)
+    demand = torch.randint(0, 6, (15,), generator=generator)
+    demand[3] = 0
+    offsets = torch.zeros(16, dtype=torch.int64)
+    torch.cumsum(demand, 0, out=offsets[1:])
+    pages = torch.randperm(5000, generator=generator)[: int(offsets[-1])]
+    expected = tables.clone().view(num_rows, max_pages)
+    for r in range(15):
+        for j in range(int(demand[r])):
+            expected[rows[r], first_column[r] + j] = pages[offsets[r] + j]
+    direct = tables.clone()
+    fill_page_tables(direct, pages, offsets, first_column, rows)
+    assert torch.equal(direct.view(num_rows, max_pages), expected)
+    with dispatch.use_backend(backend):
+        dispatched = tables.clone()
+        dispatch.fill_page_tables(dispatched, pages, offsets, first_column, rows)
+    assert torch.equal(dispatched.view(num_rows, max_pages), expected)
+    assert dispatch.available_backends("cpu", "fill_page_tables") == ["reference"]
+    with dispatch.use_backend("cuda"), pytest.raises(dispatch.BackendUnavailableError, match="fill_page_tables"):
+        dispatch.fill_page_tables(tables.clone(), pages, offsets, first_column, rows)
+
+
 def _random_cache(seed, lengths_per_head, block_size, head_dim, dtype):
     """A pool with ragged per-head lengths written in a scrambled page order,
     plus the dense per-head K/V (and positions) that the pages should hold."""

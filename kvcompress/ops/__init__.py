@@ -19,7 +19,7 @@ from kvcompress.ops.move_cache import (
     plan_moves,
 )
 from kvcompress.ops.paged_attention import paged_attention, write_kv
-from kvcompress.ops.paged_cache import AppendPlan, PerHeadPagedCache, pages_for
+from kvcompress.ops.paged_cache import AppendPlan, PerHeadPagedCache, fill_page_tables, pages_for
 
 __all__ = [
     "AppendPlan",
@@ -30,6 +30,7 @@ __all__ = [
     "PerHeadPagedCache",
     "compress_sequences",
     "evictable_blocks",
+    "fill_page_tables",
     "gather_logical",
     "move_cache",
     "pages_for",

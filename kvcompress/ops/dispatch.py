@@ -4,6 +4,9 @@ Entry points with the reference signatures:
 
 - :func:`paged_attention` (see :func:`kvcompress.ops.paged_attention.paged_attention`)
 - :func:`move_cache` (see :func:`kvcompress.ops.move_cache.move_cache`)
+- :func:`fill_page_tables` (see :func:`kvcompress.ops.paged_cache.fill_page_tables`):
+  the allocator's page-table scatter; CUDA op or reference (it has no Triton kernel:
+  a forced ``"triton"`` runs the reference)
 
 Backends:
 
@@ -45,6 +48,7 @@ __all__ = [
     "BackendUnavailableError",
     "available_backends",
     "cuda_decode_supports",
+    "fill_page_tables",
     "move_cache",
     "paged_attention",
     "requested_backend",
@@ -58,6 +62,7 @@ ENV_VAR = "KVCOMPRESS_OPS_BACKEND"
 CUDA_OPS = {
     "paged_attention": "paged_decode_attention",
     "move_cache": "move_cache",
+    "fill_page_tables": "allocate_pages",
 }
 
 
@@ -143,6 +148,9 @@ def _cuda_unavailable_reason(device: torch.device, op: str) -> str | None:
 
 def _triton_unavailable_reason(device: torch.device, op: str) -> str | None:
     from kvcompress.ops import triton_attention
+
+    if op == "fill_page_tables":
+        return "there is no Triton kernel for fill_page_tables"
 
     if not triton_attention.HAS_TRITON:
         return "triton is not importable"
@@ -363,3 +371,29 @@ def move_cache(
         key_cache, value_cache, slot_metrics, slot_positions,
         src_pages, src_offsets, dst_pages, dst_offsets,
     )
+
+
+def fill_page_tables(
+    page_tables: torch.Tensor,
+    pages: torch.Tensor,
+    offsets: torch.Tensor,
+    first_column: torch.Tensor,
+    rows: torch.Tensor,
+) -> None:
+    """The allocator's page-table fill on the selected backend; arguments as
+    :func:`kvcompress.ops.paged_cache.fill_page_tables`."""
+    from kvcompress.ops.paged_cache import fill_page_tables as reference_fill
+
+    wanted = requested_backend()
+    backend = "reference" if wanted == "triton" else selected_backend(page_tables.device, "fill_page_tables")
+    if backend == "cuda" and page_tables.is_contiguous() and pages.is_contiguous():
+        # The op pops from a free stack: ``pages`` is that slice, so it starts at 0.
+        _call_by_schema(
+            _cuda_op("fill_page_tables"),
+            dict(
+                page_tables=page_tables, free_stack=pages.to(torch.int64), stack_start=0,
+                offsets=offsets, first_column=first_column, rows=rows,
+            ),
+        )
+        return
+    reference_fill(page_tables, pages, offsets, first_column, rows)

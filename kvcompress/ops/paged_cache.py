@@ -32,6 +32,33 @@ def pages_for(lengths: torch.Tensor, block_size: int) -> torch.Tensor:
     return (lengths + block_size - 1) // block_size
 
 
+def fill_page_tables(
+    page_tables: torch.Tensor,
+    pages: torch.Tensor,
+    offsets: torch.Tensor,
+    first_column: torch.Tensor,
+    rows: torch.Tensor,
+) -> None:
+    """Hand freshly allocated pages to their requesters' page tables (reference).
+
+    Args:
+        page_tables: contiguous int64 ``[..., P]``, addressed as ``[num_rows, P]``
+            (the cache's ``[max_seqs, L, H, P]``: ``row = seq_slot * L * H + layer * H + head``).
+        pages: ``[offsets[-1]]`` int64 page ids, requester ``r`` owns
+            ``pages[offsets[r]:offsets[r + 1]]``.
+        offsets: ``[R + 1]`` int64 exclusive prefix sum of the demands.
+        first_column: ``[R]`` int64 first new column of each requester (its old page count).
+        rows: ``[R]`` int64 page-table row of each requester.
+
+    Requester ``r`` gets ``page_tables[rows[r], first_column[r] + j] = pages[offsets[r] + j]``.
+    """
+    demand = offsets[1:] - offsets[:-1]
+    requester = torch.repeat_interleave(torch.arange(rows.numel(), device=rows.device), demand)
+    within = torch.arange(pages.numel(), device=pages.device) - offsets[requester]
+    table = page_tables.view(-1, page_tables.shape[-1])
+    table[rows[requester], first_column[requester] + within] = pages
+
+
 @dataclass
 class AppendPlan:
     """Where the KVs of one step's new tokens go.
@@ -146,17 +173,15 @@ class PerHeadPagedCache:
         demand = (new_pages - old_pages).reshape(-1)  # [S*L*H]
         pages, offsets = self.allocator.allocate_for(demand)
         if pages.numel():
-            requester = torch.repeat_interleave(
-                torch.arange(demand.numel(), device=device), demand
-            )
-            within = torch.arange(pages.numel(), device=device) - offsets[requester]
-            column = old_pages.reshape(-1)[requester] + within
             num_heads_total = self.num_layers * self.num_kv_heads
-            row = (
+            rows = (
                 seq_slots.repeat_interleave(num_heads_total) * num_heads_total
                 + torch.arange(num_heads_total, device=device).repeat(seq_slots.numel())
-            )[requester]
-            self.page_tables.view(-1, self.max_pages_per_head)[row, column] = pages
+            )
+            # CUDA extension's one-kernel fill where built, else fill_page_tables below.
+            from kvcompress.ops.dispatch import fill_page_tables as dispatched_fill
+
+            dispatched_fill(self.page_tables, pages, offsets, old_pages.reshape(-1), rows)
         self.head_lens[seq_slots] = new_lens
 
         # Token t of sequence s lands at index old_len[s, l, h] + (t - start[s]).
