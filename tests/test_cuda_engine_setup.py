@@ -180,20 +180,37 @@ def test_custom_backend_of_another_package_is_not_replaced(clean_registry):
     assert clean_registry[AttentionBackendEnum.CUSTOM] == "other.package.Backend"
 
 
-def test_default_cudagraph_mode_becomes_piecewise():
-    """vLLM's default FULL_AND_PIECEWISE, resolved against the backend's declared
-    graph support, keeps piecewise graphs (attention eager) instead of failing."""
+def test_cudagraph_mode_resolution(cuda_platform):
+    """vLLM's default FULL_AND_PIECEWISE resolved against the backend's declared graph
+    support: full decode graphs where the slot-indexed decode is a capturable Triton
+    kernel, piecewise graphs (attention eager) where it is not, never an error."""
     from vllm.config.compilation import CompilationConfig, CompilationMode, CUDAGraphMode
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backend import AttentionCGSupport
 
-    from kvcompress.vllm_glue.attention_backend import PerHeadAttentionMetadataBuilder
-
-    support = PerHeadAttentionMetadataBuilder.get_cudagraph_support(None, None)
-    config = CompilationConfig(
-        mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE
+    from kvcompress.ops import triton_attention
+    from kvcompress.vllm_glue.attention_backend import (
+        PerHeadAttentionMetadataBuilder,
+        cudagraph_support,
     )
-    config.set_splitting_ops_for_v1("naive")
-    assert "vllm::unified_attention_with_output" in config.splitting_ops
-    assert config.resolve_cudagraph_mode_and_sizes(support, "CUSTOM") == CUDAGraphMode.PIECEWISE
+
+    def resolve(support):
+        config = CompilationConfig(
+            mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE
+        )
+        config.set_splitting_ops_for_v1("naive")
+        assert "vllm::unified_attention_with_output" in config.splitting_ops
+        return config.resolve_cudagraph_mode_and_sizes(support, "CUSTOM")
+
+    assert current_platform.is_cpu()
+    assert PerHeadAttentionMetadataBuilder.get_cudagraph_support(None, None) == AttentionCGSupport.NEVER
+    assert resolve(AttentionCGSupport.NEVER) == CUDAGraphMode.PIECEWISE
+    support = cudagraph_support(cuda_platform)
+    if triton_attention.HAS_TRITON:
+        assert support == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        assert resolve(support) == CUDAGraphMode.FULL_AND_PIECEWISE
+    else:
+        assert support == AttentionCGSupport.NEVER
 
 
 def test_gpu_worker_refuses_v2_runner():

@@ -50,6 +50,13 @@ def test_greedy_tokens_identical_to_stock_vllm(both_outputs):
     assert len(distinct) > 20
 
 
+def test_decode_only_steps_read_the_decode_buffers(both_outputs, kvc_tiny_llm):
+    """The token-identical comparison above covers the fixed-address decode path (the
+    one CUDA graphs replay): most steps of that run were decode-only."""
+    worker = worker_page_stats(kvc_tiny_llm)
+    assert worker["decode_only_steps"] >= OUTPUT_TOKENS // 2
+
+
 def test_logprobs_match_stock_vllm(both_outputs):
     stock, kvc, _ = both_outputs
     differences = [
@@ -92,5 +99,11 @@ def test_pages_held_equal_ceil_of_head_lengths_and_all_pages_return(kvc_tiny_llm
     worker = worker_page_stats(kvc_tiny_llm)
     assert final["mismatches"] == 0
     assert worker["num_free"] + worker["held_by_live_requests"] == worker["num_pages"]
-    # The pool is vLLM's whole KV buffer, re-cut into per-(layer, head) pages.
+    # The pool is vLLM's whole KV buffer, re-cut into per-(layer, head) pages, less the
+    # scratch page that decode padding rows write into.
     assert worker["num_pages"] == final["num_pages"]
+    config = kvc_tiny_llm.llm_engine.vllm_config
+    model = config.model_config
+    num_layers = model.get_num_layers(config.parallel_config)
+    num_kv_heads = model.get_num_kv_heads(config.parallel_config)
+    assert worker["num_pages"] == config.cache_config.num_gpu_blocks * num_layers * num_kv_heads - 1

@@ -220,6 +220,65 @@ def test_decode_metrics_match_reference_deltas(power, dtype):
         assert torch.equal(tri_metrics[seq2_pages], base[seq2_pages])
 
 
+# -- decode over slot-indexed tables (the CUDA-graph path) ------------------------------------
+
+
+@pytest.mark.parametrize("power", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_by_slot_matches_reference(power, dtype):
+    """Rows reach their tables through seq_slots (any order), padding rows point at an
+    empty slot (zeros, no metrics), metrics are flagged per slot, and the partition grid
+    is sized by a fixed max_head_len far above every head (as under a CUDA graph)."""
+    from kvcompress.ops.decode_by_slot import paged_decode_by_slot_reference
+
+    triton_attention, _ = _kernels()
+    block_size, head_dim, kv_heads, group = 16, 64, 2, 2
+    # Slot 5 is the empty padding slot.
+    lengths = torch.tensor([[37, 5], [1, 70], [33, 33], [20, 64], [16, 0], [0, 0]])
+    key_cache, value_cache, positions, tables, top = _random_cache(
+        13, lengths, block_size, head_dim, dtype
+    )
+    # Wide tables, like PerHeadPagedCache.page_tables[:, layer] (max_model_len columns).
+    wide = torch.zeros(tables.shape[0], kv_heads, 16, dtype=torch.int64, device=DEVICE)
+    wide[:, :, : tables.shape[2]] = tables
+    seq_slots = torch.tensor([3, 1, 5, 0, 4, 5], dtype=torch.int32, device=DEVICE)
+    query_pos = torch.tensor([50, top[1], 0, top[0], top[4], 0], device=DEVICE)
+    metric_slots = torch.tensor([1, 1, 0, 1, 0, 0], dtype=torch.int8, device=DEVICE)
+    query = torch.randn(6, kv_heads * group, head_dim).to(dtype).to(DEVICE)
+    base = torch.rand(*positions.shape, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    lens = lengths.to(DEVICE)
+    scale = head_dim ** -0.5
+    ref_metrics = base.clone()
+    expected = paged_decode_by_slot_reference(
+        query, key_cache, value_cache, positions, wide, lens, seq_slots, query_pos, scale,
+        slot_metrics=ref_metrics, metric_slots=metric_slots, metric_power=power,
+    )
+    assert torch.equal(expected[2].float().cpu(), torch.zeros(kv_heads * group, head_dim))
+    for partition_size in (32, 512):
+        out = torch.full_like(query, float("nan"))
+        tri_metrics = base.clone()
+        triton_attention.paged_decode_by_slot_triton(
+            query, key_cache, value_cache, positions, wide, lens, seq_slots, query_pos, scale,
+            out=out, slot_metrics=tri_metrics, metric_slots=metric_slots, metric_power=power,
+            max_head_len=16 * block_size, partition_size=partition_size,
+        )
+        _assert_close(out, expected, dtype)
+        ref_delta, tri_delta = ref_metrics - base, tri_metrics - base
+        touched = ref_delta != 0
+        assert touched.sum() > 50
+        torch.testing.assert_close(tri_delta, ref_delta, atol=1e-6, rtol=1e-4)
+        assert torch.equal(tri_metrics[~touched], base[~touched])
+        # Slot 4 is in the batch but not flagged: its pages keep their metrics.
+        assert torch.equal(tri_metrics[wide[4, 0, :1]], base[wide[4, 0, :1]])
+    # Dispatch: forced Triton runs this kernel; the reference is the CPU default.
+    with dispatch.use_backend("triton"):
+        out = dispatch.paged_decode_by_slot(
+            query, key_cache, value_cache, positions, wide, lens, seq_slots, query_pos, scale,
+            max_head_len=16 * block_size,
+        )
+    _assert_close(out, expected, dtype)
+
+
 # -- mixed batches (prefill, chunked-prefill continuations, decodes) ---------------------------
 
 

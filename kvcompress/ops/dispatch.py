@@ -3,6 +3,10 @@
 Entry points with the reference signatures:
 
 - :func:`paged_attention` (see :func:`kvcompress.ops.paged_attention.paged_attention`)
+- :func:`paged_decode_by_slot` (see
+  :func:`kvcompress.ops.decode_by_slot.paged_decode_by_slot_reference`): decode over
+  slot-indexed tables, the CUDA-graph path; Triton or reference (the CUDA op takes
+  gathered tables, so a selected ``"cuda"`` runs Triton here)
 - :func:`move_cache` (see :func:`kvcompress.ops.move_cache.move_cache`)
 - :func:`fill_page_tables` (see :func:`kvcompress.ops.paged_cache.fill_page_tables`):
   the allocator's page-table scatter; CUDA op or reference (it has no Triton kernel:
@@ -47,10 +51,12 @@ __all__ = [
     "ENV_VAR",
     "BackendUnavailableError",
     "available_backends",
+    "decode_by_slot_capturable",
     "cuda_decode_supports",
     "fill_page_tables",
     "move_cache",
     "paged_attention",
+    "paged_decode_by_slot",
     "requested_backend",
     "selected_backend",
     "use_backend",
@@ -332,6 +338,64 @@ def paged_attention(
         query_start_loc, query_positions, scale, out=out, max_query_chunk=max_query_chunk,
         slot_metrics=slot_metrics, metric_seqs=metric_seqs, metric_power=metric_power,
     )
+
+
+def paged_decode_by_slot(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_positions: torch.Tensor,
+    block_tables: torch.Tensor,
+    head_lens: torch.Tensor,
+    seq_slots: torch.Tensor,
+    query_positions: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    slot_metrics: torch.Tensor | None = None,
+    metric_slots: torch.Tensor | None = None,
+    metric_power: int = 2,
+    max_head_len: int | None = None,
+    *,
+    partition_size: int = 512,
+    row_index: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Slot-indexed decode attention on the selected backend (Triton for CUDA tensors
+    when importable, else the reference); arguments as
+    :func:`kvcompress.ops.decode_by_slot.paged_decode_by_slot_reference`."""
+    backend = selected_backend(query.device, "paged_attention")
+    if backend == "cuda":
+        backend = "triton" if _triton_unavailable_reason(query.device, "paged_attention") is None else "reference"
+    if backend == "triton":
+        from kvcompress.ops.triton_attention import paged_decode_by_slot_triton
+
+        return paged_decode_by_slot_triton(
+            query, key_cache, value_cache, slot_positions, block_tables, head_lens, seq_slots,
+            query_positions, scale, out=out, slot_metrics=slot_metrics, metric_slots=metric_slots,
+            metric_power=metric_power, max_head_len=max_head_len, partition_size=partition_size,
+            row_index=row_index,
+        )
+    from kvcompress.ops.decode_by_slot import paged_decode_by_slot_reference
+
+    return paged_decode_by_slot_reference(
+        query, key_cache, value_cache, slot_positions, block_tables, head_lens, seq_slots,
+        query_positions, scale, out=out, slot_metrics=slot_metrics, metric_slots=metric_slots,
+        metric_power=metric_power,
+    )
+
+
+def decode_by_slot_capturable(device: torch.device | str) -> bool:
+    """Whether :func:`paged_decode_by_slot` runs a graph-capturable kernel on ``device``
+    (Triton on CUDA; the reference reads lengths on the host)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False
+    try:
+        backend = selected_backend(device, "paged_attention")
+    except BackendUnavailableError:
+        return False
+    if backend == "reference":
+        return False
+    return _triton_unavailable_reason(device, "paged_attention") is None
 
 
 def move_cache(

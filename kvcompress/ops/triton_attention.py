@@ -52,6 +52,7 @@ __all__ = [
     "HAS_TRITON",
     "interpreter_active",
     "paged_attention_triton",
+    "paged_decode_by_slot_triton",
 ]
 
 DEFAULT_PARTITION_SIZE = 512
@@ -543,10 +544,47 @@ def paged_attention_triton(
 
     if decode is None:
         return out
-    num_decodes = decode.shape[1]
     dec_seq, dec_tok = decode[0], decode[1]
     if max_head_len is None:
         max_head_len = int(head_lens[dec_seq.long()].max().item())
+    want_metrics = slot_metrics is not None and metric_seqs is not None
+    _launch_decode(
+        query, key_cache, value_cache, slot_positions, block_tables, head_lens, query_positions,
+        dec_seq, dec_tok, out, scale, max_head_len, partition_size,
+        slot_metrics if want_metrics else None,
+        metric_seqs.to(device=device, dtype=torch.int8) if want_metrics else None,
+        metric_power,
+    )
+    return out
+
+
+def _launch_decode(
+    query, key_cache, value_cache, slot_positions, block_tables, head_lens, query_positions,
+    dec_seq, dec_tok, out, scale, max_head_len, partition_size,
+    slot_metrics, metric_flags, metric_power,
+) -> None:
+    """Decode, reduce and metric kernels for rows ``(dec_seq[b], dec_tok[b])``.
+
+    ``dec_seq`` indexes ``block_tables`` / ``head_lens`` / ``metric_flags`` (int8, or
+    None for no metrics); ``dec_tok`` indexes ``query`` / ``query_positions`` / ``out``.
+    Launch shapes depend only on the row count and ``max_head_len`` (no host reads).
+    """
+    num_decodes = dec_seq.shape[0]
+    num_q_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = block_tables.shape[1]
+    group = num_q_heads // num_kv_heads
+    block_size = key_cache.shape[1]
+    device = query.device
+    head_pad = max(16, _next_pow2(head_dim))
+    dot_dtype, emulate, precision = _dot_config(query, key_cache)
+    wide = head_pad * (4 if dot_dtype == tl.float32 else 2) > 512
+    common_strides = (
+        *key_cache.stride(), *value_cache.stride(),
+        *slot_positions.stride(),
+        *block_tables.stride(),
+        *head_lens.stride(),
+        *out.stride(),
+    )
     max_head_len = max(1, int(max_head_len))
     pages_per_part = max(1, -(-int(partition_size) // block_size))
     pages_per_tile = math.gcd(pages_per_part, max(1, (32 if wide else 64) // block_size))
@@ -554,7 +592,7 @@ def paged_attention_triton(
     part_tokens = pages_per_part * block_size
     num_parts = -(-max_head_len // part_tokens)
     single = num_parts == 1
-    want_metrics = slot_metrics is not None and metric_seqs is not None
+    want_metrics = slot_metrics is not None and metric_flags is not None
     write_stats = want_metrics or not single
     group_pad = max(16, _next_pow2(group))
     f32 = torch.float32
@@ -602,10 +640,9 @@ def paged_attention_triton(
         if power <= 0:
             raise ValueError(f"metric_power must be positive, got {metric_power}")
         int_power = int(power) if power.is_integer() and power <= 8 else 0
-        flags = metric_seqs.to(device=device, dtype=torch.int8)
         _decode_metric_kernel[(num_decodes, num_kv_heads, num_parts)](
             query, key_cache, slot_positions, block_tables, head_lens, query_positions,
-            dec_seq, dec_tok, flags,
+            dec_seq, dec_tok, metric_flags,
             part_max, part_sum, slot_metrics,
             float(scale), power,
             *query.stride(),
@@ -622,4 +659,63 @@ def paged_attention_triton(
             DOT_DTYPE=dot_dtype, EMULATE=emulate, PRECISION=precision,
             num_warps=4,
         )
+
+
+def paged_decode_by_slot_triton(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_positions: torch.Tensor,
+    block_tables: torch.Tensor,
+    head_lens: torch.Tensor,
+    seq_slots: torch.Tensor,
+    query_positions: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    slot_metrics: torch.Tensor | None = None,
+    metric_slots: torch.Tensor | None = None,
+    metric_power: int = 2,
+    max_head_len: int | None = None,
+    *,
+    partition_size: int = DEFAULT_PARTITION_SIZE,
+    row_index: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton version of
+    :func:`kvcompress.ops.decode_by_slot.paged_decode_by_slot_reference` (same
+    arguments; ``max_head_len`` defaults to the tables' width ``P * block_size``).
+
+    No host reads and launch shapes fixed by ``B`` and ``max_head_len``: capturable in
+    a CUDA graph when ``seq_slots``, ``query_positions``, ``metric_slots``,
+    ``row_index`` (``[B]`` int32 ``arange``; made per call when None) and the cache
+    tensors keep their addresses. ``seq_slots`` should be int32 (others are
+    converted, which allocates).
+    """
+    if not HAS_TRITON:
+        raise RuntimeError("triton is not installed: the Triton paged attention is unavailable")
+    num_rows, num_q_heads, head_dim = query.shape
+    num_kv_heads = block_tables.shape[1]
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    block_size = key_cache.shape[1]
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    if out is None:
+        out = torch.empty_like(query)
+    if num_rows == 0:
+        return out
+    if max_head_len is None:
+        max_head_len = block_tables.shape[2] * block_size
+    if seq_slots.dtype != torch.int32:
+        seq_slots = seq_slots.to(torch.int32)
+    want_metrics = slot_metrics is not None and metric_slots is not None
+    flags = None
+    if want_metrics:
+        flags = metric_slots if metric_slots.dtype == torch.int8 else metric_slots.to(torch.int8)
+    _launch_decode(
+        query, key_cache, value_cache, slot_positions, block_tables, head_lens, query_positions,
+        seq_slots,
+        row_index if row_index is not None else torch.arange(num_rows, dtype=torch.int32, device=query.device),
+        out, scale, max_head_len, partition_size,
+        slot_metrics if want_metrics else None, flags, metric_power,
+    )
     return out

@@ -30,11 +30,108 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from kvcompress.config import SUPPORTED_BLOCK_SIZES
 from kvcompress.ops import AppendPlan, PerHeadPagedCache, write_kv
-from kvcompress.ops.dispatch import paged_attention
+from kvcompress.ops.dispatch import decode_by_slot_capturable, paged_attention, paged_decode_by_slot
 from kvcompress.ops.metrics import accumulate_metrics, attention_metrics, pool_metrics
 from kvcompress.policies import MetricSpec
 
 SUPPORTED_HEAD_SIZES = (64, 128, 256)
+
+
+@dataclass
+class DecodeBuffers:
+    """Fixed-address inputs of decode-only steps, so a CUDA graph can replay them.
+
+    The runner refills them before each decode-only step; the attention of such a
+    step reads only these, the cache's own per-slot tensors and fixed integers
+    (``kvcompress.ops.decode_by_slot``). Rows past the batch (vLLM pads a graph's
+    batch) point at ``pad_slot``, whose heads are empty, and write their KVs into
+    ``scratch_page``, which is never allocated.
+
+    Attributes:
+        seq_slots: ``[max_rows]`` int32 sequence slot of each query row.
+        query_positions: ``[max_rows]`` int64 token position of each query row.
+        write_pages, write_offsets: ``[num_layers, max_rows, num_kv_heads]`` int64
+            slot of each row's new KV.
+        metric_slots: ``[num_slots]`` int8, slots whose decode query adds to the
+            eviction metrics this step.
+        row_index: ``[max_rows]`` int32 ``arange`` (kernel row -> query row).
+        pad_slot, scratch_page: see above.
+        max_head_len: fixed bound of every head length (tokens), sizes the grid.
+        partition_size: keys per decode partition (tokens).
+        metric_power: decode metric power of the server policy (1 or 2).
+    """
+
+    seq_slots: torch.Tensor
+    query_positions: torch.Tensor
+    write_pages: torch.Tensor
+    write_offsets: torch.Tensor
+    metric_slots: torch.Tensor
+    row_index: torch.Tensor
+    pad_slot: int
+    scratch_page: int
+    max_head_len: int
+    partition_size: int
+    metric_power: int
+
+    @classmethod
+    def allocate(
+        cls, *, num_layers: int, num_kv_heads: int, max_rows: int, num_slots: int,
+        pad_slot: int, scratch_page: int, max_head_len: int, block_size: int,
+        metric_power: int, device: torch.device,
+    ) -> "DecodeBuffers":
+        # At most 64 partitions per head whatever max_model_len is (grid size under graphs).
+        partition = max(512, -(-max_head_len // 64))
+        partition = -(-partition // block_size) * block_size
+        shape = (num_layers, max_rows, num_kv_heads)
+        buffers = cls(
+            seq_slots=torch.empty(max_rows, dtype=torch.int32, device=device),
+            query_positions=torch.empty(max_rows, dtype=torch.int64, device=device),
+            write_pages=torch.empty(shape, dtype=torch.int64, device=device),
+            write_offsets=torch.empty(shape, dtype=torch.int64, device=device),
+            metric_slots=torch.zeros(num_slots, dtype=torch.int8, device=device),
+            row_index=torch.arange(max_rows, dtype=torch.int32, device=device),
+            pad_slot=pad_slot,
+            scratch_page=scratch_page,
+            max_head_len=max_head_len,
+            partition_size=partition,
+            metric_power=metric_power,
+        )
+        buffers.fill(0)
+        return buffers
+
+    @property
+    def max_rows(self) -> int:
+        return self.seq_slots.shape[0]
+
+    def fill(
+        self,
+        num_rows: int,
+        seq_slots: torch.Tensor | None = None,
+        query_positions: torch.Tensor | None = None,
+        write_pages: torch.Tensor | None = None,
+        write_offsets: torch.Tensor | None = None,
+        metric_slot_ids: torch.Tensor | None = None,
+    ) -> None:
+        """Rows ``[0, num_rows)`` from the step (``seq_slots [n]``, ``query_positions
+        [n]``, ``write_pages / write_offsets [L, n, H]``); the rest padding.
+        ``metric_slot_ids``: slots whose queries add to the metrics (None: none)."""
+        if num_rows > self.max_rows:
+            raise RuntimeError(
+                f"kvcompress: a decode step of {num_rows} rows exceeds the {self.max_rows} "
+                "rows of the decode buffers"
+            )
+        if num_rows:
+            self.seq_slots[:num_rows].copy_(seq_slots)
+            self.query_positions[:num_rows].copy_(query_positions)
+            self.write_pages[:, :num_rows].copy_(write_pages)
+            self.write_offsets[:, :num_rows].copy_(write_offsets)
+        self.seq_slots[num_rows:].fill_(self.pad_slot)
+        self.query_positions[num_rows:].fill_(0)
+        self.write_pages[:, num_rows:].fill_(self.scratch_page)
+        self.write_offsets[:, num_rows:].fill_(0)
+        self.metric_slots.zero_()
+        if metric_slot_ids is not None and metric_slot_ids.numel():
+            self.metric_slots[metric_slot_ids] = 1
 
 
 @dataclass
@@ -43,14 +140,17 @@ class WorkerCacheState:
 
     Attributes:
         cache: page tables / head lengths / slot positions / allocator.
-        key_cache, value_cache: ``[num_pages, block_size, head_dim]`` views of the pool.
+        key_cache, value_cache: ``[num_buffer_pages, block_size, head_dim]`` views of
+            the pool (the allocator's pages plus the scratch page).
         layer_index: attention layer name -> layer index in the page tables.
+        decode_buffers: fixed-address inputs of decode-only steps.
     """
 
     cache: PerHeadPagedCache
     key_cache: torch.Tensor
     value_cache: torch.Tensor
     layer_index: dict[str, int]
+    decode_buffers: DecodeBuffers | None = None
 
 
 @dataclass
@@ -97,22 +197,27 @@ class PerHeadStep:
         num_tokens: new tokens in the batch.
         query_start_loc: ``num_reqs + 1`` Python ints.
         query_positions: ``[num_tokens]`` int64 token positions.
-        block_tables: ``[num_reqs, num_layers, num_kv_heads, max_pages]`` int64.
-        head_lens: ``[num_reqs, num_layers, num_kv_heads]`` int64 (after this step's KVs).
+        block_tables: ``[num_reqs, num_layers, num_kv_heads, max_pages]`` int64
+            (None for a decode-only step).
+        head_lens: ``[num_reqs, num_layers, num_kv_heads]`` int64 (after this step's
+            KVs; None for a decode-only step).
         max_head_len: ``head_lens.max()`` on the host (sizes GPU decode grids without a sync).
         plan: where each new KV is written.
         metrics: which queries add to the eviction metrics (None: none).
+        decode_only: every row is one generated token: attention reads the
+            ``DecodeBuffers`` (filled by the runner) instead of the fields above.
     """
 
     num_reqs: int
     num_tokens: int
     query_start_loc: list[int]
     query_positions: torch.Tensor
-    block_tables: torch.Tensor
-    head_lens: torch.Tensor
+    block_tables: torch.Tensor | None
+    head_lens: torch.Tensor | None
     max_head_len: int
     plan: AppendPlan
     metrics: MetricQueries | None = None
+    decode_only: bool = False
 
 
 _worker_state: WorkerCacheState | None = None
@@ -133,20 +238,38 @@ def set_current_step(step: PerHeadStep | None) -> None:
     _current_step = step
 
 
+def current_step() -> PerHeadStep | None:
+    return _current_step
+
+
 @dataclass
 class PerHeadAttentionMetadata:
-    """``step`` is None for warm-up and profiling runs (nothing is read or written)."""
+    """``step`` is None for warm-up and profiling runs (nothing is read or written).
+    ``decode_only``: attend over the ``DecodeBuffers`` (a decode-only step, or the
+    capture of a decode CUDA graph, whose buffers then hold only padding rows)."""
 
     num_actual_tokens: int
     step: PerHeadStep | None
+    decode_only: bool = False
+
+
+def cudagraph_support(platform) -> AttentionCGSupport:
+    """Full CUDA graphs for decode-only batches where the slot-indexed decode is a
+    capturable kernel (Triton on CUDA); otherwise none (vLLM keeps piecewise graphs,
+    attention running eagerly between them)."""
+    if platform.is_cuda() and decode_by_slot_capturable("cuda"):
+        return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    return AttentionCGSupport.NEVER
 
 
 class PerHeadAttentionMetadataBuilder(AttentionMetadataBuilder[PerHeadAttentionMetadata]):
-    # The step plan (tables sized to this step's longest head, per-step write slots,
-    # host-side metric rows) is not in static buffers, so attention is never captured
-    # in a full CUDA graph: vLLM turns FULL_AND_PIECEWISE into PIECEWISE, replaying
-    # the layers between attention calls as graphs.
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        # Decode-only steps read fixed-address buffers (DecodeBuffers); mixed steps
+        # plan tables per step, so they run attention eagerly (piecewise graphs).
+        from vllm.platforms import current_platform
+
+        return cudagraph_support(current_platform)
 
     def __init__(
         self,
@@ -170,7 +293,21 @@ class PerHeadAttentionMetadataBuilder(AttentionMetadataBuilder[PerHeadAttentionM
                 f"built a batch of {common_attn_metadata.num_reqs}"
             )
         return PerHeadAttentionMetadata(
-            num_actual_tokens=common_attn_metadata.num_actual_tokens, step=step
+            num_actual_tokens=common_attn_metadata.num_actual_tokens,
+            step=step,
+            decode_only=step is not None and step.decode_only,
+        )
+
+    def build_for_cudagraph_capture(
+        self, common_attn_metadata: CommonAttentionMetadata
+    ) -> PerHeadAttentionMetadata:
+        # The graph records the decode-buffer path; the runner reset the buffers to
+        # padding rows, so warm-up runs of the capture read and write nothing real.
+        state = _worker_state
+        return PerHeadAttentionMetadata(
+            num_actual_tokens=common_attn_metadata.num_actual_tokens,
+            step=None,
+            decode_only=state is not None and state.decode_buffers is not None,
         )
 
 
@@ -237,7 +374,11 @@ class PerHeadAttentionImpl(AttentionImpl):
         output ``[T, num_heads * D]`` (written in place)."""
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("fused output quantization is not supported")
-        if attn_metadata is None or attn_metadata.step is None:
+        if attn_metadata is None:
+            return output
+        if attn_metadata.decode_only:
+            return self._decode_from_buffers(layer, query, key, value, output)
+        if attn_metadata.step is None:
             return output
         step = attn_metadata.step
         state = _worker_state
@@ -276,6 +417,52 @@ class PerHeadAttentionImpl(AttentionImpl):
         )
         if metrics is not None:
             self._prompt_metrics(state, step, metrics, query, block_tables, head_lens)
+        return output
+
+    def _decode_from_buffers(self, layer, query, key, value, output) -> torch.Tensor:
+        """A decode-only step over ``DecodeBuffers``: no host reads, fixed launch
+        shapes for a given row count (vLLM's padded batch: ``query.shape[0]`` rows)."""
+        state = _worker_state
+        assert state is not None and state.decode_buffers is not None, (
+            "kvcompress decode buffers not initialised"
+        )
+        buffers = state.decode_buffers
+        layer_index = state.layer_index[layer.layer_name]
+        rows = query.shape[0]
+        if rows > buffers.max_rows:
+            raise RuntimeError(
+                f"kvcompress: a decode batch of {rows} rows exceeds the {buffers.max_rows} "
+                "rows of the decode buffers (max_num_seqs / the largest CUDA-graph size)"
+            )
+        cache = state.cache
+        key = key[:rows].view(rows, self.num_kv_heads, self.head_size)
+        value = value[:rows].view(rows, self.num_kv_heads, self.head_size)
+        write_kv(
+            state.key_cache,
+            state.value_cache,
+            key,
+            value,
+            buffers.write_pages[layer_index, :rows],
+            buffers.write_offsets[layer_index, :rows],
+        )
+        paged_decode_by_slot(
+            query[:rows].view(rows, self.num_heads, self.head_size),
+            state.key_cache,
+            state.value_cache,
+            cache.slot_positions,
+            cache.page_tables[:, layer_index],
+            cache.head_lens[:, layer_index],
+            buffers.seq_slots[:rows],
+            buffers.query_positions[:rows],
+            self.scale,
+            out=output[:rows].view(rows, self.num_heads, self.head_size),
+            slot_metrics=cache.slot_metrics,
+            metric_slots=buffers.metric_slots,
+            metric_power=buffers.metric_power,
+            max_head_len=buffers.max_head_len,
+            partition_size=buffers.partition_size,
+            row_index=buffers.row_index[:rows],
+        )
         return output
 
     def _prompt_metrics(self, state, step, metrics, query, block_tables, head_lens) -> None:

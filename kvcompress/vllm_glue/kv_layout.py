@@ -32,9 +32,22 @@ def single_full_attention_group(kv_cache_config: KVCacheConfig) -> KVCacheGroupS
     return groups[0]
 
 
+# The last page of vLLM's buffer is the scratch page: padding rows of decode steps
+# (CUDA-graph batch padding) write their KVs there. It is never allocated.
+SCRATCH_PAGES = 1
+
+
+def pages_in_buffer(kv_cache_config: KVCacheConfig) -> int:
+    """Pages of one (layer, KV head) that vLLM's KV buffer holds, scratch included."""
+    group = single_full_attention_group(kv_cache_config)
+    return kv_cache_config.num_blocks * len(group.layer_names) * group.kv_cache_spec.num_kv_heads
+
+
 def pages_in_pool(kv_cache_config: KVCacheConfig) -> tuple[int, int, int]:
-    """``(num_pages, num_layers, num_kv_heads)`` of the pool vLLM's buffer holds."""
+    """``(num_pages, num_layers, num_kv_heads)``: allocatable pages (the buffer's pages
+    minus the scratch page), layers and KV heads. The scheduler and the worker both
+    count from this."""
     group = single_full_attention_group(kv_cache_config)
     num_layers = len(group.layer_names)
     num_kv_heads = group.kv_cache_spec.num_kv_heads
-    return kv_cache_config.num_blocks * num_layers * num_kv_heads, num_layers, num_kv_heads
+    return pages_in_buffer(kv_cache_config) - SCRATCH_PAGES, num_layers, num_kv_heads

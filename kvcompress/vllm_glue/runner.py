@@ -34,6 +34,7 @@ from kvcompress.config import KVCompressConfig
 from kvcompress.ops import PerHeadPagedCache
 from kvcompress.policies import POLICY_NAMES
 from kvcompress.vllm_glue.attention_backend import (
+    DecodeBuffers,
     MetricQueries,
     PromptMetricRows,
     PerHeadStep,
@@ -42,7 +43,11 @@ from kvcompress.vllm_glue.attention_backend import (
     set_current_step,
     set_worker_state,
 )
-from kvcompress.vllm_glue.kv_layout import single_full_attention_group
+from kvcompress.vllm_glue.kv_layout import (
+    pages_in_buffer,
+    pages_in_pool,
+    single_full_attention_group,
+)
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -66,25 +71,29 @@ class PerHeadRunnerMixin:
         flat = torch.empty(0, dtype=torch.int8, device=self.kv_caches[0].device)
         flat.set_(storage)
         page_bytes = 2 * block_size * head_dim * dtype.itemsize
-        num_pages = kv_cache_config.num_blocks * num_layers * num_kv_heads
-        if num_pages * page_bytes > flat.numel():
+        buffer_pages = pages_in_buffer(kv_cache_config)
+        num_pages = pages_in_pool(kv_cache_config)[0]  # the last buffer page is scratch
+        if buffer_pages * page_bytes > flat.numel():
             raise RuntimeError(
-                f"KV buffer of {flat.numel()} bytes cannot hold {num_pages} pages "
+                f"KV buffer of {flat.numel()} bytes cannot hold {buffer_pages} pages "
                 f"of {page_bytes} bytes"
             )
-        pool = flat[: num_pages * page_bytes].view(dtype).view(
-            num_pages, 2, block_size, head_dim
+        pool = flat[: buffer_pages * page_bytes].view(dtype).view(
+            buffer_pages, 2, block_size, head_dim
         )
         max_model_len = self.vllm_config.model_config.max_model_len
+        max_num_seqs = self.vllm_config.scheduler_config.max_num_seqs
+        max_pages_per_head = -(-max_model_len // block_size)
         cache = PerHeadPagedCache(
             num_pages=num_pages,
             num_layers=num_layers,
             num_kv_heads=num_kv_heads,
             block_size=block_size,
-            max_seqs=self.vllm_config.scheduler_config.max_num_seqs,
-            max_pages_per_head=-(-max_model_len // block_size),
+            max_seqs=max_num_seqs + 1,  # + the padding rows' empty slot
+            max_pages_per_head=max_pages_per_head,
             device=pool.device,
         )
+        pad_slot = cache.new_sequence()
         self.kvc_cache = cache
         self.kvc_settings = KVCompressConfig.from_additional_config(
             self.vllm_config.additional_config
@@ -101,12 +110,28 @@ class PerHeadRunnerMixin:
             "compress_seconds": 0.0,
             "step_seconds": 0.0,
             "evict_mismatches": 0,
+            # steps whose attention read the fixed-address DecodeBuffers
+            "decode_only_steps": 0,
             "pages_freed_by_policy": {},
             # policy -> [layers]: unprotected KVs kept after its compressions.
             "kept_unprotected_by_layer": {},
         }
         # Resolved once: the server's policy settings are fixed for the engine's life.
         self.kvc_policies = {name: self.kvc_settings.policy_for(name) for name in POLICY_NAMES}
+        capture_sizes = self.vllm_config.compilation_config.max_cudagraph_capture_size or 0
+        decode_buffers = DecodeBuffers.allocate(
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            max_rows=max(max_num_seqs, capture_sizes),
+            num_slots=cache.max_seqs,
+            pad_slot=pad_slot,
+            scratch_page=buffer_pages - 1,
+            max_head_len=max_pages_per_head * block_size,
+            block_size=block_size,
+            # Decode queries of one batch share one kernel call: the server policy's power.
+            metric_power=self.kvc_policies[self.kvc_settings.policy].metric.power,
+            device=pool.device,
+        )
         self.kvc_generator: torch.Generator | None = None
         self.kvc_policy: dict[str, object] = {}
         set_worker_state(
@@ -115,6 +140,7 @@ class PerHeadRunnerMixin:
                 key_cache=pool[:, 0],
                 value_cache=pool[:, 1],
                 layer_index={name: i for i, name in enumerate(layer_names)},
+                decode_buffers=decode_buffers,
             )
         )
         logger.info(
@@ -301,6 +327,9 @@ class PerHeadRunnerMixin:
         seq_slots = torch.tensor(slots, dtype=torch.int64, device=device)
         positions_t = torch.from_numpy(positions).to(device)
         plan = cache.append(seq_slots, torch.from_numpy(num_new).to(device), positions_t)
+        if self._kvc_is_decode_only(req_ids, computed, num_new):
+            self._kvc_plan_decode_step(req_ids, seq_slots, positions_t, plan, query_start)
+            return
         head_lens = cache.head_lens[seq_slots]
         max_head_len = int(head_lens.max().item())
         max_pages = -(-max_head_len // cache.block_size)
@@ -317,6 +346,67 @@ class PerHeadRunnerMixin:
                 metrics=self._kvc_metric_queries(req_ids, computed, num_new, query_start),
             )
         )
+
+    def _kvc_is_decode_only(self, req_ids, computed, num_new) -> bool:
+        """Every row is one generated token (no prompt query, so no prompt metrics)."""
+        if not len(req_ids) or not bool((num_new == 1).all()):
+            return False
+        return all(
+            int(done) >= self.requests[request_id].num_prompt_tokens
+            for request_id, done in zip(req_ids, computed.tolist())
+        )
+
+    def _kvc_plan_decode_step(self, req_ids, seq_slots, positions_t, plan, query_start) -> None:
+        """Publish a decode-only step through the fixed-address ``DecodeBuffers``."""
+        buffers = get_worker_state().decode_buffers
+        self.kvc_stats["decode_only_steps"] += 1
+        flagged = [i for i, r in enumerate(req_ids) if self.kvc_compresses.get(r, False)]
+        buffers.fill(
+            len(req_ids),
+            seq_slots,
+            positions_t,
+            plan.write_pages,
+            plan.write_offsets,
+            seq_slots[flagged] if flagged else None,
+        )
+        set_current_step(
+            PerHeadStep(
+                num_reqs=len(req_ids),
+                num_tokens=len(req_ids),
+                query_start_loc=query_start.tolist(),
+                query_positions=positions_t,
+                block_tables=None,
+                head_lens=None,
+                max_head_len=buffers.max_head_len,
+                plan=plan,
+                decode_only=True,
+            )
+        )
+
+    def _is_uniform_decode(
+        self,
+        max_num_scheduled_tokens: int,
+        uniform_decode_query_len: int,
+        num_tokens: int,
+        num_reqs: int,
+        force_uniform_decode: bool | None = None,
+    ) -> bool:
+        """vLLM replays a full decode CUDA graph only for batches it calls uniform
+        decode; one-token prompt chunks look like that but need prompt metrics, which
+        run eagerly. So a step is uniform only if the plan is decode-only too."""
+        uniform = super()._is_uniform_decode(
+            max_num_scheduled_tokens=max_num_scheduled_tokens,
+            uniform_decode_query_len=uniform_decode_query_len,
+            num_tokens=num_tokens,
+            num_reqs=num_reqs,
+            force_uniform_decode=force_uniform_decode,
+        )
+        if uniform and force_uniform_decode is None and self.kvc_cache is not None:
+            from kvcompress.vllm_glue.attention_backend import current_step
+
+            step = current_step()
+            return step is not None and step.decode_only
+        return uniform
 
     def _kvc_metric_queries(self, req_ids, computed, num_new, query_start) -> MetricQueries | None:
         """Which of this step's queries add to eviction metrics (compressing requests only).
@@ -359,8 +449,12 @@ class PerHeadRunnerMixin:
         )
 
     def _dummy_run(self, *args, **kwargs):
-        # Warm-up and profiling batches must not touch the pages of real requests.
+        # Warm-up, profiling and graph-capture batches must not touch the pages of
+        # real requests: no plan, and decode buffers holding only padding rows.
         set_current_step(None)
+        state = get_worker_state()
+        if self.kvc_cache is not None and state is not None and state.decode_buffers is not None:
+            state.decode_buffers.fill(0)
         return super()._dummy_run(*args, **kwargs)
 
     def kvcompress_pages_used(self) -> dict[str, int]:
