@@ -13,7 +13,8 @@ Steps (each section records its errors and the run goes on):
 1. Build ``kvcompress._C`` (``--build``: import an installed one, else JIT-compile
    csrc/ with torch.utils.cpp_extension.load when ninja exists, else
    ``pip install -e . --no-build-isolation --no-deps``).
-2. Check every CUDA op against the PyTorch reference on fresh random inputs (outputs
+2. Check every CUDA op (and the Triton slot-indexed decode that CUDA graphs replay)
+   against the PyTorch reference on fresh random inputs (outputs
    poisoned with NaN first): paged decode attention for float32 / float16 / bfloat16,
    head sizes 64 / 128 / 256, block sizes 16 / 32, several GQA groups and partition
    sizes, masked positions, empty heads, strided K / V views of a [N, 2, b, D] pool,
@@ -456,6 +457,47 @@ def check_decode_attention(device: torch.device, ops, dtype, head_dim, block_siz
     return result
 
 
+def check_decode_by_slot(device: torch.device, dtype, head_dim, block_size, group, seed: int) -> dict:
+    """The graph path's kernel (Triton slot-indexed decode, fixed grid) against its
+    reference: rows in shuffled slot order, two padding rows on an empty slot, metrics
+    flagged per slot, outputs poisoned first."""
+    from kvcompress.ops.decode_by_slot import paged_decode_by_slot_reference
+    from kvcompress.ops.triton_attention import paged_decode_by_slot_triton
+
+    gen = torch.Generator().manual_seed(seed)
+    num_slots, num_kv_heads = 6, 2
+    head_lens = random_head_lens(num_slots, num_kv_heads, 1, 3 * 512 // 2 + 7, gen)
+    head_lens[0] = 0  # the padding slot
+    case = make_decode_case(head_lens, group, head_dim, block_size, dtype, device, seed=seed)
+    order = (torch.randperm(num_slots - 1, generator=gen) + 1).tolist()
+    seq_slots = torch.tensor(order + [0, 0], dtype=torch.int32, device=device)
+    rows = seq_slots.numel()
+    query = torch.randn((rows, case.query.shape[1], head_dim), generator=gen).to(dtype).to(device)
+    query_positions = case.query_positions[seq_slots.long()]
+    metric_slots = (torch.rand(num_slots, generator=gen) < 0.6).to(torch.int8).to(device)
+    start = torch.rand(case.slot_positions.shape, generator=gen).to(device)
+    ref_metrics, tri_metrics = start.clone(), start.clone()
+    ref = paged_decode_by_slot_reference(
+        query, case.key_cache, case.value_cache, case.slot_positions, case.block_tables, case.head_lens,
+        seq_slots, query_positions, case.scale, slot_metrics=ref_metrics, metric_slots=metric_slots)
+    out = torch.full_like(query, float("nan"))
+    max_len = case.block_tables.shape[2] * block_size * 2  # a bound well above every head
+    paged_decode_by_slot_triton(
+        query, case.key_cache, case.value_cache, case.slot_positions, case.block_tables, case.head_lens,
+        seq_slots, query_positions, case.scale, out=out, slot_metrics=tri_metrics,
+        metric_slots=metric_slots, max_head_len=max_len, partition_size=256)
+    synchronize(device)
+    error = rel_error(out.float(), ref.float())
+    delta = (ref_metrics - start).abs().max().item()
+    metric_error = (tri_metrics - ref_metrics).abs().max().item() / max(delta, 1e-12)
+    return {
+        "op": "paged_decode_by_slot (triton)", "dtype": str(dtype).replace("torch.", ""),
+        "head_dim": head_dim, "block_size": block_size, "group": group, "partition_size": 256,
+        "metrics": True, "rel_error": error, "metric_rel_error": metric_error,
+        "ok": bool(error <= TOLERANCE[dtype] and metric_error <= 1e-3),
+    }
+
+
 def random_moves(num_pages: int, block_size: int, count: int, device, generator):
     """``count`` moves between distinct random slots (sources and destinations disjoint)."""
     slots = torch.randperm(num_pages * block_size, generator=generator)[: 2 * count].to(device)
@@ -571,6 +613,14 @@ def run_checks(device, ops, quick: bool) -> list[dict]:
             results.append(check_allocate_pages(device, ops, seed))
         except Exception as exc:
             results.append({"op": "allocate_pages", "ok": False, "error": repr(exc)})
+    if triton_available(device):
+        for dtype, head_dim, block_size, group in ((torch.bfloat16, 128, 16, 4), (torch.float16, 64, 32, 2),
+                                                   (torch.float32, 256, 16, 1)):
+            seed += 1
+            try:
+                results.append(check_decode_by_slot(device, dtype, head_dim, block_size, group, seed))
+            except Exception as exc:
+                results.append({"op": "paged_decode_by_slot (triton)", "ok": False, "error": repr(exc)})
     return results
 
 
@@ -646,6 +696,16 @@ def bench_decode(device, timer, dtype, batches, contexts, copy_gbps, mem_fractio
                         row.update(triton_ms=ms, triton_GBps=kv_bytes / ms / 1e6)
                     except Exception as exc:
                         row["triton_error"] = repr(exc)[:300]
+                if triton_ok:
+                    # What vLLM replays for decode-only steps: the slot-indexed Triton decode
+                    # (grid sized by the context bound, metric pass on) inside a CUDA graph.
+                    try:
+                        graph_ms, graph_error = bench_graph_decode(timer, case, context, out)
+                        row.update(graph_ms=graph_ms, graph_GBps=kv_bytes / graph_ms / 1e6)
+                        if graph_error is not None:
+                            row["graph_rel_error"] = graph_error
+                    except Exception as exc:
+                        row["graph_error"] = repr(exc)[:300]
                 if not cuda_ok and not triton_ok:  # CPU dry run: reference only
                     run_ref = lambda: reference_paged_attention(  # noqa: E731
                         case.query, case.key_cache, case.value_cache, case.slot_positions,
@@ -678,6 +738,49 @@ def bench_decode(device, timer, dtype, batches, contexts, copy_gbps, mem_fractio
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
     return rows
+
+
+def bench_graph_decode(timer, case: DecodeCase, max_head_len: int, out: torch.Tensor):
+    """Capture ``paged_decode_by_slot_triton`` (rows = sequence slots, metric pass with
+    every slot unflagged, as in a decode step of requests that do not compress) in a CUDA
+    graph and time its replay. Returns ``(ms, rel error vs the reference or None)``."""
+    from kvcompress.ops.triton_attention import paged_decode_by_slot_triton
+
+    batch = case.batch
+    device = case.query.device
+    seq_slots = torch.arange(batch, dtype=torch.int32, device=device)
+    row_index = torch.arange(batch, dtype=torch.int32, device=device)
+    metric_slots = torch.zeros(batch, dtype=torch.int8, device=device)
+    slot_metrics = torch.zeros(case.slot_positions.shape, dtype=torch.float32, device=device)
+
+    def launch():
+        paged_decode_by_slot_triton(
+            case.query, case.key_cache, case.value_cache, case.slot_positions, case.block_tables,
+            case.head_lens, seq_slots, case.query_positions, case.scale, out=out,
+            slot_metrics=slot_metrics, metric_slots=metric_slots, max_head_len=max_head_len,
+            partition_size=max(512, -(-max_head_len // 64)), row_index=row_index)
+
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # compile + warm up outside the capture
+            launch()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+    ms = timer(graph.replay)
+    error = None
+    if batch * max_head_len <= 64 * 4096:
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize(device)
+        ref = reference_paged_attention(
+            case.query, case.key_cache, case.value_cache, case.slot_positions, case.block_tables,
+            case.head_lens, list(range(batch + 1)), case.query_positions, case.scale)
+        error = rel_error(out.float(), ref.float())
+    del graph
+    return ms, error
 
 
 def contiguous_cache(case: DecodeCase, length: int):
@@ -911,15 +1014,19 @@ def markdown_report(report: dict) -> str:
     if decode:
         lines += [f"## Decode attention, Llama-3.1-8B layer ({report.get('dtype')}, 32 q / 8 KV heads, "
                   "head 128, block 16; per-head lengths uniform in [ctx/2, ctx]; cold L2)", "",
+                  "Graph = the slot-indexed Triton decode that vLLM replays for decode-only steps "
+                  "(grid sized for ctx, metric pass launched), timed as CUDA-graph replays.", "",
                   "| batch | ctx | KV GB | CUDA ms | CUDA GB/s | % copy | Triton ms | Triton GB/s | "
-                  "SDPA ms | SDPA GB/s | ref ms | note |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "Graph ms | Graph GB/s | SDPA ms | SDPA GB/s | ref ms | note |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in decode:
-            note = r.get("skipped") or r.get("error") or r.get("sdpa_skipped") or r.get("triton_error") or ""
+            note = (r.get("skipped") or r.get("error") or r.get("sdpa_skipped") or r.get("triton_error")
+                    or r.get("graph_error") or "")
             lines.append("| " + " | ".join([
                 str(r["batch"]), str(r["context"]), fmt(r.get("kv_GB")), fmt(r.get("cuda_ms")),
                 fmt(r.get("cuda_GBps"), 0), fmt(r.get("cuda_pct_copy"), 1), fmt(r.get("triton_ms")),
-                fmt(r.get("triton_GBps"), 0), fmt(r.get("sdpa_ms")), fmt(r.get("sdpa_GBps"), 0),
+                fmt(r.get("triton_GBps"), 0), fmt(r.get("graph_ms")), fmt(r.get("graph_GBps"), 0),
+                fmt(r.get("sdpa_ms")), fmt(r.get("sdpa_GBps"), 0),
                 fmt(r.get("reference_ms")), note[:80]]) + " |")
         lines.append("")
     move = report.get("move_cache")
