@@ -180,19 +180,19 @@ def test_custom_backend_of_another_package_is_not_replaced(clean_registry):
     assert clean_registry[AttentionBackendEnum.CUSTOM] == "other.package.Backend"
 
 
-def test_cudagraph_mode_resolution(cuda_platform):
+def test_cudagraph_mode_resolution(cuda_platform, monkeypatch):
     """vLLM's default FULL_AND_PIECEWISE resolved against the backend's declared graph
-    support: full decode graphs where the slot-indexed decode is a capturable Triton
-    kernel, piecewise graphs (attention eager) where it is not, never an error."""
+    support: full decode graphs where the slot-indexed decode is a capturable kernel
+    (Triton on CUDA), piecewise graphs (attention eager) where it is not, never an error.
+
+    Whether Triton can run is dispatch's question (tests/test_triton_kernels.py); here it
+    is answered both ways, without importing triton.language (which must first be
+    imported under TRITON_INTERPRET=1 by the interpreter tests)."""
     from vllm.config.compilation import CompilationConfig, CompilationMode, CUDAGraphMode
     from vllm.platforms import current_platform
     from vllm.v1.attention.backend import AttentionCGSupport
 
-    from kvcompress.ops import triton_attention
-    from kvcompress.vllm_glue.attention_backend import (
-        PerHeadAttentionMetadataBuilder,
-        cudagraph_support,
-    )
+    from kvcompress.vllm_glue import attention_backend
 
     def resolve(support):
         config = CompilationConfig(
@@ -203,14 +203,23 @@ def test_cudagraph_mode_resolution(cuda_platform):
         return config.resolve_cudagraph_mode_and_sizes(support, "CUSTOM")
 
     assert current_platform.is_cpu()
-    assert PerHeadAttentionMetadataBuilder.get_cudagraph_support(None, None) == AttentionCGSupport.NEVER
+    builder = attention_backend.PerHeadAttentionMetadataBuilder
+    assert builder.get_cudagraph_support(None, None) == AttentionCGSupport.NEVER
     assert resolve(AttentionCGSupport.NEVER) == CUDAGraphMode.PIECEWISE
-    support = cudagraph_support(cuda_platform)
-    if triton_attention.HAS_TRITON:
-        assert support == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
-        assert resolve(support) == CUDAGraphMode.FULL_AND_PIECEWISE
-    else:
-        assert support == AttentionCGSupport.NEVER
+
+    asked = []
+    for capturable, expected_support, expected_mode in (
+        (True, AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE, CUDAGraphMode.FULL_AND_PIECEWISE),
+        (False, AttentionCGSupport.NEVER, CUDAGraphMode.PIECEWISE),
+    ):
+        monkeypatch.setattr(
+            attention_backend, "decode_by_slot_capturable",
+            lambda device, answer=capturable: asked.append(str(device)) or answer,
+        )
+        support = attention_backend.cudagraph_support(cuda_platform)
+        assert support == expected_support
+        assert resolve(support) == expected_mode
+    assert asked == ["cuda", "cuda"]
 
 
 def test_gpu_worker_refuses_v2_runner():

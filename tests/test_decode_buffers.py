@@ -6,6 +6,9 @@ The same cache state is attended twice: once with tables gathered for the batch 
 ``DecodeBuffers`` padded to more rows than the batch, as vLLM pads a graph's batch.
 Real rows must agree, padding rows must read nothing and write only the scratch
 page, and the eviction metrics must move exactly as in the eager path.
+
+vLLM (which imports triton.language) is imported inside the tests, not at collection:
+the Triton interpreter tests must import triton first, under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ import torch
 
 from kvcompress.ops import PerHeadPagedCache, write_kv
 from kvcompress.ops.dispatch import paged_attention, paged_decode_by_slot
-from kvcompress.vllm_glue.attention_backend import DecodeBuffers
 
 LAYERS, KV_HEADS, GROUP, HEAD_DIM, BLOCK = 2, 2, 2, 64, 16
 
@@ -40,6 +42,8 @@ def _state(seed: int):
 
 @pytest.mark.parametrize("power", [1, 2])
 def test_decode_buffers_match_the_eager_step(power):
+    from kvcompress.vllm_glue.attention_backend import DecodeBuffers
+
     cache, pool, pad_slot, slots, prompt, generator = _state(power)
     key_cache, value_cache = pool[:, 0], pool[:, 1]
     num_rows, padded = 3, 7  # batch of 3 (slots in another order), padded to 7 rows
@@ -94,6 +98,8 @@ def test_decode_buffers_match_the_eager_step(power):
 
 
 def test_decode_buffers_refuse_more_rows_than_allocated():
+    from kvcompress.vllm_glue.attention_backend import DecodeBuffers
+
     buffers = DecodeBuffers.allocate(
         num_layers=1, num_kv_heads=1, max_rows=2, num_slots=3, pad_slot=0, scratch_page=9,
         max_head_len=64, block_size=16, metric_power=2, device=torch.device("cpu"),
