@@ -205,3 +205,7 @@ def test_policy_flags_reach_the_engine_config_and_help_lists_them(tmp_path):
     assert settings.policy_for().split.layer_profile == (0.5, 0.5)
     with pytest.raises(SystemExit):
         parser.parse_args(["--model", model, "--kv-compress-policy", "pyramidinfer"])
+    # A profile written for another model is refused before the engine starts.
+    profile.write_text(json.dumps({"layer_shares": [1, 2, 3]}))
+    with pytest.raises(KVCompressConfigError, match="--kv-compress-xkv-profile .* has 3 layer shares .* 2 attention layers"):
+        AsyncEngineArgs.from_cli_args(args).create_engine_config()

@@ -164,6 +164,17 @@ def check_model_supported(vllm_config: Any, settings: KVCompressConfig) -> None:
         raise KVCompressConfigError(
             f"{flag} does not support model {name}: it uses " + "; ".join(problems)
         )
+    if settings.xkv_profile:
+        from kvcompress.policies import load_layer_profile
+
+        num_layers = model_config.get_num_layers(vllm_config.parallel_config)
+        profile_layers = len(load_layer_profile(settings.xkv_profile))
+        if profile_layers != num_layers:
+            raise KVCompressConfigError(
+                f"{FLAGS['xkv_profile']} {settings.xkv_profile} has {profile_layers} layer "
+                f"shares but model {name} has {num_layers} attention layers (write the "
+                "profile for this model with benchmarks/xkv_profile.py)"
+            )
     head_size = model_config.get_head_size()
     if head_size not in SUPPORTED_HEAD_SIZES:
         raise KVCompressConfigError(
