@@ -744,6 +744,7 @@ def bench_graph_decode(timer, case: DecodeCase, max_head_len: int, out: torch.Te
     """Capture ``paged_decode_by_slot_triton`` (rows = sequence slots, metric pass with
     every slot unflagged, as in a decode step of requests that do not compress) in a CUDA
     graph and time its replay. Returns ``(ms, rel error vs the reference or None)``."""
+    from kvcompress.ops.decode_by_slot import graph_partition_size
     from kvcompress.ops.triton_attention import paged_decode_by_slot_triton
 
     batch = case.batch
@@ -758,7 +759,8 @@ def bench_graph_decode(timer, case: DecodeCase, max_head_len: int, out: torch.Te
             case.query, case.key_cache, case.value_cache, case.slot_positions, case.block_tables,
             case.head_lens, seq_slots, case.query_positions, case.scale, out=out,
             slot_metrics=slot_metrics, metric_slots=metric_slots, max_head_len=max_head_len,
-            partition_size=max(512, -(-max_head_len // 64)), row_index=row_index)
+            partition_size=graph_partition_size(max_head_len, case.key_cache.shape[1]),
+            row_index=row_index)
 
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))

@@ -30,6 +30,17 @@ import torch
 from kvcompress.ops.paged_attention import paged_attention
 
 
+MAX_GRAPH_PARTITIONS = 64
+
+
+def graph_partition_size(max_head_len: int, block_size: int) -> int:
+    """Keys per decode partition for a grid sized by ``max_head_len``: at least 512,
+    whole pages, and at most ``MAX_GRAPH_PARTITIONS`` partitions per head whatever
+    ``max_model_len`` is (most of a fixed grid's programs exit at once)."""
+    partition = max(512, -(-max_head_len // MAX_GRAPH_PARTITIONS))
+    return -(-partition // block_size) * block_size
+
+
 def paged_decode_by_slot_reference(
     query: torch.Tensor,
     key_cache: torch.Tensor,

@@ -30,6 +30,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from kvcompress.config import SUPPORTED_BLOCK_SIZES
 from kvcompress.ops import AppendPlan, PerHeadPagedCache, write_kv
+from kvcompress.ops.decode_by_slot import graph_partition_size
 from kvcompress.ops.dispatch import decode_by_slot_capturable, paged_attention, paged_decode_by_slot
 from kvcompress.ops.metrics import accumulate_metrics, attention_metrics, pool_metrics
 from kvcompress.policies import MetricSpec
@@ -79,9 +80,6 @@ class DecodeBuffers:
         pad_slot: int, scratch_page: int, max_head_len: int, block_size: int,
         metric_power: int, device: torch.device,
     ) -> "DecodeBuffers":
-        # At most 64 partitions per head whatever max_model_len is (grid size under graphs).
-        partition = max(512, -(-max_head_len // 64))
-        partition = -(-partition // block_size) * block_size
         shape = (num_layers, max_rows, num_kv_heads)
         buffers = cls(
             seq_slots=torch.empty(max_rows, dtype=torch.int32, device=device),
@@ -93,7 +91,7 @@ class DecodeBuffers:
             pad_slot=pad_slot,
             scratch_page=scratch_page,
             max_head_len=max_head_len,
-            partition_size=partition,
+            partition_size=graph_partition_size(max_head_len, block_size),
             metric_power=metric_power,
         )
         buffers.fill(0)
@@ -385,15 +383,9 @@ class PerHeadAttentionImpl(AttentionImpl):
         assert state is not None, "kvcompress worker state not initialised"
         layer_index = state.layer_index[layer.layer_name]
         num_tokens = step.num_tokens
-        key = key[:num_tokens].view(num_tokens, self.num_kv_heads, self.head_size)
-        value = value[:num_tokens].view(num_tokens, self.num_kv_heads, self.head_size)
-        write_kv(
-            state.key_cache,
-            state.value_cache,
-            key,
-            value,
-            step.plan.write_pages[layer_index],
-            step.plan.write_offsets[layer_index],
+        self._store_kvs(
+            state, key, value, num_tokens,
+            step.plan.write_pages[layer_index], step.plan.write_offsets[layer_index],
         )
         query = query[:num_tokens].view(num_tokens, self.num_heads, self.head_size)
         metrics = step.metrics
@@ -419,6 +411,18 @@ class PerHeadAttentionImpl(AttentionImpl):
             self._prompt_metrics(state, step, metrics, query, block_tables, head_lens)
         return output
 
+    def _store_kvs(self, state, key, value, num_rows, write_pages, write_offsets) -> None:
+        """Write the first ``num_rows`` new K/V rows (``[T, num_kv_heads * D]`` or
+        ``[T, num_kv_heads, D]``) at their ``[num_rows, num_kv_heads]`` slots."""
+        write_kv(
+            state.key_cache,
+            state.value_cache,
+            key[:num_rows].view(num_rows, self.num_kv_heads, self.head_size),
+            value[:num_rows].view(num_rows, self.num_kv_heads, self.head_size),
+            write_pages,
+            write_offsets,
+        )
+
     def _decode_from_buffers(self, layer, query, key, value, output) -> torch.Tensor:
         """A decode-only step over ``DecodeBuffers``: no host reads, fixed launch
         shapes for a given row count (vLLM's padded batch: ``query.shape[0]`` rows)."""
@@ -435,15 +439,9 @@ class PerHeadAttentionImpl(AttentionImpl):
                 "rows of the decode buffers (max_num_seqs / the largest CUDA-graph size)"
             )
         cache = state.cache
-        key = key[:rows].view(rows, self.num_kv_heads, self.head_size)
-        value = value[:rows].view(rows, self.num_kv_heads, self.head_size)
-        write_kv(
-            state.key_cache,
-            state.value_cache,
-            key,
-            value,
-            buffers.write_pages[layer_index, :rows],
-            buffers.write_offsets[layer_index, :rows],
+        self._store_kvs(
+            state, key, value, rows,
+            buffers.write_pages[layer_index, :rows], buffers.write_offsets[layer_index, :rows],
         )
         paged_decode_by_slot(
             query[:rows].view(rows, self.num_heads, self.head_size),

@@ -39,6 +39,7 @@ from kvcompress.vllm_glue.attention_backend import (
     PromptMetricRows,
     PerHeadStep,
     WorkerCacheState,
+    current_step,
     get_worker_state,
     set_current_step,
     set_worker_state,
@@ -118,6 +119,8 @@ class PerHeadRunnerMixin:
         }
         # Resolved once: the server's policy settings are fixed for the engine's life.
         self.kvc_policies = {name: self.kvc_settings.policy_for(name) for name in POLICY_NAMES}
+        # Decode queries of one batch share one kernel call: the server policy's power.
+        self.kvc_decode_metric_power = self.kvc_policies[self.kvc_settings.policy].metric.power
         capture_sizes = self.vllm_config.compilation_config.max_cudagraph_capture_size or 0
         decode_buffers = DecodeBuffers.allocate(
             num_layers=num_layers,
@@ -128,8 +131,7 @@ class PerHeadRunnerMixin:
             scratch_page=buffer_pages - 1,
             max_head_len=max_pages_per_head * block_size,
             block_size=block_size,
-            # Decode queries of one batch share one kernel call: the server policy's power.
-            metric_power=self.kvc_policies[self.kvc_settings.policy].metric.power,
+            metric_power=self.kvc_decode_metric_power,
             device=pool.device,
         )
         self.kvc_generator: torch.Generator | None = None
@@ -402,8 +404,6 @@ class PerHeadRunnerMixin:
             force_uniform_decode=force_uniform_decode,
         )
         if uniform and force_uniform_decode is None and self.kvc_cache is not None:
-            from kvcompress.vllm_glue.attention_backend import current_step
-
             step = current_step()
             return step is not None and step.decode_only
         return uniform
@@ -444,8 +444,7 @@ class PerHeadRunnerMixin:
             prompt_rows=prompt_rows,
             decode_seqs=torch.from_numpy(decode_seqs).to(self.kvc_cache.device)
             if decode_seqs.any() else None,
-            # Decode queries of one batch share one kernel call: the server policy's power.
-            power=self.kvc_policies[settings.policy].metric.power,
+            power=self.kvc_decode_metric_power,
         )
 
     def _dummy_run(self, *args, **kwargs):
