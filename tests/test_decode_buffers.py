@@ -42,7 +42,7 @@ def _state(seed: int):
 
 @pytest.mark.parametrize("power", [1, 2])
 def test_decode_buffers_match_the_eager_step(power):
-    from kvcompress.vllm_glue.attention_backend import DecodeBuffers
+    from kvcompress.vllm_glue.step import DecodeBuffers
 
     cache, pool, pad_slot, slots, prompt, generator = _state(power)
     key_cache, value_cache = pool[:, 0], pool[:, 1]
@@ -98,7 +98,7 @@ def test_decode_buffers_match_the_eager_step(power):
 
 
 def test_decode_buffers_refuse_more_rows_than_allocated():
-    from kvcompress.vllm_glue.attention_backend import DecodeBuffers
+    from kvcompress.vllm_glue.step import DecodeBuffers
 
     buffers = DecodeBuffers.allocate(
         num_layers=1, num_kv_heads=1, max_rows=2, num_slots=3, pad_slot=0, scratch_page=9,

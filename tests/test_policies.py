@@ -22,7 +22,7 @@ from kvcompress.budget import RequestFieldError, request_budget
 from kvcompress.config import KVCompressConfig, KVCompressConfigError
 from kvcompress.ops.eviction import protected_slots, schedule_evictions
 from kvcompress.ops.metrics import pool_metrics
-from kvcompress.ops.move_cache import policy_metrics
+from kvcompress.ops.policy_scores import policy_metrics
 from kvcompress.policies import POLICY_NAMES, load_layer_profile, resolve_policy
 
 # --------------------------------------------------------------------------- reference

@@ -19,6 +19,7 @@ import torch
 
 from kvcompress.ops.eviction import protected_slots, schedule_evictions
 from kvcompress.ops.paged_cache import PerHeadPagedCache, pages_for
+from kvcompress.ops.policy_scores import policy_metrics
 from kvcompress.policies import Policy
 
 
@@ -137,26 +138,6 @@ def gather_logical(
     pages = tables.repeat_interleave(block_size, dim=-1)  # [S, L, H, K]
     offsets = torch.arange(num_slots, device=cache.device) % block_size
     return cache.slot_metrics[pages, offsets], cache.slot_positions[pages, offsets], tables
-
-
-def policy_metrics(
-    policy: Policy | None,
-    metrics: torch.Tensor,
-    positions: torch.Tensor,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """The metrics a policy ranks KVs by, ``[S, L, H, K]`` in logical slot order.
-
-    ``attention`` policies use the stored metrics; ``position`` (StreamingLLM) the
-    token position, so the oldest unprotected KVs go first; ``random`` uniform noise
-    from ``generator``.
-    """
-    source = policy.metric.source if policy is not None else "attention"
-    if source == "position":
-        return positions.to(torch.float32)
-    if source == "random":
-        return torch.rand(metrics.shape, generator=generator, device=metrics.device)
-    return metrics
 
 
 def compress_sequences(

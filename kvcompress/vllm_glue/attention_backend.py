@@ -29,215 +29,13 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from kvcompress.config import SUPPORTED_BLOCK_SIZES
-from kvcompress.ops import AppendPlan, PerHeadPagedCache, write_kv
-from kvcompress.ops.decode_by_slot import graph_partition_size
+from kvcompress.ops import write_kv
 from kvcompress.ops.dispatch import decode_by_slot_capturable, paged_attention, paged_decode_by_slot
 from kvcompress.ops.metrics import accumulate_metrics, attention_metrics, pool_metrics
-from kvcompress.policies import MetricSpec
+from kvcompress.vllm_glue import step as step_state
+from kvcompress.vllm_glue.step import PerHeadStep
 
 SUPPORTED_HEAD_SIZES = (64, 128, 256)
-
-
-@dataclass
-class DecodeBuffers:
-    """Fixed-address inputs of decode-only steps, so a CUDA graph can replay them.
-
-    The runner refills them before each decode-only step; the attention of such a
-    step reads only these, the cache's own per-slot tensors and fixed integers
-    (``kvcompress.ops.decode_by_slot``). Rows past the batch (vLLM pads a graph's
-    batch) point at ``pad_slot``, whose heads are empty, and write their KVs into
-    ``scratch_page``, which is never allocated.
-
-    Attributes:
-        seq_slots: ``[max_rows]`` int32 sequence slot of each query row.
-        query_positions: ``[max_rows]`` int64 token position of each query row.
-        write_pages, write_offsets: ``[num_layers, max_rows, num_kv_heads]`` int64
-            slot of each row's new KV.
-        metric_slots: ``[num_slots]`` int8, slots whose decode query adds to the
-            eviction metrics this step.
-        row_index: ``[max_rows]`` int32 ``arange`` (kernel row -> query row).
-        pad_slot, scratch_page: see above.
-        max_head_len: fixed bound of every head length (tokens), sizes the grid.
-        partition_size: keys per decode partition (tokens).
-        metric_power: decode metric power of the server policy (1 or 2).
-    """
-
-    seq_slots: torch.Tensor
-    query_positions: torch.Tensor
-    write_pages: torch.Tensor
-    write_offsets: torch.Tensor
-    metric_slots: torch.Tensor
-    row_index: torch.Tensor
-    pad_slot: int
-    scratch_page: int
-    max_head_len: int
-    partition_size: int
-    metric_power: int
-
-    @classmethod
-    def allocate(
-        cls, *, num_layers: int, num_kv_heads: int, max_rows: int, num_slots: int,
-        pad_slot: int, scratch_page: int, max_head_len: int, block_size: int,
-        metric_power: int, device: torch.device,
-    ) -> "DecodeBuffers":
-        shape = (num_layers, max_rows, num_kv_heads)
-        buffers = cls(
-            seq_slots=torch.empty(max_rows, dtype=torch.int32, device=device),
-            query_positions=torch.empty(max_rows, dtype=torch.int64, device=device),
-            write_pages=torch.empty(shape, dtype=torch.int64, device=device),
-            write_offsets=torch.empty(shape, dtype=torch.int64, device=device),
-            metric_slots=torch.zeros(num_slots, dtype=torch.int8, device=device),
-            row_index=torch.arange(max_rows, dtype=torch.int32, device=device),
-            pad_slot=pad_slot,
-            scratch_page=scratch_page,
-            max_head_len=max_head_len,
-            partition_size=graph_partition_size(max_head_len, block_size),
-            metric_power=metric_power,
-        )
-        buffers.fill(0)
-        return buffers
-
-    @property
-    def max_rows(self) -> int:
-        return self.seq_slots.shape[0]
-
-    def fill(
-        self,
-        num_rows: int,
-        seq_slots: torch.Tensor | None = None,
-        query_positions: torch.Tensor | None = None,
-        write_pages: torch.Tensor | None = None,
-        write_offsets: torch.Tensor | None = None,
-        metric_slot_ids: torch.Tensor | None = None,
-    ) -> None:
-        """Rows ``[0, num_rows)`` from the step (``seq_slots [n]``, ``query_positions
-        [n]``, ``write_pages / write_offsets [L, n, H]``); the rest padding.
-        ``metric_slot_ids``: slots whose queries add to the metrics (None: none)."""
-        if num_rows > self.max_rows:
-            raise RuntimeError(
-                f"kvcompress: a decode step of {num_rows} rows exceeds the {self.max_rows} "
-                "rows of the decode buffers"
-            )
-        if num_rows:
-            self.seq_slots[:num_rows].copy_(seq_slots)
-            self.query_positions[:num_rows].copy_(query_positions)
-            self.write_pages[:, :num_rows].copy_(write_pages)
-            self.write_offsets[:, :num_rows].copy_(write_offsets)
-        self.seq_slots[num_rows:].fill_(self.pad_slot)
-        self.query_positions[num_rows:].fill_(0)
-        self.write_pages[:, num_rows:].fill_(self.scratch_page)
-        self.write_offsets[:, num_rows:].fill_(0)
-        self.metric_slots.zero_()
-        if metric_slot_ids is not None and metric_slot_ids.numel():
-            self.metric_slots[metric_slot_ids] = 1
-
-
-@dataclass
-class WorkerCacheState:
-    """The worker's page pool and tables.
-
-    Attributes:
-        cache: page tables / head lengths / slot positions / allocator.
-        key_cache, value_cache: ``[num_buffer_pages, block_size, head_dim]`` views of
-            the pool (the allocator's pages plus the scratch page).
-        layer_index: attention layer name -> layer index in the page tables.
-        decode_buffers: fixed-address inputs of decode-only steps.
-    """
-
-    cache: PerHeadPagedCache
-    key_cache: torch.Tensor
-    value_cache: torch.Tensor
-    layer_index: dict[str, int]
-    decode_buffers: DecodeBuffers | None = None
-
-
-@dataclass
-class PromptMetricRows:
-    """Prompt queries of one sequence that score its keys this step.
-
-    Attributes:
-        seq_index: the sequence's index in the batch.
-        row_start, row_end: query rows ``[row_start, row_end)`` (window or full mode).
-        prompt_done: this chunk ends the prompt, so the prompt metrics are final and
-            get pooled.
-        spec: the request's policy metric (power, skip_nearest, pooling).
-    """
-
-    seq_index: int
-    row_start: int
-    row_end: int
-    prompt_done: bool
-    spec: MetricSpec
-
-
-@dataclass
-class MetricQueries:
-    """Queries of one step that add to the eviction metrics.
-
-    Attributes:
-        prompt_rows: per sequence whose prompt queries score keys this step.
-        decode_seqs: ``[num_reqs]`` bool, sequences whose decode query adds its
-            attention to the metrics (continual compression), or None.
-        power: decode metric power, 2 (L2, squared attention) or 1 (L1).
-    """
-
-    prompt_rows: list[PromptMetricRows]
-    decode_seqs: torch.Tensor | None
-    power: int
-
-
-@dataclass
-class PerHeadStep:
-    """One forward step, planned by the runner.
-
-    Attributes:
-        num_reqs: sequences in the batch (batch order).
-        num_tokens: new tokens in the batch.
-        query_start_loc: ``num_reqs + 1`` Python ints.
-        query_positions: ``[num_tokens]`` int64 token positions.
-        block_tables: ``[num_reqs, num_layers, num_kv_heads, max_pages]`` int64
-            (None for a decode-only step).
-        head_lens: ``[num_reqs, num_layers, num_kv_heads]`` int64 (after this step's
-            KVs; None for a decode-only step).
-        max_head_len: ``head_lens.max()`` on the host (sizes GPU decode grids without a sync).
-        plan: where each new KV is written.
-        metrics: which queries add to the eviction metrics (None: none).
-        decode_only: every row is one generated token: attention reads the
-            ``DecodeBuffers`` (filled by the runner) instead of the fields above.
-    """
-
-    num_reqs: int
-    num_tokens: int
-    query_start_loc: list[int]
-    query_positions: torch.Tensor
-    block_tables: torch.Tensor | None
-    head_lens: torch.Tensor | None
-    max_head_len: int
-    plan: AppendPlan
-    metrics: MetricQueries | None = None
-    decode_only: bool = False
-
-
-_worker_state: WorkerCacheState | None = None
-_current_step: PerHeadStep | None = None
-
-
-def set_worker_state(state: WorkerCacheState | None) -> None:
-    global _worker_state
-    _worker_state = state
-
-
-def get_worker_state() -> WorkerCacheState | None:
-    return _worker_state
-
-
-def set_current_step(step: PerHeadStep | None) -> None:
-    global _current_step
-    _current_step = step
-
-
-def current_step() -> PerHeadStep | None:
-    return _current_step
 
 
 @dataclass
@@ -284,7 +82,7 @@ class PerHeadAttentionMetadataBuilder(AttentionMetadataBuilder[PerHeadAttentionM
         common_attn_metadata: CommonAttentionMetadata,
         fast_build: bool = False,
     ) -> PerHeadAttentionMetadata:
-        step = _current_step
+        step = step_state.current_step()
         if step is not None and step.num_reqs != common_attn_metadata.num_reqs:
             raise RuntimeError(
                 f"kvcompress step plan covers {step.num_reqs} requests but vLLM "
@@ -301,7 +99,7 @@ class PerHeadAttentionMetadataBuilder(AttentionMetadataBuilder[PerHeadAttentionM
     ) -> PerHeadAttentionMetadata:
         # The graph records the decode-buffer path; the runner reset the buffers to
         # padding rows, so warm-up runs of the capture read and write nothing real.
-        state = _worker_state
+        state = step_state.get_worker_state()
         return PerHeadAttentionMetadata(
             num_actual_tokens=common_attn_metadata.num_actual_tokens,
             step=None,
@@ -379,7 +177,7 @@ class PerHeadAttentionImpl(AttentionImpl):
         if attn_metadata.step is None:
             return output
         step = attn_metadata.step
-        state = _worker_state
+        state = step_state.get_worker_state()
         assert state is not None, "kvcompress worker state not initialised"
         layer_index = state.layer_index[layer.layer_name]
         num_tokens = step.num_tokens
@@ -426,7 +224,7 @@ class PerHeadAttentionImpl(AttentionImpl):
     def _decode_from_buffers(self, layer, query, key, value, output) -> torch.Tensor:
         """A decode-only step over ``DecodeBuffers``: no host reads, fixed launch
         shapes for a given row count (vLLM's padded batch: ``query.shape[0]`` rows)."""
-        state = _worker_state
+        state = step_state.get_worker_state()
         assert state is not None and state.decode_buffers is not None, (
             "kvcompress decode buffers not initialised"
         )

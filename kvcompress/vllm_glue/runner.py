@@ -33,7 +33,7 @@ from kvcompress.budget import request_budget
 from kvcompress.config import KVCompressConfig
 from kvcompress.ops import PerHeadPagedCache
 from kvcompress.policies import POLICY_NAMES
-from kvcompress.vllm_glue.attention_backend import (
+from kvcompress.vllm_glue.step import (
     DecodeBuffers,
     MetricQueries,
     PromptMetricRows,
