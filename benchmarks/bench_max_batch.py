@@ -95,7 +95,7 @@ def measure(
     from vllm.inputs import TokensPrompt
 
     import kvcompress
-    from kvcompress.offline_assets import tiny_llama_checkpoint
+    from offline_assets import tiny_llama_checkpoint
 
     model = str(tiny_llama_checkpoint(**TINY))
     # Enough requests that even the highest rate runs out of memory before prompts.

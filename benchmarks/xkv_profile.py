@@ -62,7 +62,7 @@ def collect_profile(llm, prompts: list[list[int]], rate: float) -> dict:
 
 def essay_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
     """``count`` windows of ``length`` tokens from the Paul Graham essays."""
-    from kvcompress.offline_assets import paul_graham_essays
+    from offline_assets import paul_graham_essays
 
     tokens = tokenizer.encode("\n\n".join(paul_graham_essays()), add_special_tokens=False)
     if len(tokens) < count * length:
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import AutoTokenizer
 
     import kvcompress
-    from kvcompress.offline_assets import smollm2_checkpoint
+    from offline_assets import smollm2_checkpoint
 
     path = str(smollm2_checkpoint()) if args.model == "smollm2" else args.model
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 from kvcompress.vllm_glue.llm import page_stats, shutdown  # noqa: F401  (page_stats: for the tests)
+
+# Test and benchmark helpers (offline_assets, machine) live in benchmarks/, not in
+# the installed package.
+BENCHMARKS_DIR = str(Path(__file__).resolve().parents[1] / "benchmarks")
+if BENCHMARKS_DIR not in sys.path:
+    sys.path.insert(0, BENCHMARKS_DIR)
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -35,7 +42,7 @@ TINY_ENGINE_ARGS = dict(
 
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
-    from kvcompress.offline_assets import tiny_llama_checkpoint
+    from offline_assets import tiny_llama_checkpoint
 
     return str(
         tiny_llama_checkpoint(

