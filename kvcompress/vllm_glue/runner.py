@@ -4,35 +4,37 @@ Mixed into vLLM's V1 model runner (``CPUModelRunner`` on CPU). Per step, after
 vLLM updates its persistent batch:
 
 1. pages of finished / preempted / resumed requests go back to the allocator;
-2. the sequences the scheduler ordered compressed (``kvcompress_compress``:
-   blocks to evict, context length, protected window, sinks) are compressed:
-   block-eviction schedule over their metrics, MoveCache, trailing pages freed;
+2. the sequences the scheduler ordered compressed (``StepCompression.orders``:
+   pages to evict, context length, the request's resolved budget and policy) are
+   compressed: block-eviction schedule over their metrics, MoveCache, trailing
+   pages freed;
 3. every scheduled request's heads grow by its scheduled tokens (pages come from
    the free-page stack, batched over requests x layers x heads);
 4. the plan (tables, lengths, write slots, positions, which queries add to the
    eviction metrics) is published for the attention backend;
-5. the step's output carries ``kvcompress_report``: the per-head lengths of the
+5. the step's output carries a ``WorkerReport``: the per-head lengths of the
    compressed sequences and the worker's page counts, which the scheduler
    adopts and cross-checks before it schedules again.
+
+The worker keeps one :class:`WorkerRequest` per live request; how a request is
+compressed arrives resolved from the scheduler (``StepCompression.admitted``).
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
-from kvcompress.budget import request_budget
 from kvcompress.config import KVCompressConfig
-from kvcompress.ops import PerHeadPagedCache
-from kvcompress.policies import POLICY_NAMES
+from kvcompress.contract import CompressionOrder, RequestCompression, WorkerReport
+from kvcompress.ops import PerHeadPagedCache, compress_sequences
 from kvcompress.vllm_glue.step import (
     DecodeBuffers,
     MetricQueries,
@@ -49,8 +51,49 @@ from kvcompress.vllm_glue.kv_layout import (
     pages_in_pool,
     single_full_attention_group,
 )
+from kvcompress.vllm_glue.outputs import step_compression_of, with_report
 
 logger = init_logger(f"vllm.{__name__}")
+
+
+@dataclass
+class WorkerRequest:
+    """Worker-side state of one live request.
+
+    Attributes:
+        compression: its budget and policy, as the scheduler resolved them.
+        seq_slot: its row in the cache's page tables (None until first planned).
+        logical_len: tokens its heads were grown for (prompt and outputs so far).
+    """
+
+    compression: RequestCompression
+    seq_slot: int | None = None
+    logical_len: int = 0
+
+
+@dataclass
+class WorkerStats:
+    """Worker-side counters (``kvcompress_pages_used``: tests, benchmarks)."""
+
+    max_pages_used: int = 0
+    compressions: int = 0
+    pages_freed: int = 0
+    kvs_evicted: int = 0
+    compress_seconds: float = 0.0
+    step_seconds: float = 0.0
+    # compressions whose freed pages differ from the pages the scheduler ordered
+    evict_mismatches: int = 0
+    # steps whose attention read the fixed-address DecodeBuffers
+    decode_only_steps: int = 0
+    pages_freed_by_policy: dict[str, int] = field(default_factory=dict)
+    # policy -> [layers]: unprotected KVs kept after its compressions.
+    kept_unprotected_by_layer: dict[str, list[int]] = field(default_factory=dict)
+
+    def add_policy_result(self, policy: str, pages_freed: int, kept_by_layer: list[int]) -> None:
+        by_policy = self.pages_freed_by_policy
+        by_policy[policy] = by_policy.get(policy, 0) + pages_freed
+        previous = self.kept_unprotected_by_layer.get(policy, [0] * len(kept_by_layer))
+        self.kept_unprotected_by_layer[policy] = [a + b for a, b in zip(previous, kept_by_layer)]
 
 
 class PerHeadRunnerMixin:
@@ -99,28 +142,11 @@ class PerHeadRunnerMixin:
         self.kvc_settings = KVCompressConfig.from_additional_config(
             self.vllm_config.additional_config
         )
-        self.kvc_seq_slot: dict[str, int] = {}
-        self.kvc_logical_len: dict[str, int] = {}
-        self.kvc_compresses: dict[str, bool] = {}
-        self.kvc_report: dict | None = None
-        self.kvc_stats = {
-            "max_pages_used": 0,
-            "compressions": 0,
-            "pages_freed": 0,
-            "kvs_evicted": 0,
-            "compress_seconds": 0.0,
-            "step_seconds": 0.0,
-            "evict_mismatches": 0,
-            # steps whose attention read the fixed-address DecodeBuffers
-            "decode_only_steps": 0,
-            "pages_freed_by_policy": {},
-            # policy -> [layers]: unprotected KVs kept after its compressions.
-            "kept_unprotected_by_layer": {},
-        }
-        # Resolved once: the server's policy settings are fixed for the engine's life.
-        self.kvc_policies = {name: self.kvc_settings.policy_for(name) for name in POLICY_NAMES}
+        self.kvc_requests: dict[str, WorkerRequest] = {}
+        self.kvc_report: WorkerReport | None = None
+        self.kvc_stats = WorkerStats()
         # Decode queries of one batch share one kernel call: the server policy's power.
-        self.kvc_decode_metric_power = self.kvc_policies[self.kvc_settings.policy].metric.power
+        self.kvc_decode_metric_power = self.kvc_settings.policy_for().metric.power
         capture_sizes = self.vllm_config.compilation_config.max_cudagraph_capture_size or 0
         decode_buffers = DecodeBuffers.allocate(
             num_layers=num_layers,
@@ -135,7 +161,6 @@ class PerHeadRunnerMixin:
             device=pool.device,
         )
         self.kvc_generator: torch.Generator | None = None
-        self.kvc_policy: dict[str, object] = {}
         set_worker_state(
             WorkerCacheState(
                 cache=cache,
@@ -152,27 +177,25 @@ class PerHeadRunnerMixin:
         )
 
     def _kvc_release(self, request_ids) -> None:
-        slots = [self.kvc_seq_slot.pop(r) for r in request_ids if r in self.kvc_seq_slot]
-        for request_id in request_ids:
-            self.kvc_logical_len.pop(request_id, None)
-            self.kvc_compresses.pop(request_id, None)
-            self.kvc_policy.pop(request_id, None)
+        gone = [self.kvc_requests.pop(r) for r in request_ids if r in self.kvc_requests]
+        slots = [request.seq_slot for request in gone if request.seq_slot is not None]
         if slots:
             self.kvc_cache.release(torch.tensor(slots, dtype=torch.int64))
 
     def _update_states(self, scheduler_output):
         set_current_step(None)
         if self.kvc_cache is not None:
+            step = step_compression_of(scheduler_output)
             # Frees first: the scheduler may have handed these pages to new work.
             gone = set(scheduler_output.finished_req_ids)
             gone |= set(getattr(scheduler_output, "preempted_req_ids", None) or ())
             gone |= set(scheduler_output.scheduled_cached_reqs.resumed_req_ids or ())
             self._kvc_release(gone)
+            for request_id, compression in step.admitted.items():
+                self.kvc_requests[request_id] = WorkerRequest(compression)
             self.kvc_report = None
             self._kvc_step_started = time.perf_counter()
-            compressed = self._kvc_compress(
-                getattr(scheduler_output, "kvcompress_compress", None) or {}
-            )
+            compressed = self._kvc_compress(step.orders)
         result = super()._update_states(scheduler_output)
         if self.kvc_cache is not None:
             if scheduler_output.total_num_scheduled_tokens:
@@ -180,98 +203,89 @@ class PerHeadRunnerMixin:
             self.kvc_report = self._kvc_make_report(compressed)
         return result
 
-    def _kvc_compress(self, orders: dict) -> list[str]:
-        """Compress the sequences the scheduler ordered; returns their request ids.
-
-        ``orders``: request id -> ``(evict_blocks, context_len, protected_window,
-        sink_tokens, policy index in POLICY_NAMES)``, computed by the scheduler from
-        the same head lengths.
-        """
-        from kvcompress.ops.move_cache import compress_sequences
-
-        request_ids = [r for r in orders if r in self.kvc_seq_slot]
+    def _kvc_compress(self, orders: dict[str, CompressionOrder]) -> list[str]:
+        """Compress the sequences the scheduler ordered; returns their request ids."""
+        request_ids = [
+            r for r in orders if r in self.kvc_requests and self.kvc_requests[r].seq_slot is not None
+        ]
         if not request_ids:
             return []
         started = time.perf_counter()
         cache = self.kvc_cache
-        device = cache.device
-        columns = np.array([orders[r] for r in request_ids], dtype=np.int64)  # [S, 5]
-        columns_t = torch.from_numpy(columns).to(device)
-        seq_slots = torch.tensor(
-            [self.kvc_seq_slot[r] for r in request_ids], dtype=torch.int64, device=device
-        )
-        state = get_worker_state()
+        stats = self.kvc_stats
+        ordered = sum(orders[r].evict_pages for r in request_ids)
         pages_freed = kvs_evicted = 0
         # One batched compression per policy present in this step's orders.
-        for policy_index in np.unique(columns[:, 4]).tolist():
-            rows = torch.from_numpy(np.flatnonzero(columns[:, 4] == policy_index)).to(device)
-            policy = self.kvc_policies[POLICY_NAMES[policy_index]]
-            if self.kvc_generator is None:
-                self.kvc_generator = torch.Generator(device=device)
-                self.kvc_generator.manual_seed(self.vllm_config.model_config.seed or 0)
+        by_policy: dict[str, list[str]] = {}
+        for request_id in request_ids:
+            by_policy.setdefault(orders[request_id].compression.policy.name, []).append(request_id)
+        for group in by_policy.values():
+            policy = orders[group[0]].compression.policy
             result = compress_sequences(
                 cache,
-                state.key_cache,
-                state.value_cache,
-                seq_slots[rows],
-                columns_t[rows, 0],
-                columns_t[rows, 1],
-                columns_t[rows, 2],
-                columns_t[rows, 3],
+                get_worker_state().key_cache,
+                get_worker_state().value_cache,
+                self._kvc_column([self.kvc_requests[r].seq_slot for r in group]),
+                self._kvc_column([orders[r].evict_pages for r in group]),
+                self._kvc_column([orders[r].context_len for r in group]),
+                self._kvc_column([orders[r].compression.budget.protected_window for r in group]),
+                self._kvc_column([orders[r].compression.budget.sink_tokens for r in group]),
                 block_cost=self.kvc_settings.block_cost,
                 policy=policy,
-                generator=self.kvc_generator,
+                generator=self._kvc_random(),
             )
             pages_freed += int(result.pages_freed)
             kvs_evicted += int(result.kvs_evicted)
-            by_policy = self.kvc_stats["pages_freed_by_policy"]
-            by_policy[policy.name] = by_policy.get(policy.name, 0) + int(result.pages_freed)
-            by_layer = self.kvc_stats["kept_unprotected_by_layer"]
-            kept = result.kept_unprotected_by_layer.tolist()
-            previous = by_layer.get(policy.name, [0] * len(kept))
-            by_layer[policy.name] = [a + b for a, b in zip(previous, kept)]
-        stats = self.kvc_stats
-        stats["compressions"] += len(request_ids)
-        stats["pages_freed"] += pages_freed
-        stats["kvs_evicted"] += kvs_evicted
-        if pages_freed != int(columns[:, 0].sum()):
-            # The scheduler credited columns[:, 0] pages; the report corrects it.
-            stats["evict_mismatches"] += 1
+            stats.add_policy_result(
+                policy.name, int(result.pages_freed), result.kept_unprotected_by_layer.tolist()
+            )
+        stats.compressions += len(request_ids)
+        stats.pages_freed += pages_freed
+        stats.kvs_evicted += kvs_evicted
+        if pages_freed != ordered:
+            # The scheduler credited `ordered` pages; the report corrects it.
+            stats.evict_mismatches += 1
             logger.error(
                 "kvcompress: scheduler ordered %d pages evicted, the schedule freed %d",
-                int(columns[:, 0].sum()), pages_freed,
+                ordered, pages_freed,
             )
-        stats["compress_seconds"] += time.perf_counter() - started
+        stats.compress_seconds += time.perf_counter() - started
         return request_ids
 
-    def _kvc_make_report(self, compressed: list[str]) -> dict:
+    def _kvc_column(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.kvc_cache.device)
+
+    def _kvc_random(self) -> torch.Generator:
+        """The random policy's generator, seeded once from the model's seed."""
+        if self.kvc_generator is None:
+            self.kvc_generator = torch.Generator(device=self.kvc_cache.device)
+            self.kvc_generator.manual_seed(self.vllm_config.model_config.seed or 0)
+        return self.kvc_generator
+
+    def _kvc_make_report(self, compressed: list[str]) -> WorkerReport:
         """Worker-side truth for the scheduler after this step's appends."""
         cache = self.kvc_cache
-        held = {}
-        head_lens = {}
-        if self.kvc_seq_slot:
-            request_ids = list(self.kvc_seq_slot)
-            slots = torch.tensor([self.kvc_seq_slot[r] for r in request_ids], device=cache.device)
+        report = WorkerReport(free_pages=cache.allocator.num_free)
+        live = {r: w.seq_slot for r, w in self.kvc_requests.items() if w.seq_slot is not None}
+        if live:
+            slots = torch.tensor(list(live.values()), device=cache.device)
             per_request = cache.pages_held(slots).sum(dim=(1, 2)).tolist()
-            held = dict(zip(request_ids, per_request))
+            report.pages_held = dict(zip(live, per_request))
             for request_id in compressed:
-                if request_id in self.kvc_seq_slot:
-                    slot = self.kvc_seq_slot[request_id]
-                    head_lens[request_id] = cache.head_lens[slot].cpu().numpy().copy()
+                if request_id in live:
+                    report.head_lens[request_id] = cache.head_lens[live[request_id]].cpu().numpy().copy()
         stats = self.kvc_stats
-        stats["max_pages_used"] = max(stats["max_pages_used"], cache.allocator.num_used)
-        return {"free": cache.allocator.num_free, "held": held, "head_lens": head_lens}
+        stats.max_pages_used = max(stats.max_pages_used, cache.allocator.num_used)
+        return report
 
     def _kvc_attach_report(self, output):
         if self.kvc_cache is None or self.kvc_report is None or output is None:
             return output
         if not hasattr(output, "req_ids"):
             return output  # async wrappers do not occur: kvcompress turns async scheduling off
-        if output is EMPTY_MODEL_RUNNER_OUTPUT:
-            output = copy.copy(output)
-        output.kvcompress_report = self.kvc_report
+        output = with_report(output, self.kvc_report)
         self.kvc_report = None
-        self.kvc_stats["step_seconds"] += time.perf_counter() - self._kvc_step_started
+        self.kvc_stats.step_seconds += time.perf_counter() - self._kvc_step_started
         return output
 
     def execute_model(self, *args, **kwargs):
@@ -288,38 +302,10 @@ class PerHeadRunnerMixin:
             [scheduler_output.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64
         )
         computed = self.input_batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
-        slots = []
-        for request_id, done in zip(req_ids, computed.tolist()):
-            slot = self.kvc_seq_slot.get(request_id)
-            if slot is None:
-                if done != 0:
-                    raise RuntimeError(
-                        f"kvcompress: request {request_id} starts with {done} computed "
-                        "tokens but holds no pages (prefix caching must be off)"
-                    )
-                slot = cache.new_sequence()
-                self.kvc_seq_slot[request_id] = slot
-                self.kvc_logical_len[request_id] = 0
-                params = self.requests[request_id].sampling_params
-                budget = request_budget(self.kvc_settings, getattr(params, "extra_args", None))
-                self.kvc_compresses[request_id] = budget.compresses
-                policy = self.kvc_policies[budget.policy]
-                if budget.observation_window is not None:
-                    policy = dataclasses.replace(
-                        policy,
-                        metric=dataclasses.replace(
-                            policy.metric, observation_window=budget.observation_window
-                        ),
-                    )
-                self.kvc_policy[request_id] = policy
-            elif self.kvc_logical_len[request_id] != done:
-                raise RuntimeError(
-                    f"kvcompress: request {request_id} has {done} computed tokens but "
-                    f"its heads were grown for {self.kvc_logical_len[request_id]}"
-                )
-            slots.append(slot)
-        for request_id, done, new in zip(req_ids, computed.tolist(), num_new.tolist()):
-            self.kvc_logical_len[request_id] = done + new
+        slots = [
+            self._kvc_slot_for_step(request_id, done, new)
+            for request_id, done, new in zip(req_ids, computed.tolist(), num_new.tolist())
+        ]
         query_start = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(num_new, out=query_start[1:])
         positions = np.repeat(computed - query_start[:-1], num_new) + np.arange(
@@ -349,6 +335,34 @@ class PerHeadRunnerMixin:
             )
         )
 
+    def _kvc_slot_for_step(self, request_id: str, computed: int, new_tokens: int) -> int:
+        """The request's sequence slot (a new one at its first step); its heads are
+        grown for ``computed + new_tokens`` tokens by this step."""
+        request = self.kvc_requests.get(request_id)
+        if request is None:
+            raise RuntimeError(
+                f"kvcompress: request {request_id} was scheduled but the scheduler never "
+                "sent how it is compressed (StepCompression.admitted)"
+            )
+        if request.seq_slot is None:
+            if computed != 0:
+                raise RuntimeError(
+                    f"kvcompress: request {request_id} starts with {computed} computed "
+                    "tokens but holds no pages (prefix caching must be off)"
+                )
+            request.seq_slot = self.kvc_cache.new_sequence()
+        elif request.logical_len != computed:
+            raise RuntimeError(
+                f"kvcompress: request {request_id} has {computed} computed tokens but "
+                f"its heads were grown for {request.logical_len}"
+            )
+        request.logical_len = computed + new_tokens
+        return request.seq_slot
+
+    def _kvc_compresses(self, request_id: str) -> bool:
+        request = self.kvc_requests.get(request_id)
+        return request is not None and request.compression.compresses
+
     def _kvc_is_decode_only(self, req_ids, computed, num_new) -> bool:
         """Every row is one generated token (no prompt query, so no prompt metrics)."""
         if not len(req_ids) or not bool((num_new == 1).all()):
@@ -361,8 +375,8 @@ class PerHeadRunnerMixin:
     def _kvc_plan_decode_step(self, req_ids, seq_slots, positions_t, plan, query_start) -> None:
         """Publish a decode-only step through the fixed-address ``DecodeBuffers``."""
         buffers = get_worker_state().decode_buffers
-        self.kvc_stats["decode_only_steps"] += 1
-        flagged = [i for i, r in enumerate(req_ids) if self.kvc_compresses.get(r, False)]
+        self.kvc_stats.decode_only_steps += 1
+        flagged = [i for i, r in enumerate(req_ids) if self._kvc_compresses(r)]
         buffers.fill(
             len(req_ids),
             seq_slots,
@@ -417,19 +431,21 @@ class PerHeadRunnerMixin:
         added by the attention kernel itself.
         """
         settings = self.kvc_settings
-        if not settings.compresses and not any(self.kvc_compresses.values()):
+        if not settings.compresses and not any(
+            request.compression.compresses for request in self.kvc_requests.values()
+        ):
             return None
         prompt_rows = []
         decode_seqs = np.zeros(len(req_ids), dtype=bool)
         for index, request_id in enumerate(req_ids):
-            if not self.kvc_compresses.get(request_id, False):
+            if not self._kvc_compresses(request_id):
                 continue
             prompt_len = self.requests[request_id].num_prompt_tokens
             first, count = int(computed[index]), int(num_new[index])
             if first >= prompt_len:
                 decode_seqs[index] = count == 1
                 continue
-            spec = self.kvc_policy[request_id].metric
+            spec = self.kvc_requests[request_id].compression.policy.metric
             if not spec.scores_prompt:
                 continue  # position / random policies need no attention scores
             scoring_from = 0 if spec.queries == "full" else prompt_len - spec.observation_window
@@ -465,6 +481,6 @@ class PerHeadRunnerMixin:
             "num_pages": self.kvc_cache.num_pages,
             "num_free": self.kvc_cache.allocator.num_free,
             "held_by_live_requests": int(held.sum().item()),
-            "live_requests": len(self.kvc_seq_slot),
-            **self.kvc_stats,
+            "live_requests": len(self.kvc_requests),
+            **dataclasses.asdict(self.kvc_stats),
         }

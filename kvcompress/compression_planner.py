@@ -1,0 +1,307 @@
+"""Which requests to compress, when, and by how many pages (no vLLM).
+
+The scheduler (``kvcompress.vllm_glue.scheduler``) is a thin adapter that calls this
+planner from vLLM's hooks. The planner owns the scheduler-side page counts
+(``PageAccounting``) and one :class:`PlannedRequest` per request.
+
+Compression is ordered (and executed by the worker at the start of the step):
+
+- after a request's prefill completes (it is then "due"), and every
+  ``--kv-compress-interval`` steps if set (:meth:`CompressionPlanner.compress_due`);
+- when a running request cannot grow: running requests not yet scheduled this
+  step (the ones vLLM would preempt) are compressed first
+  (:meth:`CompressionPlanner.relieve`); only if that frees too little does vLLM's own
+  preemption run, which frees every page of the victim. A preempted request is
+  compressed again once its recomputed prefill completes.
+
+Each step at most ``--kv-compress-max-kv-per-iteration`` KVs are sorted; never-
+compressed requests go first, then the least recently compressed. The pages a
+compression frees are known exactly from head lengths (``budget.blocks_to_evict``)
+and credited at once; the per-head lengths arrive with the worker's report.
+
+Requests are duck-typed like vLLM's ``Request``: ``request_id``,
+``num_computed_tokens``, ``num_prompt_tokens``, ``num_tokens`` and
+``sampling_params`` (with ``extra_args``, or None).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Iterable, Protocol
+
+from kvcompress.budget import RequestBudget, RequestFieldError, blocks_to_evict, request_budget
+from kvcompress.config import KVCompressConfig
+from kvcompress.contract import CompressionOrder, RequestCompression, WorkerReport
+from kvcompress.page_accounting import PageAccounting
+from kvcompress.policies import POLICY_NAMES, Policy
+
+logger = logging.getLogger(f"vllm.{__name__}")
+
+
+class PlannableRequest(Protocol):
+    """The parts of vLLM's ``Request`` the planner reads."""
+
+    request_id: str
+    num_computed_tokens: int
+    num_prompt_tokens: int
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def sampling_params(self): ...
+
+
+@dataclass
+class PlannedRequest:
+    """Scheduler-side compression state of one request.
+
+    Attributes:
+        compression: its budget and policy, resolved once.
+        last_compressed_step: the step of its last compression (None: not since its
+            last (re)computed prefill).
+        recompress_due: preempted after a compression: compressing it again after
+            its recomputed prefill counts as a re-compression.
+    """
+
+    compression: RequestCompression
+    last_compressed_step: int | None = None
+    recompress_due: bool = False
+
+
+@dataclass
+class PlannerStats:
+    """Counters for tests, logs and benchmarks (``kvcompress_page_stats``)."""
+
+    steps_checked: int = 0
+    mismatches: int = 0
+    compressions: int = 0
+    compressions_after_prefill: int = 0
+    compressions_instead_of_preemption: int = 0
+    compressions_on_interval: int = 0
+    pages_freed: int = 0
+    max_running: int = 0
+    max_decoding: int = 0
+    preempted_after_compression: int = 0
+    recompressed_after_preemption: int = 0
+    num_preemptions: int = 0
+
+
+@dataclass
+class _Step:
+    """What the planner decided so far in the current step."""
+
+    number: int = 0
+    orders: dict[str, CompressionOrder] = field(default_factory=dict)
+    kvs_sorted: int = 0
+
+
+class CompressionPlanner:
+    """Compression decisions and page counts of the scheduler side."""
+
+    def __init__(self, settings: KVCompressConfig, accounting: PageAccounting) -> None:
+        self.settings = settings
+        self.accounting = accounting
+        self.stats = PlannerStats()
+        self.requests: dict[str, PlannedRequest] = {}
+        self.step = _Step()
+        # Resolved once: the server's policy settings are fixed for the engine's life.
+        self._policies = {name: settings.policy_for(name) for name in POLICY_NAMES}
+
+    # ------------------------------------------------------------------ requests
+
+    def resolve(self, extra_args: dict | None) -> RequestCompression:
+        """The request's budget and policy from the server settings and its fields.
+
+        Raises ``RequestFieldError`` naming an invalid field.
+        """
+        budget = request_budget(self.settings, extra_args)
+        policy: Policy = self._policies[budget.policy]
+        if budget.observation_window is not None:
+            policy = dataclasses.replace(
+                policy,
+                metric=dataclasses.replace(policy.metric, observation_window=budget.observation_window),
+            )
+        return RequestCompression(budget=budget, policy=policy)
+
+    def state(self, request: PlannableRequest) -> PlannedRequest:
+        """The request's state, created (and its compression resolved) on first use."""
+        planned = self.requests.get(request.request_id)
+        if planned is None:
+            extra_args = getattr(request.sampling_params, "extra_args", None)
+            try:
+                compression = self.resolve(extra_args)
+            except RequestFieldError as error:
+                # The front end rejects these with HTTP 400; a direct engine-core
+                # client may not: keep serving with the server's settings.
+                logger.warning("kvcompress: request %s: %s; using server settings",
+                               request.request_id, error)
+                compression = self.resolve(None)
+            planned = self.requests[request.request_id] = PlannedRequest(compression)
+        return planned
+
+    def budget(self, request: PlannableRequest) -> RequestBudget:
+        return self.state(request).compression.budget
+
+    # ------------------------------------------------------------------ decisions
+
+    def begin_step(self) -> None:
+        self.step = _Step(number=self.step.number + 1)
+
+    def compressible(self, request: PlannableRequest) -> bool:
+        # Caught up: the prompt (or, after a preemption, the recomputed prompt and
+        # outputs) is in the cache; only the last sampled token is not.
+        accounting = self.accounting
+        return (
+            request.num_computed_tokens >= max(request.num_prompt_tokens, request.num_tokens - 1)
+            and accounting.logical_len(request.request_id) > 0
+            and not accounting.is_pending(request.request_id)
+            and self.budget(request).compresses
+        )
+
+    def candidates(self, requests: Iterable[PlannableRequest]) -> list[PlannableRequest]:
+        """Compressible requests, never compressed first, then least recently."""
+        ready = [r for r in requests if self.compressible(r)]
+
+        def last(request):
+            step = self.requests[request.request_id].last_compressed_step
+            return -1 if step is None else step
+
+        return sorted(ready, key=last)
+
+    def try_compress(self, request: PlannableRequest, reason: str) -> int:
+        """Order a compression of ``request`` this step if it frees pages; returns pages.
+
+        ``reason``: ``after_prefill``, ``instead_of_preemption`` or ``on_interval``.
+        """
+        accounting = self.accounting
+        request_id = request.request_id
+        head_lens = accounting.head_lens_of(request_id)
+        kvs = int(head_lens.sum())
+        step = self.step
+        if step.kvs_sorted and step.kvs_sorted + kvs > self.settings.max_kv_per_iteration:
+            return 0
+        planned = self.state(request)
+        context_len = accounting.logical_len(request_id)
+        evict = blocks_to_evict(
+            head_lens, context_len, planned.compression.budget, accounting.block_size
+        )
+        planned.last_compressed_step = step.number
+        if planned.recompress_due:
+            planned.recompress_due = False
+            self.stats.recompressed_after_preemption += 1
+        if evict <= 0:
+            return 0
+        step.kvs_sorted += kvs
+        accounting.mark_compressed(request_id, evict)
+        step.orders[request_id] = CompressionOrder(
+            evict_pages=evict, context_len=context_len, compression=planned.compression
+        )
+        stats = self.stats
+        stats.compressions += 1
+        setattr(stats, f"compressions_{reason}", getattr(stats, f"compressions_{reason}") + 1)
+        stats.pages_freed += evict
+        return evict
+
+    def compress_due(self, running: Iterable[PlannableRequest]) -> None:
+        """Order compressions of requests whose prefill completed, and on the interval."""
+        interval = self.settings.interval
+        for request in self.candidates(running):
+            last = self.requests[request.request_id].last_compressed_step
+            if last is None:
+                self.try_compress(request, "after_prefill")
+            elif interval and self.step.number - last >= interval:
+                self.try_compress(request, "on_interval")
+
+    def relieve(
+        self, request: PlannableRequest, not_yet_scheduled: list[PlannableRequest], pages_short: int
+    ) -> None:
+        """Compress ``not_yet_scheduled`` running requests (vLLM would preempt them
+        next) and ``request`` itself, until ``pages_short`` pages are freed."""
+        waiting_turn = list(not_yet_scheduled)
+        if request not in waiting_turn:
+            waiting_turn.append(request)
+        freed = 0
+        for candidate in self.candidates(waiting_turn):
+            freed += self.try_compress(candidate, "instead_of_preemption")
+            if freed >= pages_short:
+                break
+
+    def take_orders(self) -> dict[str, CompressionOrder]:
+        """This step's orders; those of requests preempted since are void (their
+        pages are gone)."""
+        return {
+            request_id: order
+            for request_id, order in self.step.orders.items()
+            if self.accounting.is_pending(request_id)
+        }
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def on_preempted(self, request_id: str) -> None:
+        """Recomputed from scratch: due for compression again after its new prefill."""
+        self.stats.num_preemptions += 1
+        planned = self.requests.get(request_id)
+        if planned is not None and planned.last_compressed_step is not None:
+            planned.last_compressed_step = None
+            planned.recompress_due = True
+            self.stats.preempted_after_compression += 1
+        self.step.orders.pop(request_id, None)
+
+    def on_finished(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+    def note_batch(self, num_running: int, num_decoding: int) -> None:
+        stats = self.stats
+        stats.max_running = max(stats.max_running, num_running)
+        stats.max_decoding = max(stats.max_decoding, num_decoding)
+
+    def reset_peaks(self) -> None:
+        self.stats.max_running = 0
+        self.stats.max_decoding = 0
+
+    # ------------------------------------------------------------------ worker report
+
+    def adopt(self, report: WorkerReport) -> bool:
+        """Take the worker's head lengths of compressed requests and cross-check every
+        page count; returns whether the counts agree."""
+        accounting = self.accounting
+        for request_id, head_lens in report.head_lens.items():
+            accounting.adopt(request_id, head_lens)
+        for request_id in accounting.pending_request_ids():
+            logger.error("kvcompress: no head lengths reported for compressed request %s",
+                         request_id)
+        self.stats.steps_checked += 1
+        held = {r: accounting.pages_held(r) for r in accounting.request_ids()}
+        if report.free_pages == accounting.num_free_pages and report.pages_held == held:
+            return True
+        self.stats.mismatches += 1
+        logger.error(
+            "kvcompress: worker pages (free %d, held %s) differ from the "
+            "scheduler's (free %d, held %s)",
+            report.free_pages, report.pages_held, accounting.num_free_pages, held,
+        )
+        return False
+
+    def page_stats(self) -> dict:
+        """Scheduler-side page counts per request and the counters."""
+        accounting = self.accounting
+        accounting.check_consistent()
+        return {
+            "num_pages": accounting.num_pages,
+            "num_free": accounting.num_free_pages,
+            "block_size": accounting.block_size,
+            "num_layers": accounting.num_layers,
+            "num_kv_heads": accounting.num_kv_heads,
+            "requests": {
+                request_id: {
+                    "pages_held": accounting.pages_held(request_id),
+                    "head_lens": accounting.head_lens_of(request_id).tolist(),
+                    "logical_len": accounting.logical_len(request_id),
+                }
+                for request_id in accounting.request_ids()
+            },
+            **dataclasses.asdict(self.stats),
+        }

@@ -1,0 +1,87 @@
+"""What the scheduler tells the worker each step, and what the worker answers (no vLLM).
+
+The scheduler (engine-core process) decides; the model runner (worker process) acts.
+Per step the scheduler sends one :class:`StepCompression` with vLLM's scheduler output
+and the worker returns one :class:`WorkerReport` with its model-runner output
+(``kvcompress.vllm_glue.outputs`` declares the vLLM output types that carry them).
+Everything is resolved on the scheduler side: the worker never reads request fields
+or server settings to decide how a request is compressed.
+
+All are plain picklable dataclasses (they cross a process boundary with the mp
+executor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvcompress.budget import RequestBudget
+from kvcompress.policies import Policy
+
+
+@dataclass(frozen=True)
+class RequestCompression:
+    """How one request is compressed, resolved once by the scheduler.
+
+    Attributes:
+        budget: the server settings overridden by the request's ``kv_compress*`` fields.
+        policy: the request's eviction policy with its metric settings resolved (the
+            request's ``kv_compress_observation_window`` applied).
+    """
+
+    budget: RequestBudget
+    policy: Policy
+
+    @property
+    def compresses(self) -> bool:
+        """Whether this request is ever compressed (its queries score its KVs)."""
+        return self.budget.compresses
+
+
+@dataclass(frozen=True)
+class CompressionOrder:
+    """Compress one request at the start of this step.
+
+    Attributes:
+        evict_pages: ``E_s``, pages the worker frees from this request's heads (the
+            scheduler already credited them: ``budget.blocks_to_evict``).
+        context_len: ``L_c``, tokens in the request's context (sinks and the
+            protected window are counted from it).
+        compression: the request's resolved budget and policy.
+    """
+
+    evict_pages: int
+    context_len: int
+    compression: RequestCompression
+
+
+@dataclass
+class StepCompression:
+    """Scheduler -> worker, once per step.
+
+    Attributes:
+        admitted: requests whose pages the worker (re)builds this step (first
+            scheduled, or resumed after a preemption) -> how they are compressed.
+        orders: requests to compress before this step's forward -> their order.
+    """
+
+    admitted: dict[str, RequestCompression] = field(default_factory=dict)
+    orders: dict[str, CompressionOrder] = field(default_factory=dict)
+
+
+@dataclass
+class WorkerReport:
+    """Worker -> scheduler, once per step, after the step's pages were allocated.
+
+    Attributes:
+        free_pages: pages on the worker's free-page stack.
+        pages_held: request id -> pages its heads hold, for every live request.
+        head_lens: request id -> ``[layers, kv_heads]`` int64 KVs per head, for the
+            requests compressed this step (the scheduler adopts them).
+    """
+
+    free_pages: int
+    pages_held: dict[str, int] = field(default_factory=dict)
+    head_lens: dict[str, np.ndarray] = field(default_factory=dict)

@@ -1,0 +1,112 @@
+"""vLLM's KV-cache manager with capacity decided in per-(layer, KV head) pages.
+
+vLLM's ``KVCacheManager`` keeps handing out *logical* token blocks (the worker's
+block table and vLLM's bookkeeping still want them), but over a virtual pool
+large enough never to be the binding limit. Whether a request may be admitted
+or extended is decided by ``PageAccounting``: the pages its heads would hold,
+``sum over (layer, head) of ceil(head_len / block_size)``, against the pages of
+the real pool.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from vllm.logger import init_logger
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+from kvcompress.page_accounting import PageAccounting
+
+logger = init_logger(f"vllm.{__name__}")
+
+_ALLOCATE_SLOTS = inspect.signature(KVCacheManager.allocate_slots)
+
+
+class PerHeadKVCacheManager:
+    """Wraps vLLM's ``KVCacheManager``; capacity is decided in per-head pages.
+
+    Every attribute not defined here is the inner manager's.
+    """
+
+    def __init__(
+        self,
+        inner: KVCacheManager,
+        accounting: PageAccounting,
+        max_model_len: int,
+        watermark_pages: int,
+        relieve=None,
+    ) -> None:
+        self._inner = inner
+        self.accounting = accounting
+        self.max_model_len = max_model_len
+        self.watermark_pages = watermark_pages
+        # relieve(request, pages_short) compresses other requests instead of preempting.
+        self.relieve = relieve
+        self.scheduled_this_step: set[str] = set()
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+    @property
+    def usage(self) -> float:
+        return self.accounting.num_used_pages / max(1, self.accounting.num_pages)
+
+    def allocate_slots(self, request, *args, **kwargs):
+        bound = _ALLOCATE_SLOTS.bind(self._inner, request, *args, **kwargs)
+        bound.apply_defaults()
+        arg = bound.arguments
+        accounting = self.accounting
+        request_id = request.request_id
+        target_tokens = min(
+            request.num_computed_tokens
+            + arg["num_new_computed_tokens"]
+            + arg["num_external_computed_tokens"]
+            + arg["num_new_tokens"]
+            + arg["num_lookahead_tokens"],
+            self.max_model_len,
+        )
+        needed = accounting.pages_to_grow(request_id, target_tokens)
+        reserve = arg["reserved_blocks"] * accounting.pages_per_token_block
+        if arg["has_scheduled_reqs"] and request.status.name in ("WAITING", "PREEMPTED"):
+            reserve += self.watermark_pages
+        if arg["full_sequence_must_fit"]:
+            full_tokens = min(request.num_tokens, self.max_model_len)
+            full_needed = accounting.pages_to_grow(request_id, max(full_tokens, target_tokens))
+            if full_needed + reserve > accounting.num_free_pages:
+                return None
+        if (
+            needed + reserve > accounting.num_free_pages
+            and self.relieve is not None
+            and request.status.name == "RUNNING"
+        ):
+            self.relieve(request, needed + reserve - accounting.num_free_pages)
+            needed = accounting.pages_to_grow(request_id, target_tokens)
+        if needed + reserve > accounting.num_free_pages:
+            return None
+        blocks = self._inner.allocate_slots(request, *args, **kwargs)
+        if blocks is None:
+            logger.warning(
+                "kvcompress: vLLM's logical block pool refused request %s although "
+                "%d pages are free", request_id, accounting.num_free_pages,
+            )
+            return None
+        accounting.grow(request_id, target_tokens)
+        self.scheduled_this_step.add(request_id)
+        return blocks
+
+    def free(self, request) -> None:
+        self.accounting.release(request.request_id)
+        self._inner.free(request)
+
+    def pop_blocks_for_free(self, request):
+        self.accounting.release(request.request_id)
+        return self._inner.pop_blocks_for_free(request)
+
+
+def logical_block_count(
+    num_pages: int, max_num_seqs: int, max_model_len: int, block_size: int
+) -> int:
+    """Size of the virtual logical-block pool: enough for every running request at
+    full length (+1 for vLLM's null block), never more than there are pages."""
+    per_request = -(-max_model_len // block_size)
+    return min(num_pages, max_num_seqs * per_request) + 1

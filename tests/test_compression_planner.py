@@ -1,0 +1,216 @@
+"""The compression planner without vLLM: which requests, when, how many pages.
+
+Oracle: page counts recomputed by hand from the budget rule in ``kvcompress.budget``'s
+docstring (keep = max(min_cache, ceil(L / r)) + protected; pages = ceil(keep L H / b))
+and the order rules in the planner's docstring.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvcompress.compression_planner import CompressionPlanner
+from kvcompress.config import KVCompressConfig
+from kvcompress.contract import WorkerReport
+from kvcompress.page_accounting import PageAccounting
+
+LAYERS, HEADS, BLOCK = 2, 2, 16
+
+
+@dataclass
+class Params:
+    extra_args: dict | None = None
+
+
+@dataclass
+class Req:
+    request_id: str
+    num_prompt_tokens: int
+    num_computed_tokens: int = 0
+    output_tokens: int = 0
+    sampling_params: Params = field(default_factory=Params)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.output_tokens
+
+
+def _planner(num_pages: int = 4096, **settings) -> CompressionPlanner:
+    config = KVCompressConfig(enabled=True, **settings)
+    accounting = PageAccounting(num_pages, LAYERS, HEADS, BLOCK, max_requests=8)
+    return CompressionPlanner(config, accounting)
+
+
+def _prefilled(planner: CompressionPlanner, request_id: str, prompt: int, **fields) -> Req:
+    """A request whose prompt is in the cache and whose first token was sampled."""
+    request = Req(request_id, prompt, num_computed_tokens=prompt, output_tokens=1,
+                  sampling_params=Params(fields or None))
+    planner.accounting.grow(request_id, prompt)
+    return request
+
+
+def _expected_evict(prompt: int, rate: float, window: int, min_cache: int, sinks: int = 0) -> int:
+    held = LAYERS * HEADS * math.ceil(prompt / BLOCK)
+    keep = min(prompt, max(min_cache, math.ceil(prompt / rate)) + min(prompt, sinks + window))
+    return max(0, held - math.ceil(keep * LAYERS * HEADS / BLOCK))
+
+
+def _worker_report(planner: CompressionPlanner, shrink: dict[str, np.ndarray]) -> WorkerReport:
+    """What a worker holding exactly the scheduler's heads (after ``shrink``) reports."""
+    accounting = planner.accounting
+    held = {}
+    for request_id in accounting.request_ids():
+        lens = shrink.get(request_id, accounting.head_lens_of(request_id))
+        held[request_id] = int(((lens + BLOCK - 1) // BLOCK).sum())
+    return WorkerReport(
+        free_pages=accounting.num_pages - sum(held.values()), pages_held=held, head_lens=shrink
+    )
+
+
+def test_prefilled_request_is_ordered_its_budget_in_pages():
+    planner = _planner(rate=4, protected_window=8, min_cache_tokens=16)
+    request = _prefilled(planner, "a", 1000)
+    free_before = planner.accounting.num_free_pages
+    planner.begin_step()
+    planner.compress_due([request])
+    orders = planner.take_orders()
+    expected = _expected_evict(1000, 4, 8, 16)
+    assert expected > 0
+    assert list(orders) == ["a"]
+    assert orders["a"].evict_pages == expected
+    assert orders["a"].context_len == 1000
+    assert orders["a"].compression.policy.name == "kvc"
+    assert planner.accounting.num_free_pages == free_before + expected  # credited at once
+    assert planner.stats.compressions_after_prefill == 1
+
+
+def test_no_order_before_the_prompt_is_in_the_cache_or_at_rate_one():
+    planner = _planner(rate=4, protected_window=8, min_cache_tokens=16)
+    half = Req("half", 1000, num_computed_tokens=512)
+    planner.accounting.grow("half", 512)
+    uncompressed = _prefilled(planner, "off", 1000, kv_compress_rate=1)
+    planner.begin_step()
+    planner.compress_due([half, uncompressed])
+    assert planner.take_orders() == {}
+
+
+def test_request_fields_override_the_server_and_invalid_ones_fall_back():
+    planner = _planner(rate=4, protected_window=8, min_cache_tokens=16)
+    custom = _prefilled(planner, "custom", 1000, kv_compress_rate=8,
+                        kv_compress_policy="snapkv", kv_compress_observation_window=5)
+    broken = _prefilled(planner, "broken", 1000, kv_compress_rate="fast")
+    planner.begin_step()
+    planner.compress_due([custom, broken])
+    orders = planner.take_orders()
+    assert orders["custom"].evict_pages == _expected_evict(1000, 8, 8, 16)
+    assert orders["custom"].compression.policy.name == "snapkv"
+    assert orders["custom"].compression.policy.metric.observation_window == 5
+    assert orders["broken"].evict_pages == _expected_evict(1000, 4, 8, 16)  # server settings
+    assert orders["broken"].compression.policy.name == "kvc"
+
+
+def test_kv_cap_per_step_orders_never_compressed_then_least_recent_first():
+    # Each 1000-token request sorts 4000 KVs; the cap lets one through per step
+    # (the first of a step is always allowed).
+    planner = _planner(rate=4, protected_window=8, min_cache_tokens=16, interval=1,
+                       max_kv_per_iteration=5000)
+    a, b = _prefilled(planner, "a", 1000), _prefilled(planner, "b", 1000)
+    planner.begin_step()
+    planner.compress_due([a, b])
+    assert list(planner.take_orders()) == ["a"]
+    planner.adopt(_settle(planner, ["a"]))
+    planner.begin_step()
+    planner.compress_due([a, b])
+    assert list(planner.take_orders()) == ["b"]  # never compressed before a's second turn
+    planner.adopt(_settle(planner, ["b"]))
+    planner.begin_step()
+    planner.compress_due([b, a])
+    assert list(planner.take_orders()) == []  # both at budget: nothing more to free
+    assert planner.stats.compressions == 2 and planner.stats.mismatches == 0
+
+
+def _settle(planner: CompressionPlanner, compressed: list[str]) -> WorkerReport:
+    """The worker's report after it evicted exactly the ordered pages: every head of a
+    compressed request shrinks by whole pages, spread evenly."""
+    shrink = {}
+    for request_id, order in planner.step.orders.items():
+        if request_id not in compressed:
+            continue
+        lens = planner.accounting.head_lens_of(request_id).copy()
+        pages = -(-lens // BLOCK)
+        for index in range(order.evict_pages):
+            pages.flat[index % pages.size] -= 1
+        shrink[request_id] = np.minimum(lens, pages * BLOCK)
+    return _worker_report(planner, shrink)
+
+
+def test_adopt_takes_worker_lengths_and_flags_any_disagreement():
+    planner = _planner(rate=4, protected_window=8, min_cache_tokens=16)
+    request = _prefilled(planner, "a", 1000)
+    planner.begin_step()
+    planner.compress_due([request])
+    report = _settle(planner, ["a"])
+    assert planner.adopt(report) is True
+    assert not planner.accounting.is_pending("a")
+    assert np.array_equal(planner.accounting.head_lens_of("a"), report.head_lens["a"])
+    planner.accounting.check_consistent()
+    wrong = WorkerReport(report.free_pages - 1, dict(report.pages_held), {})
+    assert planner.adopt(wrong) is False
+    assert planner.stats.mismatches == 1 and planner.stats.steps_checked == 2
+
+
+def test_relieve_compresses_requests_not_yet_scheduled_until_enough_pages():
+    planner = _planner(rate=4, protected_window=8, min_cache_tokens=16)
+    requests = [_prefilled(planner, name, 1000) for name in "abc"]
+    planner.begin_step()
+    one = _expected_evict(1000, 4, 8, 16)
+    planner.relieve(requests[2], [requests[0], requests[1]], pages_short=one + 1)
+    orders = planner.take_orders()
+    # the first candidate frees `one` pages, not enough: the second follows; the third
+    # (the request asking) is never needed
+    assert list(orders) == ["a", "b"]
+    assert planner.stats.compressions_instead_of_preemption == 2
+
+
+def test_preemption_voids_the_order_and_recompression_is_counted():
+    planner = _planner(rate=4, protected_window=8, min_cache_tokens=16)
+    request = _prefilled(planner, "a", 1000)
+    planner.begin_step()
+    planner.compress_due([request])
+    planner.adopt(_settle(planner, ["a"]))
+    planner.begin_step()
+    planner.on_preempted("a")
+    planner.accounting.release("a")
+    assert planner.take_orders() == {}
+    assert planner.stats.preempted_after_compression == 1
+    assert planner.stats.num_preemptions == 1
+    request = _prefilled(planner, "a", 1000)  # recomputed prefill
+    planner.begin_step()
+    planner.compress_due([request])
+    assert list(planner.take_orders()) == ["a"]
+    assert planner.stats.recompressed_after_preemption == 1
+    planner.on_finished("a")
+    assert "a" not in planner.requests
+
+
+def test_interval_recompresses_after_n_steps_only():
+    planner = _planner(rate=4, protected_window=8, min_cache_tokens=16, interval=3)
+    request = _prefilled(planner, "a", 1000)
+    planner.begin_step()
+    planner.compress_due([request])
+    planner.adopt(_settle(planner, ["a"]))
+    ordered_at = []
+    for step in range(2, 9):
+        request.output_tokens += 1
+        request.num_computed_tokens += 1
+        planner.accounting.grow("a", request.num_computed_tokens + 64)  # grows past budget
+        planner.begin_step()
+        planner.compress_due([request])
+        if planner.take_orders():
+            ordered_at.append(step)
+            planner.adopt(_settle(planner, ["a"]))
+    assert ordered_at == [4, 7]
+    assert planner.stats.compressions_on_interval == 2
