@@ -1,5 +1,5 @@
-"""Eviction policies: how metrics are computed and how a sequence's eviction budget
-is split over its (layer, KV head) pairs (no vLLM, no torch).
+"""Eviction policies: a registry of (metric source, budget split, paper defaults)
+(no vLLM, no torch).
 
 Every policy runs on the same machinery: prompt metrics scored inside attention, the
 block-eviction schedule, MoveCache and page freeing. The scheduler decides how many
@@ -33,30 +33,90 @@ Budgets are whole pages per (layer, head); see ``kvcompress.ops.budget_split`` f
 rounding rule. PyramidInfer is not offered: it drops tokens from the residual stream
 during prefill (deeper layers never compute them), a change to the model forward rather
 than a cache policy, and its nested per-layer sets need head-shared eviction.
+
+Structure
+---------
+A policy is one :class:`PolicyDefinition` in ``POLICIES``: its name, a metric source
+(:class:`AttentionScores`, :class:`TokenPosition`, :class:`RandomNoise`), a budget split
+(:class:`GlobalSplit`, :class:`UniformSplit`, :class:`PyramidSplit`, :class:`AdaSplit`
+over a layer split, :class:`XKVSplit`) and its paper defaults (a :class:`MetricSpec`,
+sink tokens). The strategy objects here only carry parameters; their torch rules live
+in ``kvcompress.ops.policy_scores`` (``RANKERS``: the values KVs are ranked by) and
+``kvcompress.ops.budget_split`` (``SPLIT_RULES``: per-(layer, head) targets), keyed by
+the strategy's class. ``policy_for`` / :func:`resolve_policy` turn a definition plus the
+server's settings into a :class:`Policy` (frozen, picklable: it travels from the
+scheduler process to the workers).
+
+Adding a policy
+---------------
+One place: a ``register_policy(PolicyDefinition(...))`` call at the end of this module
+(name, metric source, split, paper defaults), plus its test (a case in
+``tests/test_policies.py``'s brute-force reference when its split rule is new).
+Everything else follows from the registry: ``POLICY_NAMES``, the
+``--kv-compress-policy`` choices and help, the per-policy defaults shown by
+``--help``, the ``kv_compress_policy`` request field, the scheduler's policy index
+and the workers' resolved policies. Only a policy that needs a *new kind* of metric
+source or split also needs that strategy: a parameter class here and its torch rule,
+registered with ``@ranks(...)`` in ``ops/policy_scores.py`` or ``@split_rule(...)`` in
+``ops/budget_split.py`` (``tests/test_policies.py`` checks every registered policy has
+both rules).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
-POLICY_NAMES = (
-    "kvc",
-    "snapkv",
-    "pyramidkv",
-    "ada-snapkv",
-    "ada-pyramidkv",
-    "xkv",
-    "h2o",
-    "streamingllm",
-    "random",
-)
+PYRAMID_BETA = 20.0
+"""PyramidKV's default beta (``--kv-compress-pyramid-beta``)."""
+ADA_FLOOR = 0.5
+"""Ada-KV's default safeguard alpha (``--kv-compress-ada-floor``)."""
 
-Split = Literal["global", "uniform", "pyramid", "ada", "ada-pyramid", "xkv"]
-MetricSource = Literal["attention", "position", "random"]
+
+# --------------------------------------------------------------------------- metric sources
+
+
+@dataclass(frozen=True)
+class MetricSource:
+    """Where the values a policy ranks KVs by come from (torch rule:
+    ``kvcompress.ops.policy_scores.RANKERS[type(source)]``).
+
+    Attributes:
+        kind: a short name (logs, error messages).
+        scores_prompt: whether prompt queries must score keys (attention metrics).
+    """
+
+    kind: ClassVar[str] = "?"
+    scores_prompt: ClassVar[bool] = False
+
+
+@dataclass(frozen=True)
+class AttentionScores(MetricSource):
+    """The metrics scored by queries inside attention (L1/L2, pooled)."""
+
+    kind: ClassVar[str] = "attention"
+    scores_prompt: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class TokenPosition(MetricSource):
+    """The token position: the oldest unprotected KV goes first (StreamingLLM)."""
+
+    kind: ClassVar[str] = "position"
+
+
+@dataclass(frozen=True)
+class RandomNoise(MetricSource):
+    """Uniform random values (a baseline)."""
+
+    kind: ClassVar[str] = "random"
+
+
+_METRIC_POWER = {"l2": 2, "l1": 1}
+"""``--kv-compress-metric`` value -> exponent of the attention probabilities."""
 
 
 @dataclass(frozen=True)
@@ -64,8 +124,9 @@ class MetricSpec:
     """How a policy scores KVs.
 
     Attributes:
-        source: ``attention`` (scored by queries), ``position`` (token position: the
-            oldest KV is evicted first) or ``random``.
+        source: the metric source strategy (:class:`AttentionScores`: scored by
+            queries; :class:`TokenPosition`: the oldest KV is evicted first;
+            :class:`RandomNoise`).
         power: attention probabilities are raised to this power (2 = L2, 1 = L1).
         queries: ``window`` (the last ``observation_window`` prompt queries) or ``full``
             (every prompt query, each skipping its ``skip_nearest`` nearest keys).
@@ -75,7 +136,7 @@ class MetricSpec:
         pool_kernel: odd pooling width in tokens; 1 = none.
     """
 
-    source: MetricSource = "attention"
+    source: MetricSource = field(default_factory=AttentionScores)
     power: int = 2
     queries: Literal["window", "full"] = "window"
     observation_window: int = 8
@@ -86,33 +147,144 @@ class MetricSpec:
     @property
     def scores_prompt(self) -> bool:
         """Whether prompt queries must score keys for this policy."""
-        return self.source == "attention"
+        return self.source.scores_prompt
+
+    def settings(self) -> dict[str, Any]:
+        """These values as the settings (flags) that would select them."""
+        metric = next(name for name, power in _METRIC_POWER.items() if power == self.power)
+        return {
+            "metric": metric,
+            "metric_queries": self.queries,
+            "observation_window": self.observation_window,
+            "full_skip_nearest": self.skip_nearest,
+            "pool": self.pool,
+            "pool_kernel": self.pool_kernel,
+        }
+
+    def with_settings(self, values: dict[str, Any]) -> "MetricSpec":
+        """A copy with the settings (``settings()`` keys) that are not None."""
+        merged = {**self.settings(), **{k: v for k, v in values.items() if v is not None}}
+        return replace(
+            self,
+            power=_METRIC_POWER[merged["metric"]],
+            queries=merged["metric_queries"],
+            observation_window=int(merged["observation_window"]),
+            skip_nearest=int(merged["full_skip_nearest"]),
+            pool=merged["pool"],
+            pool_kernel=int(merged["pool_kernel"]),
+        )
+
+
+# --------------------------------------------------------------------------- budget splits
 
 
 @dataclass(frozen=True)
 class BudgetSplit:
-    """How a policy splits a sequence's kept pages over its (layer, KV head) pairs.
+    """How a policy splits a sequence's kept pages over its (layer, KV head) pairs
+    (torch rule: ``kvcompress.ops.budget_split.SPLIT_RULES[type(split)]``).
 
     Attributes:
-        kind: see the module table.
-        pyramid_beta: PyramidKV's beta: the last layer keeps ``B / beta`` non-protected
-            tokens per head, the first ``2B - B / beta`` (B = the average).
-        ada_floor: Ada-KV's safeguard alpha: a head keeps
-            ``alpha * B' + (1 - alpha) * f`` non-protected tokens (B' = the layer's
-            per-head average, f = the head's winners of the layer's top-k).
-        layer_profile: XKV with a saved profile: per-layer shares of the non-protected
-            budget (normalised to sum 1) instead of the per-request allocation.
+        kind: a short name (logs, error messages).
+        is_global: the paper's order (cheapest blocks across all layers and heads)
+            rather than per-(layer, head) targets.
+        layer_profile: XKV's saved per-layer shares; None for every other split.
+        knobs: server settings this split reads -> the attribute each sets.
     """
 
-    kind: Split = "global"
-    pyramid_beta: float = 20.0
-    ada_floor: float = 0.5
+    kind: ClassVar[str] = "?"
+    is_global: ClassVar[bool] = False
+    layer_profile: ClassVar[tuple[float, ...] | None] = None
+    knobs: ClassVar[dict[str, str]] = {}
+
+    def tuned(self, **settings: Any) -> "BudgetSplit":
+        """A copy with the server's settings for this split's ``knobs`` (None = keep)."""
+        changes = {
+            attribute: settings[name]
+            for name, attribute in self.knobs.items()
+            if settings.get(name) is not None
+        }
+        return replace(self, **changes) if changes else self
+
+    def uses(self, setting: str) -> bool:
+        """Whether this split reads the server setting ``setting``."""
+        return setting in self.knobs
+
+
+@dataclass(frozen=True)
+class GlobalSplit(BudgetSplit):
+    """KV-Compress: the cheapest blocks across all layers and heads of a sequence."""
+
+    kind: ClassVar[str] = "global"
+    is_global: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class UniformSplit(BudgetSplit):
+    """The same count per head and layer."""
+
+    kind: ClassVar[str] = "uniform"
+
+
+@dataclass(frozen=True)
+class PyramidSplit(BudgetSplit):
+    """PyramidKV's arithmetic per-layer schedule, heads of a layer alike.
+
+    Attributes:
+        beta: the last layer keeps ``B / beta`` non-protected tokens per head, the
+            first ``2B - B / beta`` (B = the average).
+    """
+
+    beta: float = PYRAMID_BETA
+    kind: ClassVar[str] = "pyramid"
+    knobs: ClassVar[dict[str, str]] = {"pyramid_beta": "beta"}
+
+
+@dataclass(frozen=True)
+class AdaSplit(BudgetSplit):
+    """Ada-KV over a layer split: the layer totals of ``layers``, shared within a layer
+    by a top-k across its heads with a floor.
+
+    Attributes:
+        layers: the split giving each layer's per-head average ``B'`` (uniform or
+            pyramid).
+        floor: the safeguard alpha: a head keeps ``alpha * B' + (1 - alpha) * f``
+            non-protected tokens (f = the head's winners of the layer's top-k).
+    """
+
+    layers: BudgetSplit = field(default_factory=UniformSplit)
+    floor: float = ADA_FLOOR
+    kind: ClassVar[str] = "ada"
+    knobs: ClassVar[dict[str, str]] = {"ada_floor": "floor"}
+
+    def tuned(self, **settings: Any) -> "AdaSplit":
+        own = super().tuned(**settings)
+        return replace(own, layers=self.layers.tuned(**settings))
+
+    def uses(self, setting: str) -> bool:
+        return super().uses(setting) or self.layers.uses(setting)
+
+
+@dataclass(frozen=True)
+class XKVSplit(BudgetSplit):
+    """XKV: a cross-layer top-N of layer-normalised metrics (or a saved per-layer
+    profile), heads of a layer alike.
+
+    Attributes:
+        layer_profile: per-layer shares of the non-protected budget (normalised to
+            sum 1) used instead of the per-request allocation; None = per request.
+    """
+
     layer_profile: tuple[float, ...] | None = None
+    kind: ClassVar[str] = "xkv"
+    knobs: ClassVar[dict[str, str]] = {"layer_profile": "layer_profile"}
+
+
+# --------------------------------------------------------------------------- registry
 
 
 @dataclass(frozen=True)
 class Policy:
-    """A resolved eviction policy."""
+    """A resolved eviction policy: what the scheduler and the workers use."""
 
     name: str
     metric: MetricSpec
@@ -120,39 +292,78 @@ class Policy:
     sink_tokens: int = 0
 
 
-# Each policy's paper defaults: metric settings, split, attention sinks.
-_DEFAULTS: dict[str, dict] = {
-    "kvc": dict(metric=MetricSpec(power=2, observation_window=8, pool="max"), split="global"),
-    "snapkv": dict(metric=MetricSpec(power=1, observation_window=32, pool="max"), split="uniform"),
-    "pyramidkv": dict(metric=MetricSpec(power=1, observation_window=8, pool="max"), split="pyramid"),
-    "ada-snapkv": dict(metric=MetricSpec(power=1, observation_window=32, pool="max"), split="ada"),
-    "ada-pyramidkv": dict(
-        metric=MetricSpec(power=1, observation_window=32, pool="max"), split="ada-pyramid"
-    ),
-    "xkv": dict(metric=MetricSpec(power=1, observation_window=8, pool="avg"), split="xkv"),
-    "h2o": dict(
-        metric=MetricSpec(power=1, queries="full", skip_nearest=0, pool_kernel=1), split="uniform"
-    ),
-    "streamingllm": dict(metric=MetricSpec(source="position", pool_kernel=1), split="uniform", sinks=4),
-    "random": dict(metric=MetricSpec(source="random", pool_kernel=1), split="uniform"),
-}
+@dataclass(frozen=True)
+class PolicyDefinition:
+    """One eviction policy: its strategies and its paper's defaults.
+
+    Attributes:
+        name: the ``--kv-compress-policy`` / ``kv_compress_policy`` value.
+        metric: the metric source and the paper's metric settings.
+        split: the budget split, with its default knobs.
+        sink_tokens: attention sinks never evicted (the paper's).
+        paper: where the policy comes from (help text).
+    """
+
+    name: str
+    metric: MetricSpec
+    split: BudgetSplit
+    sink_tokens: int = 0
+    paper: str = ""
+
+    def defaults(self) -> dict[str, Any]:
+        """The paper defaults, as the values their settings (flags) would take."""
+        return {**self.metric.settings(), "sink_tokens": self.sink_tokens}
+
+    def reads(self, setting: str) -> bool:
+        """Whether ``setting`` (a ``defaults()`` key) changes what this policy evicts:
+        the metric settings only matter to attention-scored policies."""
+        return setting == "sink_tokens" or self.metric.scores_prompt
+
+    def resolve(
+        self,
+        overrides: dict[str, Any] | None = None,
+        **split_settings: Any,
+    ) -> Policy:
+        """This policy with every setting of ``overrides`` (``defaults()`` keys) that is
+        not None, and the server's split knobs (``pyramid_beta``, ``ada_floor``,
+        ``layer_profile``; None = the split's default)."""
+        overrides = overrides or {}
+        sinks = overrides.get("sink_tokens")
+        return Policy(
+            name=self.name,
+            metric=self.metric.with_settings(overrides),
+            split=self.split.tuned(**split_settings),
+            sink_tokens=int(self.sink_tokens if sinks is None else sinks),
+        )
+
+
+POLICIES: dict[str, PolicyDefinition] = {}
+"""Every policy by name, in registration order."""
+
+
+def register_policy(definition: PolicyDefinition) -> PolicyDefinition:
+    """Add a policy to ``POLICIES`` (names are unique)."""
+    if definition.name in POLICIES:
+        raise ValueError(f"policy {definition.name!r} is already registered")
+    POLICIES[definition.name] = definition
+    return definition
+
+
+def policy_definition(name: str) -> PolicyDefinition:
+    """The registered policy ``name``; ``ValueError`` naming the known ones."""
+    try:
+        return POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r} (known: {', '.join(POLICIES)})") from None
 
 
 def policy_defaults(name: str) -> dict:
     """The paper defaults of a policy, as the values its flags would take."""
-    if name not in _DEFAULTS:
-        raise ValueError(f"unknown policy {name!r} (known: {', '.join(POLICY_NAMES)})")
-    spec = _DEFAULTS[name]
-    metric: MetricSpec = spec["metric"]
-    return {
-        "metric": "l2" if metric.power == 2 else "l1",
-        "metric_queries": metric.queries,
-        "observation_window": metric.observation_window,
-        "full_skip_nearest": metric.skip_nearest,
-        "pool": metric.pool,
-        "pool_kernel": metric.pool_kernel,
-        "sink_tokens": spec.get("sinks", 0),
-    }
+    return policy_definition(name).defaults()
+
+
+POLICY_SETTINGS = tuple(MetricSpec().settings()) + ("sink_tokens",)
+"""Server settings whose default is the policy's (None = the policy's paper value)."""
 
 
 def resolve_policy(
@@ -165,34 +376,39 @@ def resolve_policy(
     pool: str | None = None,
     pool_kernel: int | None = None,
     sink_tokens: int | None = None,
-    pyramid_beta: float = 20.0,
-    ada_floor: float = 0.5,
+    pyramid_beta: float = PYRAMID_BETA,
+    ada_floor: float = ADA_FLOOR,
     layer_profile: tuple[float, ...] | None = None,
 ) -> Policy:
     """The policy ``name`` with its paper defaults, overridden by any value not None."""
-    defaults = policy_defaults(name)
-    chosen = {
-        "metric": metric, "metric_queries": metric_queries,
-        "observation_window": observation_window, "full_skip_nearest": full_skip_nearest,
-        "pool": pool, "pool_kernel": pool_kernel, "sink_tokens": sink_tokens,
-    }
-    values = {key: defaults[key] if value is None else value for key, value in chosen.items()}
-    spec = MetricSpec(
-        source=_DEFAULTS[name]["metric"].source,
-        power=2 if values["metric"] == "l2" else 1,
-        queries=values["metric_queries"],
-        observation_window=int(values["observation_window"]),
-        skip_nearest=int(values["full_skip_nearest"]),
-        pool=values["pool"],
-        pool_kernel=int(values["pool_kernel"]),
-    )
-    split = BudgetSplit(
-        kind=_DEFAULTS[name]["split"],
+    return policy_definition(name).resolve(
+        {
+            "metric": metric, "metric_queries": metric_queries,
+            "observation_window": observation_window, "full_skip_nearest": full_skip_nearest,
+            "pool": pool, "pool_kernel": pool_kernel, "sink_tokens": sink_tokens,
+        },
         pyramid_beta=float(pyramid_beta),
         ada_floor=float(ada_floor),
-        layer_profile=layer_profile if _DEFAULTS[name]["split"] == "xkv" else None,
+        layer_profile=layer_profile,
     )
-    return Policy(name=name, metric=spec, split=split, sink_tokens=int(values["sink_tokens"]))
+
+
+def default_summary(setting: str) -> str:
+    """Each policy's default of ``setting`` (a ``POLICY_SETTINGS`` key), for help text:
+    the most common value first, then the others with their policies, e.g.
+    ``"max; avg for xkv"`` (policies the setting does not affect are left out)."""
+    by_value: dict[Any, list[str]] = {}
+    for name, definition in POLICIES.items():
+        if definition.reads(setting):
+            by_value.setdefault(definition.defaults()[setting], []).append(name)
+    common = max(by_value, key=lambda value: len(by_value[value]))
+    others = [f"{value} for {', '.join(names)}" for value, names in by_value.items() if value != common]
+    return "; ".join([str(common), *others])
+
+
+def policies_using(setting: str) -> tuple[str, ...]:
+    """The policies whose budget split reads the server setting ``setting``."""
+    return tuple(name for name, definition in POLICIES.items() if definition.split.uses(setting))
 
 
 def load_layer_profile(path: str | Path) -> tuple[float, ...]:
@@ -225,3 +441,47 @@ def load_layer_profile(path: str | Path) -> tuple[float, ...]:
     if total <= 0:
         raise ValueError(f"XKV profile {path}: all layer weights are 0")
     return tuple(v / total for v in values)
+
+
+# --------------------------------------------------------------------------- the policies
+# One call per policy (order = POLICY_NAMES order = the scheduler's policy index).
+
+register_policy(PolicyDefinition(
+    "kvc", MetricSpec(power=2, observation_window=8, pool="max"), GlobalSplit(),
+    paper="KV-Compress",
+))
+register_policy(PolicyDefinition(
+    "snapkv", MetricSpec(power=1, observation_window=32, pool="max"), UniformSplit(),
+    paper="SnapKV",
+))
+register_policy(PolicyDefinition(
+    "pyramidkv", MetricSpec(power=1, observation_window=8, pool="max"), PyramidSplit(),
+    paper="PyramidKV",
+))
+register_policy(PolicyDefinition(
+    "ada-snapkv", MetricSpec(power=1, observation_window=32, pool="max"), AdaSplit(UniformSplit()),
+    paper="Ada-KV over SnapKV",
+))
+register_policy(PolicyDefinition(
+    "ada-pyramidkv", MetricSpec(power=1, observation_window=32, pool="max"), AdaSplit(PyramidSplit()),
+    paper="Ada-KV over PyramidKV",
+))
+register_policy(PolicyDefinition(
+    "xkv", MetricSpec(power=1, observation_window=8, pool="avg"), XKVSplit(),
+    paper="XKV",
+))
+register_policy(PolicyDefinition(
+    "h2o", MetricSpec(power=1, queries="full", skip_nearest=0, pool_kernel=1), UniformSplit(),
+    paper="H2O",
+))
+register_policy(PolicyDefinition(
+    "streamingllm", MetricSpec(source=TokenPosition(), pool_kernel=1), UniformSplit(),
+    sink_tokens=4, paper="StreamingLLM",
+))
+register_policy(PolicyDefinition(
+    "random", MetricSpec(source=RandomNoise(), pool_kernel=1), UniformSplit(),
+    paper="baseline",
+))
+
+POLICY_NAMES = tuple(POLICIES)
+"""The registered policy names, in registration order (the scheduler's policy index)."""

@@ -23,7 +23,15 @@ from kvcompress.config import KVCompressConfig, KVCompressConfigError
 from kvcompress.ops.eviction import protected_slots, schedule_evictions
 from kvcompress.ops.metrics import pool_metrics
 from kvcompress.ops.policy_scores import policy_metrics
-from kvcompress.policies import POLICY_NAMES, load_layer_profile, resolve_policy
+from kvcompress.policies import (
+    POLICY_NAMES,
+    AdaSplit,
+    PyramidSplit,
+    UniformSplit,
+    XKVSplit,
+    load_layer_profile,
+    resolve_policy,
+)
 
 # --------------------------------------------------------------------------- reference
 
@@ -75,25 +83,26 @@ def reference_keep(policy, metrics, n, window, sinks, wanted, block_size):
     split = policy.split
     candidates = [i for i in range(n) if i not in protected]
 
-    if split.kind == "uniform":
-        targets = [[p + per_head] * num_heads for _ in range(num_layers)]
-    elif split.kind == "pyramid":
-        targets = [[p + k] * num_heads for k in _pyramid(per_head, num_layers, split.pyramid_beta)]
-    elif split.kind in ("ada", "ada-pyramid"):
-        bases = (
-            [per_head] * num_layers if split.kind == "ada"
-            else _pyramid(per_head, num_layers, split.pyramid_beta)
-        )
+    def layer_bases(layers):
+        """Per-head budget of each layer under a uniform or pyramid layer split."""
+        if isinstance(layers, PyramidSplit):
+            return _pyramid(per_head, num_layers, layers.beta)
+        assert isinstance(layers, UniformSplit), layers
+        return [per_head] * num_layers
+
+    if isinstance(split, (UniformSplit, PyramidSplit)):
+        targets = [[p + k] * num_heads for k in layer_bases(split)]
+    elif isinstance(split, AdaSplit):
         targets = []
-        for layer, base in enumerate(bases):
+        for layer, base in enumerate(layer_bases(split.layers)):
             count = round(base * num_heads)
             ranked = sorted(
                 ((-metrics[layer][h][i], h, i) for h in range(num_heads) for i in candidates)
             )[:count]
             wins = [sum(1 for _, h, _ in ranked if h == head) for head in range(num_heads)]
-            alpha = split.ada_floor
+            alpha = split.floor
             targets.append([p + ((1 - alpha) * wins[h] + alpha * base) for h in range(num_heads)])
-    elif split.kind == "xkv":
+    elif isinstance(split, XKVSplit):
         if split.layer_profile is not None:
             layer_tokens = [free * share for share in split.layer_profile]
         else:
@@ -101,7 +110,7 @@ def reference_keep(policy, metrics, n, window, sinks, wanted, block_size):
             layer_tokens = _xkv_greedy(scores, round(free))
         targets = [[p + tokens / num_heads] * num_heads for tokens in layer_tokens]
     else:
-        raise AssertionError(split.kind)
+        raise AssertionError(split)
 
     # Rounding rule: one page at a time from the head most above its target.
     evicted = [[0] * num_heads for _ in range(num_layers)]
@@ -283,3 +292,48 @@ def test_policy_settings_and_errors(tmp_path):
     config = KVCompressConfig(enabled=True, policy="xkv", xkv_profile=str(good))
     assert config.policy_for().split.layer_profile == (0.75, 0.25)
     assert config.policy_for("snapkv").split.layer_profile is None
+
+
+def test_registry_declares_each_policy_once_with_its_rules():
+    """POLICY_NAMES comes from the registry, in order; every policy's metric source
+    and budget split have a torch rule; resolved policies pickle (scheduler -> worker)."""
+    import pickle
+
+    from kvcompress.ops.budget_split import SPLIT_RULES
+    from kvcompress.ops.policy_scores import RANKERS
+    from kvcompress.policies import POLICIES
+
+    assert POLICY_NAMES == (
+        "kvc", "snapkv", "pyramidkv", "ada-snapkv", "ada-pyramidkv", "xkv", "h2o", "streamingllm", "random",
+    )
+    assert tuple(POLICIES) == POLICY_NAMES
+    for name, definition in POLICIES.items():
+        policy = resolve_policy(name)
+        assert policy.name == name and type(policy.metric.source) in RANKERS
+        split = policy.split
+        while split is not None and not split.is_global:
+            assert type(split) in SPLIT_RULES, (name, split)
+            split = getattr(split, "layers", None)
+        assert pickle.loads(pickle.dumps(policy)) == policy
+        assert hash(policy) == hash(resolve_policy(name))
+
+
+def test_a_new_policy_is_one_registry_entry(monkeypatch):
+    """A policy registered from existing strategies resolves and runs through the
+    schedule with no other change (here: a pyramid split with L2 over all queries)."""
+    from kvcompress import policies
+    from kvcompress.policies import MetricSpec, PolicyDefinition
+
+    monkeypatch.setattr(policies, "POLICIES", dict(policies.POLICIES))
+    policies.register_policy(PolicyDefinition(
+        "test-pyramid-l2", MetricSpec(power=2, queries="full", skip_nearest=0), PyramidSplit(beta=4.0),
+        sink_tokens=2,
+    ))
+    with pytest.raises(ValueError, match="already registered"):
+        policies.register_policy(policies.POLICIES["kvc"])
+    policy = resolve_policy("test-pyramid-l2", pyramid_beta=3.0)
+    assert (policy.metric.power, policy.metric.queries, policy.sink_tokens) == (2, "full", 2)
+    assert policy.split == PyramidSplit(beta=3.0)
+    assert "test-pyramid-l2" in policies.policies_using("pyramid_beta")
+    for seed in range(3):
+        _check(policy, seed)

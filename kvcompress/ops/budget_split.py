@@ -1,26 +1,32 @@
 """Split a sequence's kept KVs over its (layer, KV head) pairs, by policy.
 
-``keep_targets`` turns a policy's rule (``kvcompress.policies.BudgetSplit``) into a
-target ``t[l, h]`` in tokens per head; the block-eviction schedule then frees whole
-pages from the heads furthest above their targets (rounding rule below), and within a
-head evicts the lowest-metric KVs, as for every policy.
+``keep_targets`` turns a policy's budget split (a strategy of ``kvcompress.policies``)
+into a target ``t[l, h]`` in tokens per head; the block-eviction schedule then frees
+whole pages from the heads furthest above their targets (rounding rule below), and
+within a head evicts the lowest-metric KVs, as for every policy.
 
 Notation per sequence: ``L`` layers, ``H`` KV heads, ``p[l, h]`` protected KVs held by
 the head (window and sinks; never evicted), ``T`` the tokens' worth of slots kept
 (``kept pages * b``), ``F = T - sum(p)`` the non-protected budget and ``B = F / (L H)``
 its per-head average. Targets always sum to ``T``:
 
-- ``uniform`` (SnapKV, H2O, StreamingLLM, random): ``t = p + B``.
-- ``pyramid`` (PyramidKV's arithmetic schedule): ``t[l] = p + k_l``, with
+- ``UniformSplit`` (SnapKV, H2O, StreamingLLM, random): ``t = p + B``.
+- ``PyramidSplit`` (PyramidKV's arithmetic schedule): ``t[l] = p + k_l``, with
   ``k_{L-1} = B / beta``, ``k_0 = 2B - B / beta`` and ``k_l`` linear in between.
-- ``ada`` / ``ada-pyramid`` (Ada-KV): layer ``l``'s per-head average ``B'_l`` is ``B``
-  (or ``k_l`` of the pyramid); ``f[l, h]`` = how many of the layer's top-``round(H B'_l)``
-  non-protected metrics (across its heads) head ``h`` holds;
-  ``t = p + (1 - alpha) f + alpha B'_l``.
-- ``xkv`` (XKV, Algorithm 1 = a global top-N): metrics divided by their layer's sum
-  (non-protected KVs of all its heads); ``n_l`` = how many of the top-``round(F)``
+- ``AdaSplit`` over a layer split (Ada-KV): layer ``l``'s per-head average ``B'_l``
+  is the layer split's (``B`` for uniform, ``k_l`` for pyramid); ``f[l, h]`` = how
+  many of the layer's top-``round(H B'_l)`` non-protected metrics (across its heads)
+  head ``h`` holds; ``t = p + (1 - alpha) f + alpha B'_l``.
+- ``XKVSplit`` (XKV, Algorithm 1 = a global top-N): metrics divided by their layer's
+  sum (non-protected KVs of all its heads); ``n_l`` = how many of the top-``round(F)``
   normalised values over all layers fall in layer ``l``; ``t[l] = p + n_l / H`` (heads
   of a layer share its allocation). With a saved profile, ``n_l = share_l F``.
+- ``GlobalSplit`` (KV-Compress) has no targets: the schedule's global order applies.
+
+Each split class has one rule here (``SPLIT_RULES``, registered with
+``@split_rule``): a :class:`SplitRule` giving the non-protected tokens per head, or a
+:class:`LayerRule` giving them per layer (heads of a layer alike) — the layer totals
+an ``AdaSplit`` wraps.
 
 Rounding to pages: pages are taken one at a time from the head whose held slots most
 exceed its target, ``(pages_left * b) - t``, ties going to the lower (layer, head); a
@@ -31,9 +37,86 @@ exactly the ``E_s`` pages the scheduler asked for (or all it can).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 
-from kvcompress.policies import BudgetSplit
+from kvcompress.policies import AdaSplit, BudgetSplit, PyramidSplit, UniformSplit, XKVSplit
+
+
+@dataclass(frozen=True)
+class SplitBudget:
+    """What a split rule reads, batched over ``S`` sequences.
+
+    Attributes:
+        metrics: ``[S, L, H, K]`` metric of each logical slot.
+        candidate: ``[S, L, H, K]`` bool, held non-protected KVs.
+        free: ``[S]`` float64 ``F``, non-protected tokens kept per sequence.
+    """
+
+    metrics: torch.Tensor
+    candidate: torch.Tensor
+    free: torch.Tensor
+
+    @property
+    def num_seqs(self) -> int:
+        return self.metrics.shape[0]
+
+    @property
+    def num_layers(self) -> int:
+        return self.metrics.shape[1]
+
+    @property
+    def num_heads(self) -> int:
+        return self.metrics.shape[2]
+
+    @property
+    def per_head(self) -> torch.Tensor:
+        """``[S]`` ``B = F / (L H)``."""
+        return self.free / (self.num_layers * self.num_heads)
+
+
+class SplitRule:
+    """The torch rule of a budget split class."""
+
+    def shares(self, split: BudgetSplit, budget: SplitBudget) -> torch.Tensor:
+        """``[S, L, H]`` float64 non-protected tokens each head keeps (sum ``F``)."""
+        raise NotImplementedError
+
+
+class LayerRule(SplitRule):
+    """A rule whose heads of a layer keep alike."""
+
+    def layer_shares(self, split: BudgetSplit, budget: SplitBudget) -> torch.Tensor:
+        """``[S, L]`` float64 non-protected tokens per head of each layer."""
+        raise NotImplementedError
+
+    def shares(self, split: BudgetSplit, budget: SplitBudget) -> torch.Tensor:
+        layers = self.layer_shares(split, budget)
+        return layers.unsqueeze(-1).expand(budget.num_seqs, budget.num_layers, budget.num_heads)
+
+
+SPLIT_RULES: dict[type[BudgetSplit], SplitRule] = {}
+"""Budget split class -> its rule."""
+
+
+def split_rule(split_type: type[BudgetSplit]) -> Callable[[type[SplitRule]], type[SplitRule]]:
+    """Register a :class:`SplitRule` subclass as the rule of ``split_type``."""
+
+    def register(rule: type[SplitRule]) -> type[SplitRule]:
+        SPLIT_RULES[split_type] = rule()
+        return rule
+
+    return register
+
+
+def rule_for(split: BudgetSplit) -> SplitRule:
+    """The rule of ``split``; ``ValueError`` if it has no per-head targets."""
+    try:
+        return SPLIT_RULES[type(split)]
+    except KeyError:
+        raise ValueError(f"no per-head targets for budget split {split.kind!r}") from None
 
 
 def pyramid_layers(per_head: torch.Tensor, num_layers: int, beta: float) -> torch.Tensor:
@@ -61,6 +144,62 @@ def _top_count(values: torch.Tensor, candidate: torch.Tensor, count: torch.Tenso
     return torch.zeros_like(candidate).scatter_(-1, order, chosen_sorted)
 
 
+@split_rule(UniformSplit)
+class _Uniform(LayerRule):
+    def layer_shares(self, split: UniformSplit, budget: SplitBudget) -> torch.Tensor:
+        return budget.per_head.view(-1, 1).expand(budget.num_seqs, budget.num_layers)
+
+
+@split_rule(PyramidSplit)
+class _Pyramid(LayerRule):
+    def layer_shares(self, split: PyramidSplit, budget: SplitBudget) -> torch.Tensor:
+        return pyramid_layers(budget.per_head, budget.num_layers, split.beta)
+
+
+@split_rule(AdaSplit)
+class _Ada(SplitRule):
+    def shares(self, split: AdaSplit, budget: SplitBudget) -> torch.Tensor:
+        layer_rule = rule_for(split.layers)
+        if not isinstance(layer_rule, LayerRule):
+            raise ValueError(f"Ada-KV needs layer totals; budget split {split.layers.kind!r} has none")
+        base = layer_rule.layer_shares(split.layers, budget)  # [S, L]
+        num_seqs, num_layers, num_heads, num_slots = budget.metrics.shape
+        count = torch.round(base * num_heads).to(torch.int64)  # [S, L]
+        winners = _top_count(
+            budget.metrics.reshape(num_seqs * num_layers, -1),
+            budget.candidate.reshape(num_seqs * num_layers, num_heads * num_slots),
+            count.reshape(-1),
+        )
+        wins = winners.view(num_seqs, num_layers, num_heads, num_slots).sum(dim=-1)
+        alpha = split.floor
+        return (1 - alpha) * wins.to(torch.float64) + alpha * base.unsqueeze(-1)
+
+
+@split_rule(XKVSplit)
+class _XKV(LayerRule):
+    def layer_shares(self, split: XKVSplit, budget: SplitBudget) -> torch.Tensor:
+        num_seqs, num_layers = budget.num_seqs, budget.num_layers
+        free, device = budget.free, budget.metrics.device
+        if split.layer_profile is not None:
+            if len(split.layer_profile) != num_layers:
+                raise ValueError(
+                    f"XKV profile has {len(split.layer_profile)} layers, the model {num_layers}"
+                )
+            shares = torch.tensor(split.layer_profile, dtype=torch.float64, device=device)
+            layer_tokens = free.view(-1, 1) * shares.view(1, -1)  # [S, L]
+        else:
+            candidate = budget.candidate
+            values = torch.where(candidate, budget.metrics.to(torch.float64), torch.zeros((), dtype=torch.float64, device=device))
+            layer_sum = values.sum(dim=(2, 3), keepdim=True)  # [S, L, 1, 1]
+            normalised = torch.where(layer_sum > 0, values / layer_sum.clamp(min=1e-300), torch.zeros_like(values))
+            count = torch.round(free).to(torch.int64)
+            winners = _top_count(
+                normalised.reshape(num_seqs, -1), candidate.reshape(num_seqs, -1), count
+            )
+            layer_tokens = winners.view(num_seqs, num_layers, -1).sum(dim=-1).to(torch.float64)
+        return layer_tokens / budget.num_heads
+
+
 def keep_targets(
     split: BudgetSplit,
     metrics: torch.Tensor,
@@ -71,7 +210,7 @@ def keep_targets(
     """Target KVs kept per (layer, head), in tokens (module docstring).
 
     Args:
-        split: the policy's budget split (not ``global``).
+        split: the policy's budget split (not global).
         metrics: ``[S, L, H, K]`` float, metric of each logical slot (>= 0, finite).
         held: ``[S, L, H, K]`` bool, slots holding a KV.
         protected: ``[S, L, H, K]`` bool, held KVs that are never evicted.
@@ -80,50 +219,9 @@ def keep_targets(
     Returns:
         ``[S, L, H]`` float64 targets, summing to ``T`` per sequence.
     """
-    num_seqs, num_layers, num_heads, num_slots = metrics.shape
-    device = metrics.device
+    rule = rule_for(split)
     protected = protected & held
     prot = protected.sum(dim=-1).to(torch.float64)  # [S, L, H]
-    free = (keep_tokens.to(device, torch.float64) - prot.sum(dim=(1, 2))).clamp(min=0)  # [S]
-    per_head = free / (num_layers * num_heads)  # [S]
-    kind = split.kind
-    if kind == "uniform":
-        share = per_head.view(-1, 1, 1).expand(num_seqs, num_layers, num_heads)
-    elif kind == "pyramid":
-        layers = pyramid_layers(per_head, num_layers, split.pyramid_beta)
-        share = layers.unsqueeze(-1).expand(num_seqs, num_layers, num_heads)
-    elif kind in ("ada", "ada-pyramid"):
-        if kind == "ada":
-            base = per_head.view(-1, 1).expand(num_seqs, num_layers)
-        else:
-            base = pyramid_layers(per_head, num_layers, split.pyramid_beta)
-        count = torch.round(base * num_heads).to(torch.int64)  # [S, L]
-        candidate = (held & ~protected).reshape(num_seqs * num_layers, num_heads * num_slots)
-        winners = _top_count(
-            metrics.reshape(num_seqs * num_layers, -1), candidate, count.reshape(-1)
-        )
-        wins = winners.view(num_seqs, num_layers, num_heads, num_slots).sum(dim=-1)
-        alpha = split.ada_floor
-        share = (1 - alpha) * wins.to(torch.float64) + alpha * base.unsqueeze(-1)
-    elif kind == "xkv":
-        if split.layer_profile is not None:
-            if len(split.layer_profile) != num_layers:
-                raise ValueError(
-                    f"XKV profile has {len(split.layer_profile)} layers, the model {num_layers}"
-                )
-            shares = torch.tensor(split.layer_profile, dtype=torch.float64, device=device)
-            layer_tokens = free.view(-1, 1) * shares.view(1, -1)  # [S, L]
-        else:
-            candidate = held & ~protected
-            values = torch.where(candidate, metrics.to(torch.float64), torch.zeros((), dtype=torch.float64, device=device))
-            layer_sum = values.sum(dim=(2, 3), keepdim=True)  # [S, L, 1, 1]
-            normalised = torch.where(layer_sum > 0, values / layer_sum.clamp(min=1e-300), torch.zeros_like(values))
-            count = torch.round(free).to(torch.int64)
-            winners = _top_count(
-                normalised.reshape(num_seqs, -1), candidate.reshape(num_seqs, -1), count
-            )
-            layer_tokens = winners.view(num_seqs, num_layers, -1).sum(dim=-1).to(torch.float64)
-        share = (layer_tokens / num_heads).unsqueeze(-1).expand(num_seqs, num_layers, num_heads)
-    else:
-        raise ValueError(f"no per-head targets for budget split {kind!r}")
-    return prot + share
+    free = (keep_tokens.to(metrics.device, torch.float64) - prot.sum(dim=(1, 2))).clamp(min=0)  # [S]
+    budget = SplitBudget(metrics=metrics, candidate=held & ~protected, free=free)
+    return prot + rule.shares(split, budget)

@@ -171,11 +171,12 @@ def schedule_evictions(
         evict_blocks_per_seq: ``[S]`` int64 ``E_s``, blocks wanted per sequence.
         block_size: ``b``, KVs per page.
         block_cost: ``"max"`` or ``"sum"``.
-        split: a policy's budget split; None or ``global`` = the paper's global order
-            above. Otherwise the same candidates (same evictability, same KVs per
-            block) are taken in a different order: whole pages from the heads most
-            above their targets (``kvcompress.ops.budget_split``), so the sequence
-            still frees ``min(E_s, evictable)`` pages.
+        split: a policy's budget split; None or a global one (``split.is_global``) =
+            the paper's global order above. Otherwise the same candidates (same
+            evictability, same KVs per block) are taken in a different order: whole
+            pages from the heads most above their targets
+            (``kvcompress.ops.budget_split``), so the sequence still frees
+            ``min(E_s, evictable)`` pages.
 
     Returns:
         The :class:`EvictionPlan`.
@@ -217,7 +218,7 @@ def schedule_evictions(
         cost = rows.sum(dim=-1)  # +inf if any entry is +inf
     evictable = torch.isfinite(cost).sum(dim=(1, 2, 3))  # [S]
     take = torch.minimum(wanted, evictable)  # [S]
-    if split is not None and split.kind != "global":
+    if split is not None and not split.is_global:
         # Order candidates by how far their head is above its target before losing them.
         held_pages = padded_lens.squeeze(-1) // block_size  # [S, L, H]
         keep_tokens = (held_pages.sum(dim=(1, 2)) - take) * block_size

@@ -1,10 +1,60 @@
-"""The values a policy ranks a sequence's KVs by (torch; no vLLM)."""
+"""The values a policy ranks a sequence's KVs by (torch; no vLLM).
+
+One rule per metric source kind of ``kvcompress.policies`` (``AttentionScores``,
+``TokenPosition``, ``RandomNoise``), registered in ``RANKERS`` with ``@ranks``; a new
+source kind adds its parameter class there and its rule here.
+"""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-from kvcompress.policies import Policy
+from kvcompress.policies import (
+    AttentionScores,
+    MetricSource,
+    Policy,
+    RandomNoise,
+    TokenPosition,
+)
+
+Ranker = Callable[[MetricSource, torch.Tensor, torch.Tensor, "torch.Generator | None"], torch.Tensor]
+"""``(source, metrics, positions, generator) -> [S, L, H, K]`` values ranked by."""
+
+RANKERS: dict[type[MetricSource], Ranker] = {}
+"""Metric source class -> its rule."""
+
+
+def ranks(source_type: type[MetricSource]) -> Callable[[Ranker], Ranker]:
+    """Register the rule of a metric source class."""
+
+    def register(rule: Ranker) -> Ranker:
+        RANKERS[source_type] = rule
+        return rule
+
+    return register
+
+
+@ranks(AttentionScores)
+def _stored_metrics(source, metrics, positions, generator):
+    """The metrics scored inside attention."""
+    return metrics
+
+
+@ranks(TokenPosition)
+def _token_position(source, metrics, positions, generator):
+    """The token position: the oldest unprotected KVs go first."""
+    return positions.to(torch.float32)
+
+
+@ranks(RandomNoise)
+def _random_noise(source, metrics, positions, generator):
+    """Uniform noise from ``generator``."""
+    return torch.rand(metrics.shape, generator=generator, device=metrics.device)
+
+
+_DEFAULT_SOURCE = AttentionScores()
 
 
 def policy_metrics(
@@ -15,13 +65,12 @@ def policy_metrics(
 ) -> torch.Tensor:
     """The metrics a policy ranks KVs by, ``[S, L, H, K]`` in logical slot order.
 
-    ``attention`` policies use the stored metrics; ``position`` (StreamingLLM) the
-    token position, so the oldest unprotected KVs go first; ``random`` uniform noise
-    from ``generator``.
+    ``metrics``: the stored attention metrics; ``positions``: each slot's token
+    position; ``generator``: for random sources. ``policy`` None = attention metrics.
     """
-    source = policy.metric.source if policy is not None else "attention"
-    if source == "position":
-        return positions.to(torch.float32)
-    if source == "random":
-        return torch.rand(metrics.shape, generator=generator, device=metrics.device)
-    return metrics
+    source = policy.metric.source if policy is not None else _DEFAULT_SOURCE
+    try:
+        rule = RANKERS[type(source)]
+    except KeyError:
+        raise ValueError(f"no ranking rule for metric source {source.kind!r}") from None
+    return rule(source, metrics, positions, generator)
