@@ -14,18 +14,20 @@ The scheduler computes, for a sequence of ``context_len`` tokens whose heads hol
   evict without touching a protected KV (``evictable_blocks``).
 
 Per-request overrides arrive in ``SamplingParams.extra_args`` (the OpenAI field
-``vllm_xargs``): see ``REQUEST_FIELDS``.
+``vllm_xargs``): see ``RequestFields`` (pydantic constraints; its docstrings are
+``REQUEST_FIELDS``).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import numpy as np
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from kvcompress.config import KVCompressConfig
+from kvcompress.config import KVCompressConfig, describe_error
 from kvcompress.policies import POLICY_NAMES
 
 
@@ -37,14 +39,51 @@ class RequestFieldError(ValueError):
         self.field = field
 
 
-REQUEST_FIELDS = {
-    "kv_compress": "false turns compression off for this request (true keeps the server's)",
-    "kv_compress_rate": "compression rate >= 1 for this request (1 = no eviction)",
-    "kv_compress_max_cache_tokens": "keep at most this many tokens' worth of KVs (>= 1)",
-    "kv_compress_protected_window": "the last N tokens of this request are never evicted (>= 0)",
-    "kv_compress_policy": "eviction policy for this request: " + ", ".join(POLICY_NAMES),
-    "kv_compress_observation_window": "prompt queries that score keys in window mode (>= 1)",
-}
+def _number(value: Any) -> Any:
+    """JSON booleans are not numbers here (pydantic would read true as 1)."""
+    if isinstance(value, bool):
+        raise ValueError(f"must be a number, got {value!r}")
+    return value
+
+
+def _switch(value: Any) -> Any:
+    """true/false, 1/0 (also as strings, any case); pydantic reads the rest."""
+    if isinstance(value, str):
+        if value.strip().lower() not in ("true", "false", "1", "0"):
+            raise ValueError(f"must be true or false, got {value!r}")
+        return value.strip().lower()
+    return value
+
+
+def _name(value: Any) -> Any:
+    return value.strip().lower() if isinstance(value, str) else value
+
+
+Number = BeforeValidator(_number)
+
+
+class RequestFields(BaseModel):
+    """The kvcompress keys of ``SamplingParams.extra_args`` (OpenAI ``vllm_xargs``);
+    absent = the server's setting. Each docstring is the field's documentation."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    kv_compress: Annotated[bool, BeforeValidator(_switch)] = None
+    """false turns compression off for this request (true keeps the server's)"""
+    kv_compress_rate: Annotated[float, Field(ge=1, allow_inf_nan=False), Number] = None
+    """compression rate >= 1 for this request (1 = no eviction)"""
+    kv_compress_max_cache_tokens: Annotated[int, Field(ge=1), Number] = None
+    """keep at most this many tokens' worth of KVs (>= 1)"""
+    kv_compress_protected_window: Annotated[int, Field(ge=0), Number] = None
+    """the last N tokens of this request are never evicted (>= 0)"""
+    kv_compress_policy: Annotated[Literal[POLICY_NAMES], BeforeValidator(_name)] = Field(
+        None, description="eviction policy for this request: " + ", ".join(POLICY_NAMES)
+    )
+    kv_compress_observation_window: Annotated[int, Field(ge=1), Number] = None
+    """prompt queries that score keys in window mode (>= 1)"""
+
+
+REQUEST_FIELDS = {name: field.description for name, field in RequestFields.model_fields.items()}
 """Keys of ``SamplingParams.extra_args`` / OpenAI ``vllm_xargs`` that kvcompress reads."""
 
 
@@ -66,32 +105,24 @@ class RequestBudget:
         return self.enabled and (self.rate > 1.0 or self.max_cache_tokens is not None)
 
 
-def _as_bool(field: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, (int, float)) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
-        return value.strip().lower() in ("true", "1")
-    raise RequestFieldError(field, f"must be true or false, got {value!r}")
+def request_fields(extra_args: dict[str, Any] | None) -> RequestFields:
+    """The request's ``kv_compress*`` keys, validated; other keys are ignored.
 
-
-def _as_number(field: str, value: Any, kind: type, minimum: float) -> Any:
-    if isinstance(value, bool) or value is None:
-        raise RequestFieldError(field, f"must be a number, got {value!r}")
+    Raises ``RequestFieldError`` naming the first (in the request's order) unknown
+    ``kv_compress*`` key or invalid value.
+    """
+    given = {key: value for key, value in (extra_args or {}).items() if key.startswith("kv_compress")}
     try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise RequestFieldError(field, f"must be a number, got {value!r}") from None
-    if not math.isfinite(number):
-        raise RequestFieldError(field, f"must be finite, got {value!r}")
-    if kind is int:
-        if number != int(number):
-            raise RequestFieldError(field, f"must be an integer, got {value!r}")
-        number = int(number)
-    if number < minimum:
-        raise RequestFieldError(field, f"must be >= {minimum:g}, got {value!r}")
-    return number
+        return RequestFields(**given)
+    except ValidationError as error:
+        problems = {str(item["loc"][0]): item for item in error.errors() if item["loc"]}
+        key = next(key for key in given if key in problems)
+        item = problems[key]
+        if item["type"] == "extra_forbidden":
+            message = f"unknown kvcompress field (known: {sorted(REQUEST_FIELDS)})"
+        else:
+            message = describe_error(item)
+        raise RequestFieldError(key, message) from None
 
 
 def request_budget(
@@ -102,49 +133,26 @@ def request_budget(
     Raises ``RequestFieldError`` naming the field on an unknown ``kv_compress*`` key
     or an invalid value.
     """
-    enabled = settings.enabled
-    rate = settings.rate
-    max_cache = settings.max_cache_tokens
-    window = settings.protected_window
-    policy = settings.policy
-    observation_window = None
-    for key, value in (extra_args or {}).items():
-        if not key.startswith("kv_compress"):
-            continue
-        if key == "kv_compress":
-            enabled = enabled and _as_bool(key, value)
-        elif key == "kv_compress_rate":
-            rate = _as_number(key, value, float, 1.0)
-        elif key == "kv_compress_max_cache_tokens":
-            max_cache = _as_number(key, value, int, 1)
-        elif key == "kv_compress_protected_window":
-            window = _as_number(key, value, int, 0)
-        elif key == "kv_compress_policy":
-            if not isinstance(value, str) or value.strip().lower() not in POLICY_NAMES:
-                raise RequestFieldError(
-                    key, f"must be one of {', '.join(POLICY_NAMES)}, got {value!r}"
-                )
-            policy = value.strip().lower()
-        elif key == "kv_compress_observation_window":
-            observation_window = _as_number(key, value, int, 1)
-        else:
-            raise RequestFieldError(
-                key, f"unknown kvcompress field (known: {sorted(REQUEST_FIELDS)})"
-            )
-    if not settings.enabled and any(k.startswith("kv_compress") for k in extra_args or {}):
+    fields = request_fields(extra_args)
+    if not settings.enabled and fields.model_fields_set:
         raise RequestFieldError(
             next(k for k in extra_args if k.startswith("kv_compress")),
             "this server was started without --kv-compress",
         )
+
+    def chosen(value: Any, server: Any) -> Any:
+        return server if value is None else value
+
+    policy = chosen(fields.kv_compress_policy, settings.policy)
     return RequestBudget(
-        enabled=enabled,
-        rate=rate,
-        max_cache_tokens=max_cache,
-        protected_window=window,
+        enabled=settings.enabled and fields.kv_compress is not False,
+        rate=float(chosen(fields.kv_compress_rate, settings.rate)),
+        max_cache_tokens=chosen(fields.kv_compress_max_cache_tokens, settings.max_cache_tokens),
+        protected_window=chosen(fields.kv_compress_protected_window, settings.protected_window),
         sink_tokens=settings.policy_for(policy).sink_tokens,
         min_cache_tokens=settings.min_cache_tokens,
         policy=policy,
-        observation_window=observation_window,
+        observation_window=fields.kv_compress_observation_window,
     )
 
 

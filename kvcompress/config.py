@@ -3,21 +3,52 @@
 The same settings arrive three ways and end up in one place,
 ``VllmConfig.additional_config["kvcompress"]``, which vLLM ships to every process:
 
-- ``vllm serve`` / ``vllm bench throughput`` flags ``--kv-compress*`` (see ``FLAGS``);
+- ``vllm serve`` / ``vllm bench throughput`` flags ``--kv-compress*`` (see ``FLAGS``:
+  setting ``x_y`` is the flag ``--kv-compress-x-y``, ``enabled`` is ``--kv-compress``);
 - ``LLM(..., additional_config={"kvcompress": {"enabled": True, "rate": 8}})``;
 - ``kvcompress.LLM(..., kv_compress=True, kv_compress_rate=8)``.
+
+Each setting is declared once below: its type and pydantic ``Field`` constraints, its
+default, and its docstring, which is also its ``--help`` text (``flag_help``, which adds
+what the policy registry knows: per-policy defaults, the policies a knob affects).
+
+Validated once: the front end validates (``from_dict``) and stores the normalised
+values with a digest of them (``to_additional_config``); the scheduler, the workers
+and the request checks load that section without validating again
+(``from_additional_config``). A section without a matching digest, e.g. one written
+by hand and handed to vLLM past the front end's check, is validated in full.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import types
+import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from kvcompress.policies import POLICY_NAMES, Policy, load_layer_profile, resolve_policy
+from kvcompress.policies import (
+    ADA_FLOOR,
+    POLICIES,
+    POLICY_NAMES,
+    POLICY_SETTINGS,
+    PYRAMID_BETA,
+    Policy,
+    default_summary,
+    load_layer_profile,
+    policies_using,
+    policy_definition,
+)
 
 ADDITIONAL_CONFIG_KEY = "kvcompress"
 SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
+VALIDATED_KEY = "_validated"
+"""Key of ``additional_config["kvcompress"]`` holding the digest of validated values."""
+
+SPLIT_SETTINGS = {"pyramid_beta": "pyramid_beta", "ada_floor": "ada_floor", "xkv_profile": "layer_profile"}
+"""Settings read by budget splits -> the split knob each sets (``BudgetSplit.knobs``)."""
 
 
 class KVCompressConfigError(ValueError):
@@ -27,134 +58,65 @@ class KVCompressConfigError(ValueError):
 class KVCompressConfig(BaseModel):
     """Settings of the per-(layer, KV head) paged cache and its compression."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     enabled: bool = False
-    """Keep the KV cache in per-(layer, KV head) pages (``--kv-compress``)."""
-    rate: float = 1.0
-    """Target compression rate: keep ~1/rate of each sequence's KVs (``--kv-compress-rate``)."""
-    max_cache_tokens: int | None = None
-    """Keep at most this many tokens' worth of KVs per sequence (``--kv-compress-max-cache-tokens``)."""
-    protected_window: int = 64
-    """The last N tokens of a sequence are never evicted (``--kv-compress-protected-window``)."""
-    block_size: int = 16
-    """Tokens per page; each page holds one (layer, KV head) (``--kv-compress-block-size``)."""
-    min_cache_tokens: int = 128
-    """Rate budgets never go below this many tokens per sequence (``--kv-compress-min-cache-tokens``)."""
-    sink_tokens: int | None = None
-    """The first N tokens of a sequence are never evicted; default: the policy's (4 for
-    streamingllm, else 0) (``--kv-compress-sink-tokens``)."""
+    """Keep the KV cache in pages that each hold one (layer, KV head), so heads can be
+    compressed at their own rates and freed pages return to the scheduler. Implied by
+    any other --kv-compress-* flag."""
+    rate: float = Field(1.0, ge=1.0)
+    """Target compression rate: keep ~1/rate of each sequence's KVs."""
+    max_cache_tokens: int | None = Field(None, ge=1)
+    """Keep at most this many tokens' worth of KVs per sequence."""
+    protected_window: int = Field(64, ge=0)
+    """The last N tokens of a sequence are never evicted."""
+    block_size: Literal[SUPPORTED_BLOCK_SIZES] = 16
+    """Tokens per page; each page holds one (layer, KV head)."""
+    min_cache_tokens: int = Field(128, ge=0)
+    """Rate budgets never go below this many tokens per sequence."""
+    sink_tokens: int | None = Field(None, ge=0)
+    """The first N tokens of a sequence are never evicted."""
     policy: Literal[POLICY_NAMES] = "kvc"
-    """Eviction policy: how KVs are scored and how the budget is split over layers and heads:
-    kvc (the paper), snapkv, pyramidkv, ada-snapkv, ada-pyramidkv, xkv, h2o, streamingllm, random
-    (``--kv-compress-policy``)."""
+    """Eviction policy: how KVs are scored and how the budget is split over layers and
+    heads."""
     metric: Literal["l2", "l1"] | None = None
-    """How attention becomes a KV's metric: squared (l2) or plain (l1) attention probabilities,
-    summed over the query heads of the KV head's group; default: the policy's (l2 for kvc, l1 for
-    the others) (``--kv-compress-metric``)."""
+    """How attention becomes a KV's metric: squared (l2) or plain (l1) attention
+    probabilities, summed over the query heads of the KV head's group."""
     metric_queries: Literal["window", "full"] | None = None
-    """Prompt queries that score keys: the last ``observation_window`` (window) or all later
-    queries but the ``full_skip_nearest`` nearest (full, quadratic); default: the policy's (full
-    for h2o) (``--kv-compress-metric-queries``)."""
-    observation_window: int | None = None
-    """w: prompt queries that score the keys in window mode; default: the policy's (8 for kvc,
-    pyramidkv, xkv; 32 for snapkv, ada-*) (``--kv-compress-observation-window``)."""
-    full_skip_nearest: int | None = None
-    """v: in full mode a query scores only keys at least v positions before it; default: the
-    policy's (10 for kvc, 0 for h2o) (``--kv-compress-full-skip-nearest``)."""
+    """Prompt queries that score keys: the last ``observation_window`` (window) or all
+    later queries but the ``full_skip_nearest`` nearest (full, quadratic)."""
+    observation_window: int | None = Field(None, ge=1)
+    """w: prompt queries that score the keys in window mode."""
+    full_skip_nearest: int | None = Field(None, ge=0)
+    """v: in full mode a query scores only keys at least v positions before it."""
     pool: Literal["max", "avg"] | None = None
-    """Pooling of prompt metrics over neighbouring key positions; default: the policy's (avg for
-    xkv, else max) (``--kv-compress-pool``)."""
-    pool_kernel: int | None = None
-    """Pooling width in tokens (odd), 1 = off; default: the policy's (7; 1 for h2o, streamingllm,
-    random) (``--kv-compress-pool-kernel``)."""
-    pyramid_beta: float = 20.0
-    """PyramidKV's beta (pyramidkv, ada-pyramidkv): the last layer keeps 1/beta of the average
-    per-head budget, the first layer 2 - 1/beta of it (``--kv-compress-pyramid-beta``)."""
-    ada_floor: float = 0.5
-    """Ada-KV's safeguard alpha (ada-*): each head keeps at least alpha of its layer's
-    per-head average budget (``--kv-compress-ada-floor``)."""
+    """Pooling of prompt metrics over neighbouring key positions."""
+    pool_kernel: int | None = Field(None, ge=1)
+    """Pooling width in tokens (odd), 1 = off."""
+    pyramid_beta: float = Field(PYRAMID_BETA, ge=1.0)
+    """PyramidKV's beta: the last layer keeps 1/beta of the average per-head budget, the
+    first layer 2 - 1/beta of it."""
+    ada_floor: float = Field(ADA_FLOOR, ge=0.0, le=1.0)
+    """Ada-KV's safeguard alpha: each head keeps at least alpha of its layer's per-head
+    average budget."""
     xkv_profile: str | None = None
-    """xkv only: JSON file of per-layer budget shares (benchmarks/xkv_profile.py writes one) used
-    instead of each request's own allocation (``--kv-compress-xkv-profile``)."""
+    """JSON file of per-layer budget shares (benchmarks/xkv_profile.py writes one) used
+    instead of each request's own allocation."""
     block_cost: Literal["max", "sum"] = "max"
-    """Cost of evicting a candidate block: its largest metric (the paper's schedule, minimax) or the
-    sum of its metrics (exact minimum of total evicted metric) (``--kv-compress-block-cost``)."""
-    interval: int = 0
-    """Also compress every running sequence every N engine steps; 0 = only after prefill and
-    instead of preemption (``--kv-compress-interval``)."""
-    max_kv_per_iteration: int = 5_000_000
-    """Cap on the KVs (summed over layers and heads) sorted in one compression step; sequences
-    never compressed, then least recently compressed, go first (``--kv-compress-max-kv-per-iteration``)."""
-
-    @field_validator("rate")
-    @classmethod
-    def _rate_at_least_one(cls, value: float) -> float:
-        if not value >= 1.0:
-            raise ValueError(f"must be >= 1 (1 keeps everything), got {value}")
-        return value
-
-    @field_validator("max_cache_tokens")
-    @classmethod
-    def _positive_cache(cls, value: int | None) -> int | None:
-        if value is not None and value < 1:
-            raise ValueError(f"must be >= 1, got {value}")
-        return value
-
-    @field_validator("protected_window", "sink_tokens")
-    @classmethod
-    def _non_negative_window(cls, value: int | None) -> int | None:
-        if value is not None and value < 0:
-            raise ValueError(f"must be >= 0, got {value}")
-        return value
-
-    @field_validator("block_size")
-    @classmethod
-    def _supported_block(cls, value: int) -> int:
-        if value not in SUPPORTED_BLOCK_SIZES:
-            raise ValueError(f"must be one of {SUPPORTED_BLOCK_SIZES}, got {value}")
-        return value
-
-    @field_validator("min_cache_tokens", "full_skip_nearest")
-    @classmethod
-    def _non_negative(cls, value: int | None) -> int | None:
-        if value is not None and value < 0:
-            raise ValueError(f"must be >= 0, got {value}")
-        return value
-
-    @field_validator("observation_window", "max_kv_per_iteration")
-    @classmethod
-    def _positive(cls, value: int | None) -> int | None:
-        if value is not None and value < 1:
-            raise ValueError(f"must be >= 1, got {value}")
-        return value
-
-    @field_validator("interval")
-    @classmethod
-    def _interval(cls, value: int) -> int:
-        if value < 0:
-            raise ValueError(f"must be >= 0 (0 = off), got {value}")
-        return value
+    """Cost of evicting a candidate block: its largest metric (the paper's schedule,
+    minimax) or the sum of its metrics (exact minimum of total evicted metric)."""
+    interval: int = Field(0, ge=0)
+    """Also compress every running sequence every N engine steps; 0 = only after prefill
+    and instead of preemption."""
+    max_kv_per_iteration: int = Field(5_000_000, ge=1)
+    """Cap on the KVs (summed over layers and heads) sorted in one compression step;
+    sequences never compressed, then least recently compressed, go first."""
 
     @field_validator("pool_kernel")
     @classmethod
     def _odd_kernel(cls, value: int | None) -> int | None:
-        if value is not None and (value < 1 or value % 2 == 0):
+        if value is not None and value % 2 == 0:
             raise ValueError(f"must be an odd number >= 1 (1 = no pooling), got {value}")
-        return value
-
-    @field_validator("pyramid_beta")
-    @classmethod
-    def _beta(cls, value: float) -> float:
-        if not value >= 1.0:
-            raise ValueError(f"must be >= 1 (1 = uniform layers), got {value}")
-        return value
-
-    @field_validator("ada_floor")
-    @classmethod
-    def _floor(cls, value: float) -> float:
-        if not 0.0 <= value <= 1.0:
-            raise ValueError(f"must be in [0, 1], got {value}")
         return value
 
     @field_validator("xkv_profile")
@@ -167,15 +129,8 @@ class KVCompressConfig(BaseModel):
     def policy_for(self, name: str | None = None) -> Policy:
         """Policy ``name`` (default: ``policy``) with its paper defaults, overridden by every
         metric setting given explicitly here."""
-        return resolve_policy(
-            name or self.policy,
-            metric=self.metric,
-            metric_queries=self.metric_queries,
-            observation_window=self.observation_window,
-            full_skip_nearest=self.full_skip_nearest,
-            pool=self.pool,
-            pool_kernel=self.pool_kernel,
-            sink_tokens=self.sink_tokens,
+        return policy_definition(name or self.policy).resolve(
+            {setting: getattr(self, setting) for setting in POLICY_SETTINGS},
             pyramid_beta=self.pyramid_beta,
             ada_floor=self.ada_floor,
             layer_profile=_cached_profile(self.xkv_profile) if self.xkv_profile else None,
@@ -189,51 +144,112 @@ class KVCompressConfig(BaseModel):
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None) -> "KVCompressConfig":
         """Validate, turning pydantic errors into messages that name the flag."""
+        values = {k: v for k, v in (values or {}).items() if k != VALIDATED_KEY}
         try:
-            return cls(**(values or {}))
+            return cls(**values)
         except ValidationError as error:
-            problems = []
-            for item in error.errors():
-                field = str(item["loc"][0]) if item["loc"] else "?"
-                flag = FLAGS.get(field, field)
-                problems.append(f"{flag}: {item['msg']}")
+            problems = [
+                f"{FLAGS.get(field, field)}: {describe_error(item)}"
+                for item in error.errors()
+                for field in [str(item["loc"][0]) if item["loc"] else "?"]
+            ]
             raise KVCompressConfigError(
                 "invalid kvcompress setting(s): " + "; ".join(problems)
             ) from None
+
+    def to_additional_config(self) -> dict[str, Any]:
+        """The ``additional_config["kvcompress"]`` section of these (validated) settings:
+        their values and a digest of them, so later loads need not validate again."""
+        values = self.model_dump()
+        return {**values, VALIDATED_KEY: _digest(values)}
 
     @classmethod
     def from_additional_config(
         cls, additional_config: dict[str, Any] | None
     ) -> "KVCompressConfig":
+        """The settings in vLLM's ``additional_config``: a section written by
+        ``to_additional_config`` (digest matching its values) is trusted as it is,
+        anything else is validated (``KVCompressConfigError`` names the flag)."""
         section = (additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
         if isinstance(section, KVCompressConfig):
             return section
+        if isinstance(section, dict) and VALIDATED_KEY in section:
+            values = {k: v for k, v in section.items() if k != VALIDATED_KEY}
+            if section[VALIDATED_KEY] == _digest(values) and set(values) == set(cls.model_fields):
+                return cls.model_construct(**values)
         return cls.from_dict(section)
 
 
-# Field -> CLI flag, used in error messages and by the argument parser.
-FLAGS: dict[str, str] = {
-    "enabled": "--kv-compress",
-    "rate": "--kv-compress-rate",
-    "max_cache_tokens": "--kv-compress-max-cache-tokens",
-    "protected_window": "--kv-compress-protected-window",
-    "block_size": "--kv-compress-block-size",
-    "min_cache_tokens": "--kv-compress-min-cache-tokens",
-    "sink_tokens": "--kv-compress-sink-tokens",
-    "policy": "--kv-compress-policy",
-    "metric": "--kv-compress-metric",
-    "metric_queries": "--kv-compress-metric-queries",
-    "observation_window": "--kv-compress-observation-window",
-    "full_skip_nearest": "--kv-compress-full-skip-nearest",
-    "pool": "--kv-compress-pool",
-    "pool_kernel": "--kv-compress-pool-kernel",
-    "pyramid_beta": "--kv-compress-pyramid-beta",
-    "ada_floor": "--kv-compress-ada-floor",
-    "xkv_profile": "--kv-compress-xkv-profile",
-    "block_cost": "--kv-compress-block-cost",
-    "interval": "--kv-compress-interval",
-    "max_kv_per_iteration": "--kv-compress-max-kv-per-iteration",
+def _flag(setting: str) -> str:
+    return "--kv-compress" if setting == "enabled" else "--kv-compress-" + setting.replace("_", "-")
+
+
+FLAGS: dict[str, str] = {setting: _flag(setting) for setting in KVCompressConfig.model_fields}
+"""Setting -> CLI flag, used in error messages and by the argument parser."""
+
+
+def flag_help(setting: str) -> str:
+    """``--help`` text of a setting: its docstring, what the policy registry adds
+    (the policies, each policy's default, the policies a split knob affects) and its
+    default."""
+    field = KVCompressConfig.model_fields[setting]
+    text = " ".join((field.description or setting).split()).rstrip(".")
+    if setting == "policy":
+        text += ": " + ", ".join(f"{name} ({definition.paper})" for name, definition in POLICIES.items())
+    if setting in SPLIT_SETTINGS:
+        text += f" ({', '.join(policies_using(SPLIT_SETTINGS[setting]))} only)"
+    if setting in POLICY_SETTINGS:
+        return f"{text}; default: the policy's ({default_summary(setting)})."
+    if field.annotation is bool:
+        return text + "."  # a switch
+    default = "none" if field.default is None else field.default
+    return f"{text}. (default: {default})"
+
+
+def setting_type(setting: str) -> tuple[type, list | None]:
+    """(value type, choices) of a setting, for a command-line parser; ``X | None``
+    parses as X, a ``Literal`` gives its choices."""
+    annotation = KVCompressConfig.model_fields[setting].annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    if typing.get_origin(annotation) is Literal:
+        choices = list(typing.get_args(annotation))
+        return type(choices[0]), choices
+    return annotation, None
+
+
+_MESSAGES = {
+    "greater_than_equal": "must be >= {ge}",
+    "greater_than": "must be > {gt}",
+    "less_than_equal": "must be <= {le}",
+    "less_than": "must be < {lt}",
+    "literal_error": "must be one of {expected}",
+    "finite_number": "must be finite",
+    "int_from_float": "must be an integer",
+    "int_parsing": "must be an integer",
+    "int_type": "must be an integer",
+    "float_parsing": "must be a number",
+    "float_type": "must be a number",
+    "bool_parsing": "must be true or false",
+    "bool_type": "must be true or false",
+    "string_type": "must be a string",
+    "extra_forbidden": "unknown setting",
 }
+
+
+def describe_error(item: dict[str, Any]) -> str:
+    """One pydantic error as ``"must be >= 1, got 0.5"`` (a validator's own message
+    as it is)."""
+    ctx = item.get("ctx") or {}
+    template = _MESSAGES.get(item["type"])
+    if template is None:
+        return str(ctx["error"]) if "error" in ctx else item["msg"]
+    return template.format(**ctx) + f", got {item.get('input')!r}"
+
+
+def _digest(values: dict[str, Any]) -> str:
+    text = json.dumps(values, sort_keys=True, default=str)
+    return hashlib.sha256(f"kvcompress-settings-1:{text}".encode()).hexdigest()[:32]
 
 
 _PROFILES: dict[str, tuple[float, ...]] = {}

@@ -5,64 +5,23 @@ Why: ``EngineArgs.add_cli_args`` builds the parser of ``vllm serve`` and
 fields, so an added flag must be carried into ``additional_config`` by hand.
 ``create_engine_config`` is wrapped so that every entry point (CLI, ``LLM(...)``,
 benchmarks) validates kvcompress settings and selects the kvcompress scheduler
-and worker before the engine starts.
+and worker before the engine starts; the validated section it stores carries a
+digest, so the engine core and the workers do not validate it again.
 """
 
 from __future__ import annotations
 
 import argparse
-import types
-import typing
 
 from vllm.engine.arg_utils import EngineArgs
 
-from kvcompress.config import ADDITIONAL_CONFIG_KEY, FLAGS, KVCompressConfig
-from kvcompress.policies import policy_defaults
-
-POLICY_DEFAULT_FIELDS = set(policy_defaults("kvc"))
+from kvcompress.config import (
+    ADDITIONAL_CONFIG_KEY,
+    FLAGS,
+    flag_help,
+    setting_type,
+)
 from kvcompress.patches.util import apply_once
-
-def _flag_help(field: str) -> str:
-    """The field's docstring in config.py, without the trailing flag reference."""
-    import ast
-    import inspect
-
-    import kvcompress.config as config_module
-
-    tree = ast.parse(inspect.getsource(config_module.KVCompressConfig))
-    body = tree.body[0].body
-    for node, after in zip(body, body[1:]):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and getattr(node.target, "id", None) == field
-            and isinstance(after, ast.Expr)
-            and isinstance(after.value, ast.Constant)
-        ):
-            text = " ".join(after.value.value.split())
-            return text.split(" (``--kv-compress")[0].rstrip(".") + "."
-    return field
-
-
-def _value_parser(field: str):
-    """(type, choices) of a field for argparse; ``X | None`` parses as X."""
-    annotation = KVCompressConfig.model_fields[field].annotation
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
-    choices = typing.get_args(annotation) if typing.get_origin(annotation) is typing.Literal else None
-    if choices:
-        return str, list(choices)
-    if annotation is float:
-        return float, None
-    if annotation is str:
-        return str, None
-    return int, None
-
-
-def _default_text(field: str, defaults: KVCompressConfig) -> str:
-    value = getattr(defaults, field)
-    if value is None and field in POLICY_DEFAULT_FIELDS:
-        return ""  # the help text names each policy's default
-    return f" (default: {'none' if value is None else value})"
 
 
 def add_kvcompress_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,21 +31,18 @@ def add_kvcompress_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "kvcompress", "KV-Compress: per-(layer, KV head) paged KV cache and its compression"
     )
-    defaults = KVCompressConfig()
     group.add_argument(
         FLAGS["enabled"], dest="kv_compress", action="store_true", default=argparse.SUPPRESS,
-        help="Keep the KV cache in pages that each hold one (layer, KV head), so heads can be "
-        "compressed at their own rates and freed pages return to the scheduler. Implied by "
-        "any other --kv-compress-* flag.",
+        help=flag_help("enabled"),
     )
     for field in FLAGS:
         if field == "enabled":
             continue
-        kind, choices = _value_parser(field)
+        kind, choices = setting_type(field)
         group.add_argument(
             FLAGS[field], dest=f"kv_compress_{field}", type=kind, choices=choices,
             default=argparse.SUPPRESS,  # absent = not given; vLLM's formatter then adds no "(default: None)"
-            help=f"{_flag_help(field)}{_default_text(field, defaults)}",
+            help=flag_help(field),  # the setting's docstring in kvcompress/config.py
         )
 
 
@@ -131,6 +87,12 @@ def apply() -> None:
 
     def create_engine_config(self, *args, **kwargs):
         settings = prepare_engine_args(self)
+        if settings.enabled:
+            # Validated here, once: the engine core and the workers load the section
+            # without validating again (KVCompressConfig.from_additional_config).
+            additional = dict(self.additional_config or {})
+            additional[ADDITIONAL_CONFIG_KEY] = settings.to_additional_config()
+            self.additional_config = additional
         vllm_config = original_create_engine_config(self, *args, **kwargs)
         check_model_supported(vllm_config, settings)
         return vllm_config
