@@ -209,3 +209,66 @@ def test_policy_flags_reach_the_engine_config_and_help_lists_them(tmp_path):
     profile.write_text(json.dumps({"layer_shares": [1, 2, 3]}))
     with pytest.raises(KVCompressConfigError, match="--kv-compress-xkv-profile .* has 3 layer shares .* 2 attention layers"):
         AsyncEngineArgs.from_cli_args(args).create_engine_config()
+
+
+def test_flag_help_comes_from_setting_docs_and_the_policy_registry():
+    """Help text = the setting's docstring in config.py plus what the policy registry
+    knows (per-policy defaults, the policies a split knob affects), no source parsing."""
+    from kvcompress.config import FLAGS, flag_help, setting_type
+    from kvcompress.policies import POLICY_NAMES
+
+    assert FLAGS["enabled"] == "--kv-compress" and FLAGS["max_kv_per_iteration"] == "--kv-compress-max-kv-per-iteration"
+    assert list(FLAGS) == list(KVCompressConfig.model_fields)
+    assert flag_help("rate") == "Target compression rate: keep ~1/rate of each sequence's KVs. (default: 1.0)"
+    assert flag_help("max_cache_tokens").endswith("(default: none)")
+    assert flag_help("pool").endswith("default: the policy's (max; avg for xkv).")
+    assert "4 for streamingllm" in flag_help("sink_tokens") and "(default" not in flag_help("sink_tokens")
+    assert "(pyramidkv, ada-pyramidkv only)" in flag_help("pyramid_beta")
+    assert "(xkv only)" in flag_help("xkv_profile")
+    assert all(name in flag_help("policy") for name in POLICY_NAMES)
+    assert setting_type("policy") == (str, list(POLICY_NAMES))
+    assert setting_type("observation_window") == (int, None)
+    assert setting_type("ada_floor") == (float, None)
+
+
+def test_validated_section_is_loaded_without_validating_again(monkeypatch, tmp_path):
+    """The front end validates once and stores the values with a digest; the engine
+    core and the workers trust that section. A section edited or written by hand
+    (no matching digest) is validated in full, naming the flag."""
+    import pickle
+
+    from kvcompress.config import VALIDATED_KEY
+
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps([1, 3]))
+    settings = KVCompressConfig.from_dict(
+        {"enabled": True, "rate": 8, "policy": "xkv", "xkv_profile": str(profile)}
+    )
+    section = pickle.loads(pickle.dumps(settings.to_additional_config()))  # as shipped to a process
+    assert VALIDATED_KEY in section and KVCompressConfig.from_dict(section) == settings
+
+    def validate_again(*args, **kwargs):
+        raise AssertionError("validated again")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(KVCompressConfig, "from_dict", classmethod(validate_again))
+        loaded = KVCompressConfig.from_additional_config({"kvcompress": section})
+    assert loaded == settings and loaded.policy_for() == settings.policy_for()
+    assert loaded.policy_for().split.layer_profile == (0.25, 0.75)
+
+    for hand_made in ({**section, "rate": 0.5}, {"enabled": True, "rate": 0.5}, {**section, VALIDATED_KEY: "x", "rate": 0.5}):
+        with pytest.raises(KVCompressConfigError, match="--kv-compress-rate"):
+            KVCompressConfig.from_additional_config({"kvcompress": hand_made})
+    with pytest.raises(KVCompressConfigError, match="ratio: unknown setting"):
+        KVCompressConfig.from_additional_config({"kvcompress": {**section, "ratio": 2}})
+
+
+def test_engine_config_stores_the_validated_section(tmp_path):
+    from kvcompress.config import VALIDATED_KEY
+
+    config = _engine_config(_write_config(tmp_path), **_kvc(rate=4, policy="snapkv"))
+    section = config.additional_config["kvcompress"]
+    assert VALIDATED_KEY in section
+    settings = KVCompressConfig.from_additional_config(config.additional_config)
+    assert (settings.enabled, settings.rate, settings.policy) == (True, 4.0, "snapkv")
+    assert settings == KVCompressConfig.from_dict(section)

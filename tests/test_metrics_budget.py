@@ -19,7 +19,7 @@ from kvcompress.budget import (
     target_pages,
 )
 from kvcompress.config import KVCompressConfig
-from kvcompress.ops import PerHeadPagedCache, paged_attention, write_kv
+from kvcompress.ops import MetricSink, PagedBatch, PerHeadPagedCache, paged_attention, write_kv
 from kvcompress.ops.metrics import accumulate_metrics, attention_metrics, max_pool_metrics
 
 LAYERS, KV_HEADS, GROUP, DIM, BLOCK = 1, 2, 3, 8, 4
@@ -96,10 +96,10 @@ def test_decode_attention_adds_squared_probabilities_to_slot_metrics():
     cache, key_cache, value_cache, slot, keys, _ = _filled_cache(length)
     query = torch.randn(1, KV_HEADS * GROUP, DIM)
     before = cache.slot_metrics.clone()
+    batch = PagedBatch(cache.page_tables[slot, 0], cache.head_lens[slot, 0], [0, 1], torch.tensor([length - 1]))
     paged_attention(
-        query, key_cache, value_cache, cache.slot_positions, cache.page_tables[slot, 0],
-        cache.head_lens[slot, 0], [0, 1], torch.tensor([length - 1]), 0.25,
-        slot_metrics=cache.slot_metrics, metric_seqs=torch.tensor([True]), metric_power=2,
+        query, cache.kv_pool(key_cache, value_cache), batch, 0.25,
+        metrics=MetricSink(torch.tensor([True]), power=2),
     )
     expected = _oracle_metric(query, torch.tensor([length - 1]), keys, 0.25, 2)
     tables = cache.page_tables[slot[0], 0]
@@ -176,3 +176,34 @@ def test_request_fields_override_server_settings():
     assert request_budget(KVCompressConfig(enabled=True), {"kv_compress_rate": 8}).compresses
     with pytest.raises(RequestFieldError, match="without --kv-compress"):
         request_budget(KVCompressConfig(), {"kv_compress_rate": 8})
+
+
+def test_request_fields_keep_their_parsing_and_name_the_first_bad_key():
+    from kvcompress.budget import REQUEST_FIELDS
+
+    assert list(REQUEST_FIELDS) == [
+        "kv_compress", "kv_compress_rate", "kv_compress_max_cache_tokens",
+        "kv_compress_protected_window", "kv_compress_policy", "kv_compress_observation_window",
+    ]
+    server = KVCompressConfig(enabled=True, rate=4)
+    budget = request_budget(
+        server,
+        {"kv_compress": " TRUE ", "kv_compress_rate": "8", "kv_compress_max_cache_tokens": "300",
+         "kv_compress_policy": " H2O", "kv_compress_observation_window": 16.0, "other": "x"},
+    )
+    assert (budget.enabled, budget.rate, budget.max_cache_tokens, budget.policy, budget.observation_window) == (
+        True, 8.0, 300, "h2o", 16
+    )
+    assert not request_budget(server, {"kv_compress": "0"}).enabled
+    for extra, field in (
+        ({"kv_compress_rate": True}, "kv_compress_rate"),  # a JSON boolean is not a number
+        ({"kv_compress_rate": None}, "kv_compress_rate"),
+        ({"kv_compress_rate": float("nan")}, "kv_compress_rate"),
+        ({"kv_compress": "yes"}, "kv_compress"),
+        ({"kv_compress": None}, "kv_compress"),
+        ({"kv_compress_ratio": 1, "kv_compress_rate": 0.5}, "kv_compress_ratio"),
+        ({"kv_compress_rate": 0.5, "kv_compress_ratio": 1}, "kv_compress_rate"),
+    ):
+        with pytest.raises(RequestFieldError, match=field) as error:
+            request_budget(server, extra)
+        assert error.value.field == field
