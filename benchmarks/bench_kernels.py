@@ -52,10 +52,9 @@ import tempfile
 import time
 import traceback
 import types
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from unittest import mock
 
 import torch
 
@@ -63,17 +62,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from kvcompress.ops import move_cache as move_cache_module  # noqa: E402
+from kvcompress.ops import dispatch as ops_dispatch  # noqa: E402
+from kvcompress.ops.compress import compress_sequences, gather_logical  # noqa: E402
 from kvcompress.ops.eviction import schedule_evictions  # noqa: E402
-from kvcompress.ops.move_cache import compress_sequences, gather_logical  # noqa: E402
+from kvcompress.ops.kv_pool import KVPool, MetricSink, PagedBatch, SlotBatch  # noqa: E402
 from kvcompress.ops.move_cache import move_cache as reference_move_cache  # noqa: E402
 from kvcompress.ops.paged_attention import paged_attention as reference_paged_attention  # noqa: E402
 from kvcompress.ops.paged_cache import PerHeadPagedCache, pages_for  # noqa: E402
-
-try:  # written concurrently by another engineer; optional
-    from kvcompress.ops import dispatch as ops_dispatch  # noqa: E402
-except Exception:  # pragma: no cover - absent or broken
-    ops_dispatch = None
 
 # Llama-3.1-8B
 LLAMA = dict(num_layers=32, num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
@@ -107,6 +102,17 @@ class DecodeCase:
     @property
     def max_head_len(self) -> int:
         return int(self.head_lens.max().item()) if self.head_lens.numel() else 0
+
+    def kv_pool(self, slot_metrics: torch.Tensor | None = None) -> KVPool:
+        """The ops' pool over this case's K / V (slot metrics: zeros unless given)."""
+        if slot_metrics is None:
+            slot_metrics = torch.zeros(self.slot_positions.shape, device=self.slot_positions.device)
+        return KVPool(self.key_cache, self.value_cache, self.slot_positions, slot_metrics)
+
+    def paged_batch(self, max_head_len: int | None = None) -> PagedBatch:
+        """The decode batch: one query row per sequence."""
+        return PagedBatch(self.block_tables, self.head_lens, list(range(self.batch + 1)),
+                          self.query_positions, max_head_len=max_head_len)
 
     def kv_bytes(self) -> int:
         """K + V bytes of the held slots (whole pages: a kernel reads whole rows)."""
@@ -370,14 +376,14 @@ class ReferenceOps:
     def paged_decode_attention(out, query, key_cache, value_cache, slot_positions, block_tables, head_lens,
                                query_positions, scale, partition_size=0, slot_metrics=None,
                                metric_seqs=None, metric_power=2, max_head_len=None):
-        reference_paged_attention(query, key_cache, value_cache, slot_positions, block_tables, head_lens,
-                                  list(range(query.shape[0] + 1)), query_positions, scale, out=out,
-                                  slot_metrics=slot_metrics, metric_seqs=metric_seqs,
-                                  metric_power=metric_power)
+        pool = KVPool(key_cache, value_cache, slot_positions, slot_metrics)
+        batch = PagedBatch(block_tables, head_lens, list(range(query.shape[0] + 1)), query_positions)
+        metrics = None if slot_metrics is None else MetricSink(metric_seqs, metric_power)
+        reference_paged_attention(query, pool, batch, scale, out=out, metrics=metrics)
 
     @staticmethod
-    def move_cache(*args):
-        reference_move_cache(*args)
+    def move_cache(key_cache, value_cache, slot_metrics, slot_positions, *moves):
+        reference_move_cache(KVPool(key_cache, value_cache, slot_positions, slot_metrics), *moves)
 
     @staticmethod
     def allocate_pages(page_tables, free_stack, stack_start, offsets, first_column, rows):
@@ -387,7 +393,7 @@ class ReferenceOps:
 
 
 def triton_available(device: torch.device) -> bool:
-    if ops_dispatch is None or device.type != "cuda":
+    if device.type != "cuda":
         return False
     try:
         return "triton" in ops_dispatch.available_backends(device, "paged_attention")
@@ -395,10 +401,10 @@ def triton_available(device: torch.device) -> bool:
         return False
 
 
-def backend_context(name: str):
-    if ops_dispatch is None:
-        return nullcontext()
-    return ops_dispatch.use_backend(name)
+def resolved_ops(device: torch.device, name: str, *ops: str) -> "ops_dispatch.KernelOps":
+    """The kernels of ``ops`` with backend ``name`` forced, resolved once."""
+    with ops_dispatch.use_backend(name):
+        return ops_dispatch.resolve_ops(device, ops)
 
 
 # ----------------------------------------------------------------------------------
@@ -433,9 +439,8 @@ def check_decode_attention(device: torch.device, ops, dtype, head_dim, block_siz
             case.max_head_len if max_head_len_hint else None]
     ops.paged_decode_attention(*args)
     ref = reference_paged_attention(
-        case.query, case.key_cache, case.value_cache, case.slot_positions, case.block_tables,
-        case.head_lens, list(range(batch + 1)), case.query_positions, case.scale,
-        slot_metrics=ref_metrics, metric_seqs=metric_seqs,
+        case.query, case.kv_pool(ref_metrics), case.paged_batch(), case.scale,
+        metrics=MetricSink(metric_seqs) if metrics else None,
     )
     synchronize(device)
     error = rel_error(out.float(), ref.float())
@@ -477,15 +482,13 @@ def check_decode_by_slot(device: torch.device, dtype, head_dim, block_size, grou
     metric_slots = (torch.rand(num_slots, generator=gen) < 0.6).to(torch.int8).to(device)
     start = torch.rand(case.slot_positions.shape, generator=gen).to(device)
     ref_metrics, tri_metrics = start.clone(), start.clone()
-    ref = paged_decode_by_slot_reference(
-        query, case.key_cache, case.value_cache, case.slot_positions, case.block_tables, case.head_lens,
-        seq_slots, query_positions, case.scale, slot_metrics=ref_metrics, metric_slots=metric_slots)
-    out = torch.full_like(query, float("nan"))
     max_len = case.block_tables.shape[2] * block_size * 2  # a bound well above every head
-    paged_decode_by_slot_triton(
-        query, case.key_cache, case.value_cache, case.slot_positions, case.block_tables, case.head_lens,
-        seq_slots, query_positions, case.scale, out=out, slot_metrics=tri_metrics,
-        metric_slots=metric_slots, max_head_len=max_len, partition_size=256)
+    slot_batch = SlotBatch(case.block_tables, case.head_lens, seq_slots, query_positions, max_head_len=max_len)
+    sink = MetricSink(metric_slots)
+    ref = paged_decode_by_slot_reference(query, case.kv_pool(ref_metrics), slot_batch, case.scale, metrics=sink)
+    out = torch.full_like(query, float("nan"))
+    paged_decode_by_slot_triton(query, case.kv_pool(tri_metrics), slot_batch, case.scale, out=out, metrics=sink,
+                                partition_size=256)
     synchronize(device)
     error = rel_error(out.float(), ref.float())
     delta = (ref_metrics - start).abs().max().item()
@@ -515,7 +518,7 @@ def check_move_cache(device, ops, dtype, head_dim, block_size, seed: int) -> dic
     mine = [pool.clone(), metrics.clone(), positions.clone()]
     ref = [pool.clone(), metrics.clone(), positions.clone()]
     ops.move_cache(mine[0][:, 0], mine[0][:, 1], mine[1], mine[2], *moves)
-    reference_move_cache(ref[0][:, 0], ref[0][:, 1], ref[1], ref[2], *moves)
+    reference_move_cache(KVPool(ref[0][:, 0], ref[0][:, 1], ref[2], ref[1]), *moves)
     synchronize(device)
     ok = all(torch.equal(a, b) for a, b in zip(mine, ref))
     return {"op": "move_cache", "dtype": str(dtype).replace("torch.", ""), "head_dim": head_dim,
@@ -664,7 +667,7 @@ def bench_decode(device, timer, dtype, batches, contexts, copy_gbps, mem_fractio
                 row.update(mean_head_len=float(lens.float().mean()), max_head_len=max_len,
                            kv_GB=kv_bytes / 1e9)
                 out = torch.empty_like(case.query)
-                qsl = list(range(batch + 1))
+                kv_pool, paged_batch = case.kv_pool(), case.paged_batch()
                 if cuda_ok:
                     ops = cuda_ops()
                     run = lambda: ops.paged_decode_attention(  # noqa: E731
@@ -679,20 +682,15 @@ def bench_decode(device, timer, dtype, batches, contexts, copy_gbps, mem_fractio
                                                case.slot_positions, case.block_tables, case.head_lens,
                                                case.query_positions, case.scale, 0, None, None, 2, max_len)
                     if batch * context <= 64 * 4096:  # spot check against the reference
-                        ref = reference_paged_attention(
-                            case.query, case.key_cache, case.value_cache, case.slot_positions,
-                            case.block_tables, case.head_lens, qsl, case.query_positions, case.scale)
+                        ref = reference_paged_attention(case.query, kv_pool, paged_batch, case.scale)
                         row["cuda_rel_error"] = rel_error(check.float(), ref.float())
                         del ref
                 if triton_ok:
-                    def run_triton():
-                        with backend_context("triton"):
-                            ops_dispatch.paged_attention(
-                                case.query, case.key_cache, case.value_cache, case.slot_positions,
-                                case.block_tables, case.head_lens, qsl, case.query_positions, case.scale,
-                                out=out, max_head_len=max_len)
                     try:
-                        ms = timer(run_triton)
+                        triton_ops = resolved_ops(device, "triton", "paged_attention")
+                        hinted = case.paged_batch(max_head_len=max_len)
+                        ms = timer(lambda: triton_ops.paged_attention(case.query, kv_pool, hinted, case.scale,
+                                                                      out=out))
                         row.update(triton_ms=ms, triton_GBps=kv_bytes / ms / 1e6)
                     except Exception as exc:
                         row["triton_error"] = repr(exc)[:300]
@@ -708,8 +706,7 @@ def bench_decode(device, timer, dtype, batches, contexts, copy_gbps, mem_fractio
                         row["graph_error"] = repr(exc)[:300]
                 if not cuda_ok and not triton_ok:  # CPU dry run: reference only
                     run_ref = lambda: reference_paged_attention(  # noqa: E731
-                        case.query, case.key_cache, case.value_cache, case.slot_positions,
-                        case.block_tables, case.head_lens, qsl, case.query_positions, case.scale, out=out)
+                        case.query, kv_pool, paged_batch, case.scale, out=out)
                     ms = timer(run_ref, iters=3)
                     row.update(reference_ms=ms, reference_GBps=kv_bytes / ms / 1e6)
                 free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 2**63
@@ -752,15 +749,14 @@ def bench_graph_decode(timer, case: DecodeCase, max_head_len: int, out: torch.Te
     seq_slots = torch.arange(batch, dtype=torch.int32, device=device)
     row_index = torch.arange(batch, dtype=torch.int32, device=device)
     metric_slots = torch.zeros(batch, dtype=torch.int8, device=device)
-    slot_metrics = torch.zeros(case.slot_positions.shape, dtype=torch.float32, device=device)
+    kv_pool = case.kv_pool()
+    slot_batch = SlotBatch(case.block_tables, case.head_lens, seq_slots, case.query_positions,
+                           max_head_len=max_head_len, row_index=row_index)
+    partition_size = graph_partition_size(max_head_len, case.key_cache.shape[1])
 
     def launch():
-        paged_decode_by_slot_triton(
-            case.query, case.key_cache, case.value_cache, case.slot_positions, case.block_tables,
-            case.head_lens, seq_slots, case.query_positions, case.scale, out=out,
-            slot_metrics=slot_metrics, metric_slots=metric_slots, max_head_len=max_head_len,
-            partition_size=graph_partition_size(max_head_len, case.key_cache.shape[1]),
-            row_index=row_index)
+        paged_decode_by_slot_triton(case.query, kv_pool, slot_batch, case.scale, out=out,
+                                    metrics=MetricSink(metric_slots), partition_size=partition_size)
 
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
@@ -777,9 +773,7 @@ def bench_graph_decode(timer, case: DecodeCase, max_head_len: int, out: torch.Te
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize(device)
-        ref = reference_paged_attention(
-            case.query, case.key_cache, case.value_cache, case.slot_positions, case.block_tables,
-            case.head_lens, list(range(batch + 1)), case.query_positions, case.scale)
+        ref = reference_paged_attention(case.query, kv_pool, case.paged_batch(), case.scale)
         error = rel_error(out.float(), ref.float())
     del graph
     return ms, error
@@ -809,15 +803,16 @@ def bench_move_cache(device, timer, dtype, num_moves, cuda_ok, triton_ok, seed=0
     moved = num_moves * (2 * head_dim * pool.element_size() + 8)
     result = {"moves": num_moves, "bytes_per_move": 2 * head_dim * pool.element_size() + 8,
               "GB_read_plus_written": 2 * moved / 1e9}
-    args = (pool[:, 0], pool[:, 1], metrics, positions, *moves)
-    runners = {"reference": lambda: reference_move_cache(*args)}
+    kv_pool = KVPool(pool[:, 0], pool[:, 1], positions, metrics)
+    runners = {"reference": lambda: reference_move_cache(kv_pool, *moves)}
     if cuda_ok:
-        runners["cuda"] = lambda: cuda_ops().move_cache(*args)
-    if triton_ok and ops_dispatch is not None:
-        def run_triton():
-            with backend_context("triton"):
-                ops_dispatch.move_cache(*args)
-        runners["triton"] = run_triton
+        runners["cuda"] = lambda: cuda_ops().move_cache(pool[:, 0], pool[:, 1], metrics, positions, *moves)
+    if triton_ok:
+        try:
+            triton_move = resolved_ops(device, "triton", "move_cache").move_cache
+            runners["triton"] = lambda: triton_move(kv_pool, *moves)
+        except Exception as exc:
+            result["triton"] = {"error": repr(exc)[:300]}
     for name, run in runners.items():
         try:
             ms = timer(run, iters=3 if device.type == "cpu" else None)
@@ -953,22 +948,22 @@ def bench_eviction(device, timer, num_seqs, num_layers, num_kv_heads, tokens, bl
         cache.allocator.free_stack.copy_(saved["free_stack"])
         cache.allocator.num_free = saved["num_free"]
 
-    def compress():
-        return compress_sequences(cache, pool[:, 0], pool[:, 1], seq_slots, evict, context, 32, 4)
-
-    variants = {"reference": (nullcontext, None)}
+    kv_pool = cache.kv_pool(pool[:, 0], pool[:, 1])
+    variants = {"reference": "reference"}  # name -> MoveCache backend
     if cuda_ok:
-        variants["cuda_move_cache"] = (lambda: backend_context("cuda"), lambda *a: cuda_ops().move_cache(*a))
+        variants["cuda_move_cache"] = "cuda"
     if triton_ok:
-        variants["triton_move_cache"] = (lambda: backend_context("triton"),
-                                         lambda *a: ops_dispatch.move_cache(*a))
-    for name, (context_factory, patched) in variants.items():
+        variants["triton_move_cache"] = "triton"
+    for name, backend in variants.items():
         try:
-            patch = mock.patch.object(move_cache_module, "move_cache", patched) if patched else nullcontext()
-            with context_factory(), patch:
-                ms = timer(compress, iters=iters, setup=restore)
-                restore()
-                stats = compress()
+            ops = resolved_ops(device, backend, "move_cache")
+
+            def compress():
+                return compress_sequences(cache, kv_pool, seq_slots, evict, context, 32, 4, ops=ops)
+
+            ms = timer(compress, iters=iters, setup=restore)
+            restore()
+            stats = compress()
             result[f"compress_sequences_{name}_ms"] = ms
             result["pages_freed"] = stats.pages_freed
             result["kvs_evicted"] = stats.kvs_evicted
@@ -1132,9 +1127,7 @@ def dry_run_checks() -> list[dict]:
         lens[0, 0] = 0
         case = make_decode_case(lens, group, head_dim, block_size, torch.float32, "cpu", seed=seed)
         out = torch.full_like(case.query, float("nan"))
-        reference_paged_attention(case.query, case.key_cache, case.value_cache, case.slot_positions,
-                                  case.block_tables, case.head_lens, list(range(4)), case.query_positions,
-                                  case.scale, out=out)
+        reference_paged_attention(case.query, case.kv_pool(), case.paged_batch(), case.scale, out=out)
         error = rel_error(out, dense_decode_oracle(case))
         results.append({"op": "reference_paged_attention_vs_oracle", "dtype": "float32", "head_dim": head_dim,
                         "block_size": block_size, "group": group, "rel_error": error, "ok": error < 1e-5})
@@ -1144,7 +1137,7 @@ def dry_run_checks() -> list[dict]:
     metrics = torch.rand(20, 16, generator=gen)
     positions = torch.arange(320, dtype=torch.int32).view(20, 16)
     before = (pool.clone(), metrics.clone(), positions.clone())
-    reference_move_cache(pool[:, 0], pool[:, 1], metrics, positions, *moves)
+    reference_move_cache(KVPool(pool[:, 0], pool[:, 1], positions, metrics), *moves)
     sp, so, dp, do = moves
     ok = torch.equal(pool[dp, :, do], before[0][sp, :, so]) and torch.equal(positions[dp, do], before[2][sp, so])
     results.append({"op": "move_cache_reference", "ok": bool(ok)})
@@ -1180,7 +1173,7 @@ def main(argv=None) -> int:
         "dtype": args.dtype,
         "environment": {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton_version,
                         "python": platform.python_version(), "host": platform.node(),
-                        "dispatch": ops_dispatch is not None},
+                        "dispatch": True},
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "errors": [],
     }

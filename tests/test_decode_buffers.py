@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcompress.ops import PerHeadPagedCache, write_kv
+from kvcompress.ops import KVPool, MetricSink, PagedBatch, PerHeadPagedCache, SlotBatch, write_kv
 from kvcompress.ops.dispatch import paged_attention, paged_decode_by_slot
 
 LAYERS, KV_HEADS, GROUP, HEAD_DIM, BLOCK = 2, 2, 2, 64, 16
@@ -72,21 +72,23 @@ def test_decode_buffers_match_the_eager_step(power):
         tables = cache.page_tables[batch, layer]
         lens = cache.head_lens[batch, layer]
         expected = paged_attention(
-            query[:num_rows], eager_pool[:, 0], eager_pool[:, 1], cache.slot_positions, tables,
-            lens, list(range(num_rows + 1)), positions, scale, slot_metrics=eager_metrics,
-            metric_seqs=torch.tensor([True, False, True]), metric_power=power,
+            query[:num_rows], KVPool(eager_pool[:, 0], eager_pool[:, 1], cache.slot_positions, eager_metrics),
+            PagedBatch(tables, lens, list(range(num_rows + 1)), positions), scale,
+            metrics=MetricSink(torch.tensor([True, False, True]), power),
         )
         # Buffer path, padded rows included.
         buffer_pool, buffer_metrics = pool.clone(), cache.slot_metrics.clone()
         write_kv(buffer_pool[:, 0], buffer_pool[:, 1], key, value,
                  buffers.write_pages[layer, :padded], buffers.write_offsets[layer, :padded])
         out = torch.full_like(query, float("nan"))
-        paged_decode_by_slot(
-            query, buffer_pool[:, 0], buffer_pool[:, 1], cache.slot_positions,
+        slot_batch = SlotBatch(
             cache.page_tables[:, layer], cache.head_lens[:, layer], buffers.seq_slots[:padded],
-            buffers.query_positions[:padded], scale, out=out, slot_metrics=buffer_metrics,
-            metric_slots=buffers.metric_slots, metric_power=buffers.metric_power,
-            max_head_len=buffers.max_head_len, row_index=buffers.row_index[:padded],
+            buffers.query_positions[:padded], max_head_len=buffers.max_head_len,
+            row_index=buffers.row_index[:padded],
+        )
+        paged_decode_by_slot(
+            query, KVPool(buffer_pool[:, 0], buffer_pool[:, 1], cache.slot_positions, buffer_metrics),
+            slot_batch, scale, out=out, metrics=MetricSink(buffers.metric_slots, buffers.metric_power),
         )
         torch.testing.assert_close(out[:num_rows], expected, atol=1e-6, rtol=1e-5)
         assert torch.equal(out[num_rows:], torch.zeros_like(out[num_rows:]))

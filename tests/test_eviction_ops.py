@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcompress.ops import (
+    KVPool,
     PerHeadPagedCache,
     compress_sequences,
     evictable_blocks,
@@ -302,7 +303,7 @@ def test_move_cache_moves_every_field_through_strided_views():
     before = (key_cache.clone(), value_cache.clone(), metrics.clone(), positions.clone())
     src = (torch.tensor([3, 2]), torch.tensor([2, 0]))
     dst = (torch.tensor([0, 0]), torch.tensor([1, 2]))
-    move_cache(key_cache, value_cache, metrics, positions, *src, *dst)
+    move_cache(KVPool(key_cache, value_cache, positions, metrics), *src, *dst)
     for now, old in zip((key_cache, value_cache, metrics, positions), before):
         assert torch.equal(now[dst], old[src])
         untouched = torch.ones(4, 3, dtype=torch.bool)
@@ -319,8 +320,9 @@ class _Model:
         self.cache = PerHeadPagedCache(
             num_pages, num_layers, num_heads, block_size, max_seqs=num_seqs, max_pages_per_head=40
         )
-        pool = torch.zeros(num_pages, 2, block_size, head_dim)  # strided K / V views
-        self.key_cache, self.value_cache = pool[:, 0], pool[:, 1]
+        buffer = torch.zeros(num_pages, 2, block_size, head_dim)  # strided K / V views
+        self.key_cache, self.value_cache = buffer[:, 0], buffer[:, 1]
+        self.pool = self.cache.kv_pool(self.key_cache, self.value_cache)
         self.slots = torch.tensor([self.cache.new_sequence() for _ in range(num_seqs)])
         self.context = [0] * num_seqs
         self.shape = (num_seqs, num_layers, num_heads)
@@ -427,8 +429,7 @@ def test_compress_sequences_keeps_exactly_the_unevicted_kvs(
         expected = schedule_evictions(metrics, old_lens, protected, wanted, block_size, block_cost)
 
         result = compress_sequences(
-            cache, model.key_cache, model.value_cache, model.slots, wanted,
-            context, window, sinks, block_cost,
+            cache, model.pool, model.slots, wanted, context, window, sinks, block_cost=block_cost,
         )
         assert torch.equal(result.new_head_lens, expected.new_head_lens)
         assert torch.equal(result.evict_blocks, expected.evict_blocks)
@@ -474,15 +475,15 @@ def test_batched_compression_equals_one_sequence_at_a_time(seed, block_size, blo
         wanted = torch.tensor(rng.integers(0, 10, size=num_seqs))
         batched, single = models
         result = compress_sequences(
-            batched.cache, batched.key_cache, batched.value_cache, batched.slots, wanted,
-            context, window, sinks, block_cost,
+            batched.cache, batched.pool, batched.slots, wanted, context, window, sinks,
+            block_cost=block_cost,
         )
         freed = 0
         for s in range(num_seqs):
             pick = slice(s, s + 1)
             one = compress_sequences(
-                single.cache, single.key_cache, single.value_cache, single.slots[pick], wanted[pick],
-                context[pick], window[pick], sinks[pick], block_cost,
+                single.cache, single.pool, single.slots[pick], wanted[pick],
+                context[pick], window[pick], sinks[pick], block_cost=block_cost,
             )
             assert torch.equal(one.new_head_lens[0], result.new_head_lens[s])
             assert torch.equal(one.evict_blocks[0], result.evict_blocks[s])
@@ -506,7 +507,7 @@ def test_compress_frees_pages_and_new_pages_reuse_them():
     model.append([10], tie_heavy=False)  # 2 heads x 3 pages = 6 of 8
     assert model.cache.allocator.num_free == 2
     result = compress_sequences(
-        model.cache, model.key_cache, model.value_cache, model.slots,
+        model.cache, model.pool, model.slots,
         torch.tensor([3]), torch.tensor([10]), torch.tensor([2]), torch.tensor([0]),
     )
     assert result.pages_freed == 3 and model.cache.allocator.num_free == 5

@@ -9,8 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcompress.ops import (
+    KVPool,
     OutOfPagesError,
     PageAllocator,
+    PagedBatch,
     PerHeadPagedCache,
     paged_attention,
     write_kv,
@@ -89,7 +91,7 @@ def test_fill_page_tables_matches_a_python_loop(backend):
     """The allocator's page-table scatter (dispatched; on CPU every choice but a forced
     "cuda" runs the reference) against a per-page loop, zero demands included."""
     from kvcompress.ops import dispatch
-    from kvcompress.ops.paged_cache import fill_page_tables
+    from kvcompress.ops.page_tables import fill_page_tables
 
     generator = torch.Generator().manual_seed(7)
     num_rows, max_pages = 24, 10
@@ -118,8 +120,8 @@ def test_fill_page_tables_matches_a_python_loop(backend):
 
 
 def _random_cache(seed, lengths_per_head, block_size, head_dim, dtype):
-    """A pool with ragged per-head lengths written in a scrambled page order,
-    plus the dense per-head K/V (and positions) that the pages should hold."""
+    """A pool with ragged per-head lengths written in a scrambled page order, its
+    tables, plus the dense per-head K/V (and positions) that the pages should hold."""
     generator = torch.Generator().manual_seed(seed)
     num_seqs, num_kv_heads = lengths_per_head.shape
     num_pages = 512
@@ -142,7 +144,8 @@ def _random_cache(seed, lengths_per_head, block_size, head_dim, dtype):
             k = key_cache[tables[s, h, : len(pages)]].reshape(-1, head_dim)[:n]
             v = value_cache[tables[s, h, : len(pages)]].reshape(-1, head_dim)[:n]
             dense[(s, h)] = (k.double(), v.double(), positions)
-    return key_cache, value_cache, slot_positions, tables, dense
+    slot_metrics = torch.zeros(num_pages, block_size)
+    return KVPool(key_cache, value_cache, slot_positions, slot_metrics), tables, dense
 
 
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -151,9 +154,7 @@ def test_paged_attention_matches_float64_dense_oracle(dtype, tolerance, block_si
     generator = torch.Generator().manual_seed(1)
     num_kv_heads, group, head_dim = 2, 4, 64
     lengths = torch.tensor([[37, 5], [1, 70], [33, 33]])
-    key_cache, value_cache, slot_positions, tables, dense = _random_cache(
-        2, lengths, block_size, head_dim, dtype
-    )
+    pool, tables, dense = _random_cache(2, lengths, block_size, head_dim, dtype)
     # Seq 0: 3 prefill-continuation queries; seq 1: one decode; seq 2: 7 queries.
     query_lens = [3, 1, 7]
     query_start = np.concatenate([[0], np.cumsum(query_lens)]).tolist()
@@ -164,10 +165,8 @@ def test_paged_attention_matches_float64_dense_oracle(dtype, tolerance, block_si
     query_positions = torch.tensor(query_positions)
     query = torch.randn(query_start[-1], num_kv_heads * group, head_dim, generator=generator).to(dtype)
     scale = head_dim**-0.5
-    out = paged_attention(
-        query, key_cache, value_cache, slot_positions, tables, lengths, query_start,
-        query_positions, scale, max_query_chunk=4,
-    )
+    batch = PagedBatch(tables, lengths, query_start, query_positions)
+    out = paged_attention(query, pool, batch, scale, max_query_chunk=4)
     for s in range(3):
         for t in range(query_start[s], query_start[s + 1]):
             for qh in range(num_kv_heads * group):
@@ -186,8 +185,9 @@ def test_write_then_attend_equals_dense_causal_attention():
     torch.manual_seed(3)
     layers, heads, group, head_dim, block_size = 1, 2, 3, 64, 16
     cache = PerHeadPagedCache(64, layers, heads, block_size, max_seqs=2, max_pages_per_head=16)
-    pool = torch.zeros(64, 2, block_size, head_dim)
-    key_cache, value_cache = pool[:, 0], pool[:, 1]
+    buffer = torch.zeros(64, 2, block_size, head_dim)
+    key_cache, value_cache = buffer[:, 0], buffer[:, 1]
+    pool = cache.kv_pool(key_cache, value_cache)
     seq = torch.tensor([cache.new_sequence()])
     total = 45
     queries = torch.randn(total, heads * group, head_dim)
@@ -198,11 +198,9 @@ def test_write_then_attend_equals_dense_causal_attention():
         plan = cache.append(seq, torch.tensor([end - start]), torch.arange(start, end))
         write_kv(key_cache, value_cache, keys[start:end], values[start:end],
                  plan.write_pages[0], plan.write_offsets[0])
-        paged_attention(
-            queries[start:end], key_cache, value_cache, cache.slot_positions,
-            cache.page_tables[seq, 0], cache.head_lens[seq, 0], [0, end - start],
-            torch.arange(start, end), head_dim**-0.5, out=outputs[start:end],
-        )
+        batch = PagedBatch(cache.page_tables[seq, 0], cache.head_lens[seq, 0], [0, end - start],
+                           torch.arange(start, end))
+        paged_attention(queries[start:end], pool, batch, head_dim**-0.5, out=outputs[start:end])
     expected = dense_causal_attention(queries, keys, values, head_dim**-0.5)
     assert torch.allclose(outputs.double(), expected, atol=1e-5)
 

@@ -17,6 +17,7 @@ import importlib
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 _WANT_CUDA = os.environ.get("KVCOMPRESS_TRITON_TEST_DEVICE", "cpu") == "cuda"
 _PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
@@ -29,6 +30,7 @@ import torch  # noqa: E402
 triton = pytest.importorskip("triton")
 
 from kvcompress.ops import dispatch  # noqa: E402
+from kvcompress.ops.kv_pool import KVPool, MetricSink, PagedBatch, SlotBatch  # noqa: E402
 from kvcompress.ops.move_cache import move_cache as reference_move_cache  # noqa: E402
 from kvcompress.ops.paged_attention import paged_attention as reference_attention  # noqa: E402
 
@@ -86,8 +88,9 @@ def _random_cache(seed, lengths, block_size, head_dim, dtype, num_pages=96, spre
     """Pool with ragged per-head lengths (as after eviction), pages in scrambled order,
     positions distinct but neither contiguous nor sorted in slot order (as after MoveCache).
 
-    Returns (key_cache, value_cache, slot_positions, block_tables, max_position); the
-    K/V caches are strided views ``pool[:, 0]``, ``pool[:, 1]`` of a ``[N, 2, b, D]`` pool.
+    Returns (KVPool, block_tables, max_position per sequence); the K/V caches are
+    strided views ``pool[:, 0]``, ``pool[:, 1]`` of a ``[N, 2, b, D]`` buffer, the slot
+    metrics zeros.
     """
     generator = torch.Generator().manual_seed(seed)
     num_seqs, num_kv_heads = lengths.shape
@@ -110,29 +113,29 @@ def _random_cache(seed, lengths, block_size, head_dim, dtype, num_pages=96, spre
                 slot_positions[pages[i // block_size], i % block_size] = int(positions[i])
             seq_top = max(seq_top, int(positions.max()) if n else 0)
         top.append(seq_top)
-    dev = DEVICE
-    pool = pool.to(dev)
-    return pool[:, 0], pool[:, 1], slot_positions.to(dev), tables.to(dev), top
+    pool = pool.to(DEVICE)
+    slot_metrics = torch.zeros(num_pages, block_size, device=DEVICE)
+    kv_pool = KVPool(pool[:, 0], pool[:, 1], slot_positions.to(DEVICE), slot_metrics)
+    return kv_pool, tables.to(DEVICE), top
 
 
-def _run_both(query, key_cache, value_cache, positions, tables, lens, starts, query_pos, *,
-              metrics=None, flags=None, power=2, **triton_kwargs):
-    """Reference and Triton results (Triton's output buffer poisoned with NaN first)."""
+def _run_both(query, pool, batch, *, metrics=None, flags=None, power=2, **triton_kwargs):
+    """Reference and Triton results (Triton's output buffer poisoned with NaN first);
+    with ``metrics`` (start values) and ``flags``, each adds into its own copy."""
     triton_attention, _ = _kernels()
     scale = query.shape[-1] ** -0.5
-    ref_metrics = None if metrics is None else metrics.clone()
-    tri_metrics = None if metrics is None else metrics.clone()
-    expected = reference_attention(
-        query, key_cache, value_cache, positions, tables, lens, starts, query_pos, scale,
-        slot_metrics=ref_metrics, metric_seqs=flags, metric_power=power,
-    )
+    sink = None if metrics is None else MetricSink(flags, power)
+    ref_pool = pool if metrics is None else replace(pool, slot_metrics=metrics.clone())
+    tri_pool = pool if metrics is None else replace(pool, slot_metrics=metrics.clone())
+    expected = reference_attention(query, ref_pool, batch, scale, metrics=sink)
     out = torch.full_like(query, float("nan"))
     result = triton_attention.paged_attention_triton(
-        query, key_cache, value_cache, positions, tables, lens, starts, query_pos, scale,
-        out=out, slot_metrics=tri_metrics, metric_seqs=flags, metric_power=power, **triton_kwargs,
+        query, tri_pool, batch, scale, out=out, metrics=sink, **triton_kwargs
     )
     assert result is out
-    return expected, out, ref_metrics, tri_metrics
+    if metrics is None:
+        return expected, out, None, None
+    return expected, out, ref_pool.slot_metrics, tri_pool.slot_metrics
 
 
 def _assert_close(actual, expected, dtype):
@@ -151,18 +154,13 @@ def test_decode_with_partitions_matches_reference(group, dtype):
     per head (partition = 2 pages), some keys invisible to the query by position."""
     block_size, head_dim, kv_heads = 16, 64, 2
     lengths = torch.tensor([[37, 5], [1, 70], [33, 0], [20, 64]])
-    key_cache, value_cache, positions, tables, top = _random_cache(
-        group, lengths, block_size, head_dim, dtype
-    )
+    pool, tables, top = _random_cache(group, lengths, block_size, head_dim, dtype)
     # Seq 0 sees all its keys; the others only those at positions <= their query's.
     query_pos = torch.tensor([top[0], 60, 40, 3], device=DEVICE)
     query = torch.randn(4, kv_heads * group, head_dim).to(dtype).to(DEVICE)
-    starts = [0, 1, 2, 3, 4]
+    batch = PagedBatch(tables, lengths.to(DEVICE), [0, 1, 2, 3, 4], query_pos)
     for partition_size in (32, 512):  # v2 (split + reduce) and v1 (single partition)
-        expected, out, _, _ = _run_both(
-            query, key_cache, value_cache, positions, tables, lengths.to(DEVICE), starts, query_pos,
-            partition_size=partition_size,
-        )
+        expected, out, _, _ = _run_both(query, pool, batch, partition_size=partition_size)
         _assert_close(out, expected, dtype)
     # The empty head's query group reads nothing: zeros, like the reference.
     assert torch.equal(out[2, group:].float().cpu(), torch.zeros(group, head_dim))
@@ -174,15 +172,10 @@ def test_decode_with_partitions_matches_reference(group, dtype):
 )
 def test_decode_head_sizes_block_sizes_dtypes(head_dim, block_size, dtype):
     lengths = torch.tensor([[45, 100], [3, 64]])
-    key_cache, value_cache, positions, tables, top = _random_cache(
-        7, lengths, block_size, head_dim, dtype, num_pages=32
-    )
+    pool, tables, top = _random_cache(7, lengths, block_size, head_dim, dtype, num_pages=32)
     query = torch.randn(2, 4, head_dim).to(dtype).to(DEVICE)
-    query_pos = torch.tensor(top, device=DEVICE)
-    expected, out, _, _ = _run_both(
-        query, key_cache, value_cache, positions, tables, lengths.to(DEVICE), [0, 1, 2], query_pos,
-        partition_size=64,
-    )
+    batch = PagedBatch(tables, lengths.to(DEVICE), [0, 1, 2], torch.tensor(top, device=DEVICE))
+    expected, out, _, _ = _run_both(query, pool, batch, partition_size=64)
     _assert_close(out, expected, dtype)
 
 
@@ -196,18 +189,16 @@ def test_decode_metrics_match_reference_deltas(power, dtype):
     sequences only; every other slot of the pool keeps its value bit for bit."""
     block_size, head_dim, kv_heads, group = 16, 64, 2, 2
     lengths = torch.tensor([[37, 5], [1, 70], [33, 33], [20, 64]])
-    key_cache, value_cache, positions, tables, top = _random_cache(
-        11, lengths, block_size, head_dim, dtype
-    )
-    num_pages = key_cache.shape[0]
+    pool, tables, top = _random_cache(11, lengths, block_size, head_dim, dtype)
+    num_pages = pool.key_cache.shape[0]
     base = torch.rand(num_pages, block_size, generator=torch.Generator().manual_seed(5)).to(DEVICE)
     flags = torch.tensor([True, True, False, True], device=DEVICE)
     query_pos = torch.tensor([top[0], top[1], top[2], 50], device=DEVICE)
     query = torch.randn(4, kv_heads * group, head_dim).to(dtype).to(DEVICE)
+    batch = PagedBatch(tables, lengths.to(DEVICE), [0, 1, 2, 3, 4], query_pos)
     for partition_size in (32, 512):
         expected, out, ref_metrics, tri_metrics = _run_both(
-            query, key_cache, value_cache, positions, tables, lengths.to(DEVICE), [0, 1, 2, 3, 4],
-            query_pos, metrics=base, flags=flags, power=power, partition_size=partition_size,
+            query, pool, batch, metrics=base, flags=flags, power=power, partition_size=partition_size,
         )
         _assert_close(out, expected, dtype)
         ref_delta, tri_delta = ref_metrics - base, tri_metrics - base
@@ -235,9 +226,7 @@ def test_decode_by_slot_matches_reference(power, dtype):
     block_size, head_dim, kv_heads, group = 16, 64, 2, 2
     # Slot 5 is the empty padding slot.
     lengths = torch.tensor([[37, 5], [1, 70], [33, 33], [20, 64], [16, 0], [0, 0]])
-    key_cache, value_cache, positions, tables, top = _random_cache(
-        13, lengths, block_size, head_dim, dtype
-    )
+    pool, tables, top = _random_cache(13, lengths, block_size, head_dim, dtype)
     # Wide tables, like PerHeadPagedCache.page_tables[:, layer] (max_model_len columns).
     wide = torch.zeros(tables.shape[0], kv_heads, 16, dtype=torch.int64, device=DEVICE)
     wide[:, :, : tables.shape[2]] = tables
@@ -245,22 +234,22 @@ def test_decode_by_slot_matches_reference(power, dtype):
     query_pos = torch.tensor([50, top[1], 0, top[0], top[4], 0], device=DEVICE)
     metric_slots = torch.tensor([1, 1, 0, 1, 0, 0], dtype=torch.int8, device=DEVICE)
     query = torch.randn(6, kv_heads * group, head_dim).to(dtype).to(DEVICE)
-    base = torch.rand(*positions.shape, generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    lens = lengths.to(DEVICE)
+    base = torch.rand(*pool.slot_positions.shape, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     scale = head_dim ** -0.5
     ref_metrics = base.clone()
+    # Only the kernels read max_head_len: a bound far above every head, as under a graph.
+    batch = SlotBatch(wide, lengths.to(DEVICE), seq_slots, query_pos, max_head_len=16 * block_size)
+    sink = MetricSink(metric_slots, power)
     expected = paged_decode_by_slot_reference(
-        query, key_cache, value_cache, positions, wide, lens, seq_slots, query_pos, scale,
-        slot_metrics=ref_metrics, metric_slots=metric_slots, metric_power=power,
+        query, replace(pool, slot_metrics=ref_metrics), batch, scale, metrics=sink
     )
     assert torch.equal(expected[2].float().cpu(), torch.zeros(kv_heads * group, head_dim))
     for partition_size in (32, 512):
         out = torch.full_like(query, float("nan"))
         tri_metrics = base.clone()
         triton_attention.paged_decode_by_slot_triton(
-            query, key_cache, value_cache, positions, wide, lens, seq_slots, query_pos, scale,
-            out=out, slot_metrics=tri_metrics, metric_slots=metric_slots, metric_power=power,
-            max_head_len=16 * block_size, partition_size=partition_size,
+            query, replace(pool, slot_metrics=tri_metrics), batch, scale, out=out, metrics=sink,
+            partition_size=partition_size,
         )
         _assert_close(out, expected, dtype)
         ref_delta, tri_delta = ref_metrics - base, tri_metrics - base
@@ -272,10 +261,7 @@ def test_decode_by_slot_matches_reference(power, dtype):
         assert torch.equal(tri_metrics[wide[4, 0, :1]], base[wide[4, 0, :1]])
     # Dispatch: forced Triton runs this kernel; the reference is the CPU default.
     with dispatch.use_backend("triton"):
-        out = dispatch.paged_decode_by_slot(
-            query, key_cache, value_cache, positions, wide, lens, seq_slots, query_pos, scale,
-            max_head_len=16 * block_size,
-        )
+        out = dispatch.paged_decode_by_slot(query, pool, batch, scale)
     _assert_close(out, expected, dtype)
 
 
@@ -290,9 +276,7 @@ def test_mixed_prefill_and_decode_batch(group, dtype):
     key; seq 3: decode with several partitions; seq 4: a fresh prefill over ragged heads."""
     block_size, head_dim, kv_heads = 16, 64, 2
     lengths = torch.tensor([[37, 5], [1, 70], [33, 40], [50, 64], [9, 9]])
-    key_cache, value_cache, positions, tables, top = _random_cache(
-        3 + group, lengths, block_size, head_dim, dtype
-    )
+    pool, tables, top = _random_cache(3 + group, lengths, block_size, head_dim, dtype)
     query_lens = [3, 1, 21, 1, 9]
     starts = [0]
     for n in query_lens:
@@ -305,10 +289,8 @@ def test_mixed_prefill_and_decode_batch(group, dtype):
             query_pos += list(range(top[s] - n + 1, top[s] + 1))
     query_pos = torch.tensor(query_pos, device=DEVICE)
     query = torch.randn(starts[-1], kv_heads * group, head_dim).to(dtype).to(DEVICE)
-    expected, out, _, _ = _run_both(
-        query, key_cache, value_cache, positions, tables, lengths.to(DEVICE), starts, query_pos,
-        partition_size=32, block_m=16, varlen_tile=32,
-    )
+    batch = PagedBatch(tables, lengths.to(DEVICE), starts, query_pos)
+    expected, out, _, _ = _run_both(query, pool, batch, partition_size=32, block_m=16, varlen_tile=32)
     _assert_close(out, expected, dtype)
     assert torch.equal(out[4:6].float().cpu(), torch.zeros(2, kv_heads * group, head_dim))
 
@@ -322,8 +304,9 @@ def test_write_then_attend_through_the_paged_cache_in_chunks():
     torch.manual_seed(3)
     heads, group, head_dim, block_size = 2, 2, 64, 16
     cache = PerHeadPagedCache(32, 1, heads, block_size, max_seqs=2, max_pages_per_head=8, device=DEVICE)
-    pool = torch.zeros(32, 2, block_size, head_dim, device=DEVICE)
-    key_cache, value_cache = pool[:, 0], pool[:, 1]
+    buffer = torch.zeros(32, 2, block_size, head_dim, device=DEVICE)
+    key_cache, value_cache = buffer[:, 0], buffer[:, 1]
+    pool = cache.kv_pool(key_cache, value_cache)
     seq = torch.tensor([cache.new_sequence()], device=DEVICE)
     total = 40
     queries = torch.randn(total, heads * group, head_dim, device=DEVICE)
@@ -333,9 +316,9 @@ def test_write_then_attend_through_the_paged_cache_in_chunks():
         plan = cache.append(seq, torch.tensor([end - start]), torch.arange(start, end))
         write_kv(key_cache, value_cache, keys[start:end], values[start:end],
                  plan.write_pages[0], plan.write_offsets[0])
-        args = (queries[start:end], key_cache, value_cache, cache.slot_positions,
-                cache.page_tables[seq, 0], cache.head_lens[seq, 0], [0, end - start],
-                torch.arange(start, end, device=DEVICE), head_dim**-0.5)
+        batch = PagedBatch(cache.page_tables[seq, 0], cache.head_lens[seq, 0], [0, end - start],
+                           torch.arange(start, end, device=DEVICE))
+        args = (queries[start:end], pool, batch, head_dim**-0.5)
         expected = reference_attention(*args)
         out = torch.full_like(expected, float("nan"))
         triton_attention.paged_attention_triton(*args, out=out, partition_size=16)
@@ -365,9 +348,10 @@ def test_move_cache_is_bit_exact(dtype):
         return pool.clone().to(DEVICE), metrics.clone().to(DEVICE), positions.clone().to(DEVICE)
 
     ref_pool, ref_metrics, ref_positions = copies()
-    reference_move_cache(ref_pool[:, 0], ref_pool[:, 1], ref_metrics, ref_positions, *moves)
+    reference_move_cache(KVPool(ref_pool[:, 0], ref_pool[:, 1], ref_positions, ref_metrics), *moves)
     tri_pool, tri_metrics, tri_positions = copies()
-    triton_move_cache.move_cache_triton(tri_pool[:, 0], tri_pool[:, 1], tri_metrics, tri_positions, *moves)
+    tri_kv_pool = KVPool(tri_pool[:, 0], tri_pool[:, 1], tri_positions, tri_metrics)
+    triton_move_cache.move_cache_triton(tri_kv_pool, *moves)
     assert not torch.equal(ref_pool, pool.to(DEVICE))  # something moved
     bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
     assert torch.equal(tri_pool.view(bits), ref_pool.view(bits))
@@ -375,8 +359,7 @@ def test_move_cache_is_bit_exact(dtype):
     assert torch.equal(tri_positions, ref_positions)
     # No moves: nothing happens (and no launch with an empty grid).
     empty = torch.empty(0, dtype=torch.int64, device=DEVICE)
-    triton_move_cache.move_cache_triton(tri_pool[:, 0], tri_pool[:, 1], tri_metrics, tri_positions,
-                                        empty, empty, empty, empty)
+    triton_move_cache.move_cache_triton(tri_kv_pool, empty, empty, empty, empty)
     assert torch.equal(tri_metrics, ref_metrics)
 
 
@@ -385,10 +368,10 @@ def test_move_cache_is_bit_exact(dtype):
 
 def _small_decode_case():
     lengths = torch.tensor([[20, 7], [1, 33]])
-    key_cache, value_cache, positions, tables, top = _random_cache(1, lengths, 16, 64, torch.float32, num_pages=16)
+    pool, tables, top = _random_cache(1, lengths, 16, 64, torch.float32, num_pages=16)
     query = torch.randn(2, 4, 64, device=DEVICE)
-    return (query, key_cache, value_cache, positions, tables, lengths.to(DEVICE), [0, 1, 2],
-            torch.tensor(top, device=DEVICE), 0.125)
+    batch = PagedBatch(tables, lengths.to(DEVICE), [0, 1, 2], torch.tensor(top, device=DEVICE))
+    return query, pool, batch, 0.125
 
 
 @pytest.mark.skipif(_WANT_CUDA, reason="CPU dispatch rules")
@@ -430,12 +413,11 @@ def test_dispatch_forced_triton_under_interpreter(monkeypatch):
     # The environment variable works too, for both ops.
     monkeypatch.setenv(dispatch.ENV_VAR, "triton")
     assert dispatch.selected_backend("cpu", "move_cache") == "triton"
-    key_cache, value_cache, positions = args[1], args[2], args[3]
-    metrics = torch.zeros(positions.shape, device=DEVICE)
+    pool = args[1]
     one = torch.tensor([0], device=DEVICE)
-    moved = key_cache[1, 3].clone()
-    dispatch.move_cache(key_cache, value_cache, metrics, positions, one + 1, one + 3, one, one)
-    assert torch.equal(key_cache[0, 0], moved)
+    moved = pool.key_cache[1, 3].clone()
+    dispatch.move_cache(pool, one + 1, one + 3, one, one)
+    assert torch.equal(pool.key_cache[0, 0], moved)
     # Forced Triton without the interpreter on CPU tensors is refused.
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(dispatch.BackendUnavailableError, match="TRITON_INTERPRET"):
@@ -463,14 +445,15 @@ def test_kernel_layer_imports_without_triton():
     code = (
         "import sys; sys.modules['triton'] = None\n"
         "import torch\n"
-        "from kvcompress.ops import dispatch, triton_attention, triton_move_cache\n"
+        "from kvcompress.ops import KVPool, PagedBatch, dispatch, triton_attention, triton_move_cache\n"
         "assert not triton_attention.HAS_TRITON and not triton_move_cache.HAS_TRITON\n"
         "assert dispatch.selected_backend('cpu') == 'reference'\n"
         "q = torch.randn(1, 2, 64); kc = torch.randn(2, 16, 64)\n"
         "pos = torch.arange(32, dtype=torch.int32).view(2, 16)\n"
         "tables = torch.zeros(1, 1, 1, dtype=torch.long)\n"
-        "out = dispatch.paged_attention(\n"
-        "    q, kc, kc, pos, tables, torch.tensor([[5]]), [0, 1], torch.tensor([9]), 0.1)\n"
+        "pool = KVPool(kc, kc, pos, torch.zeros(2, 16))\n"
+        "batch = PagedBatch(tables, torch.tensor([[5]]), [0, 1], torch.tensor([9]))\n"
+        "out = dispatch.paged_attention(q, pool, batch, 0.1)\n"
         "assert out.shape == q.shape and not out.isnan().any()\n"
         "with dispatch.use_backend('triton'):\n"
         "    try:\n"
@@ -515,14 +498,14 @@ def _fake_cuda_ops():
         def decode(out, query, key_cache, value_cache, slot_positions, block_tables, head_lens,
                    query_positions, scale, partition_size, slot_metrics, metric_seqs, metric_power):
             _fake_calls.append(("paged_decode_attention", partition_size))
-            starts = list(range(query.shape[0] + 1))
-            reference_attention(query, key_cache, value_cache, slot_positions, block_tables, head_lens,
-                                starts, query_positions, scale, out=out, slot_metrics=slot_metrics,
-                                metric_seqs=metric_seqs, metric_power=metric_power)
+            pool = KVPool(key_cache, value_cache, slot_positions, slot_metrics)
+            batch = PagedBatch(block_tables, head_lens, list(range(query.shape[0] + 1)), query_positions)
+            sink = None if slot_metrics is None else MetricSink(metric_seqs, metric_power)
+            reference_attention(query, pool, batch, scale, out=out, metrics=sink)
 
-        def move(*args):
+        def move(key_cache, value_cache, slot_metrics, slot_positions, *moves):
             _fake_calls.append(("move_cache",))
-            reference_move_cache(*args)
+            reference_move_cache(KVPool(key_cache, value_cache, slot_positions, slot_metrics), *moves)
 
         _fake_library.impl("paged_decode_attention", decode, "CPU")
         _fake_library.impl("move_cache", move, "CPU")
@@ -540,36 +523,37 @@ def test_dispatch_cuda_branch_with_stand_in_ops(monkeypatch):
     monkeypatch.setattr(dispatch, "_cuda_op", lambda op: ops[op])
     monkeypatch.setenv(dispatch.ENV_VAR, "cuda")
     _fake_calls.clear()
-    args = _small_decode_case()
-    metrics = torch.rand(args[3].shape, generator=torch.Generator().manual_seed(0))
-    flags = torch.tensor([True, False])
+    query, pool, batch, scale = _small_decode_case()
+    metrics = torch.rand(pool.slot_positions.shape, generator=torch.Generator().manual_seed(0))
+    sink = MetricSink(torch.tensor([True, False]))
     expected_metrics = metrics.clone()
-    expected = reference_attention(*args, slot_metrics=expected_metrics, metric_seqs=flags)
-    out = torch.full_like(args[0], float("nan"))
-    dispatch.paged_attention(*args, out=out, slot_metrics=metrics, metric_seqs=flags, partition_size=64)
+    expected = reference_attention(query, replace(pool, slot_metrics=expected_metrics), batch, scale, metrics=sink)
+    out = torch.full_like(query, float("nan"))
+    pool = replace(pool, slot_metrics=metrics)
+    dispatch.paged_attention(query, pool, batch, scale, out=out, metrics=sink, partition_size=64)
     assert _fake_calls == [("paged_decode_attention", 64)]
     torch.testing.assert_close(out, expected)
     torch.testing.assert_close(metrics, expected_metrics)
 
     # A prefill row: the decode-only op is skipped, Triton runs the batch.
-    query, key_cache, value_cache, positions, tables, lens, _, _, scale = args
     mixed = torch.randn(4, 4, 64)
-    mixed_pos = torch.tensor([5, 6, 7, 40])
-    mixed_args = (mixed, key_cache, value_cache, positions, tables, lens, [0, 3, 4], mixed_pos, scale)
-    expected = reference_attention(*mixed_args)
-    got = dispatch.paged_attention(*mixed_args)
+    mixed_batch = PagedBatch(batch.block_tables, batch.head_lens, [0, 3, 4], torch.tensor([5, 6, 7, 40]))
+    expected = reference_attention(mixed, pool, mixed_batch, scale)
+    got = dispatch.paged_attention(mixed, pool, mixed_batch, scale)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     # Head size 80 has no CUDA kernel: Triton again.
     odd = torch.randn(2, 4, 80)
-    odd_cache = torch.randn(key_cache.shape[0], 16, 80)
-    expected = reference_attention(odd, odd_cache, odd_cache, *args[3:])
-    torch.testing.assert_close(dispatch.paged_attention(odd, odd_cache, odd_cache, *args[3:]), expected,
+    odd_cache = torch.randn(pool.key_cache.shape[0], 16, 80)
+    odd_pool = replace(pool, key_cache=odd_cache, value_cache=odd_cache)
+    expected = reference_attention(odd, odd_pool, batch, scale)
+    torch.testing.assert_close(dispatch.paged_attention(odd, odd_pool, batch, scale), expected,
                                atol=1e-5, rtol=1e-5)
     assert _fake_calls == [("paged_decode_attention", 64)]
 
     one = torch.tensor([0])
-    dispatch.move_cache(key_cache, value_cache, metrics, positions, one + 1, one + 3, one, one)
+    dispatch.move_cache(pool, one + 1, one + 3, one, one)
     assert _fake_calls[-1] == ("move_cache",)
+    key_cache = pool.key_cache
     assert torch.equal(key_cache[0, 0], key_cache[1, 3]) and torch.equal(metrics[0, 0], metrics[1, 3])
 
 
@@ -584,6 +568,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import kvcompress.ops.triton_attention as ta
 import kvcompress.ops.triton_move_cache as tm
+from kvcompress.ops.kv_pool import KVPool, MetricSink, PagedBatch
 
 TY = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
       torch.int32: "i32", torch.int8: "i8"}
@@ -604,11 +589,11 @@ def attention(dtype, head_dim, group, block_size, partition_size, metrics):
     lens = torch.tensor([[40, 5], [70, 3], [16, 16]])
     pool = torch.zeros(64, 2, block_size, head_dim, dtype=dtype)
     query = torch.zeros(7, 2 * group, head_dim, dtype=dtype)
+    kv = KVPool(pool[:, 0], pool[:, 1], torch.zeros(64, block_size, dtype=torch.int32),
+                torch.zeros(64, block_size))
+    batch = PagedBatch(torch.zeros(3, 2, 8, dtype=torch.int64), lens, [0, 1, 2, 7], torch.arange(7))
     ta.paged_attention_triton(
-        query, pool[:, 0], pool[:, 1], torch.zeros(64, block_size, dtype=torch.int32),
-        torch.zeros(3, 2, 8, dtype=torch.int64), lens, [0, 1, 2, 7], torch.arange(7), 0.1,
-        slot_metrics=torch.zeros(64, block_size) if metrics else None,
-        metric_seqs=torch.ones(3, dtype=torch.bool) if metrics else None,
+        query, kv, batch, 0.1, metrics=MetricSink(torch.ones(3, dtype=torch.bool)) if metrics else None,
         partition_size=partition_size)
 
 attention(torch.bfloat16, 128, 4, 16, 32, True)    # v2 decode + reduce + metrics + varlen
@@ -616,8 +601,8 @@ attention(torch.float16, 64, 1, 32, 512, False)    # v1 decode
 attention(torch.float32, 256, 8, 16, 512, False)   # float32 operands, widest head
 pool = torch.zeros(8, 2, 16, 128, dtype=torch.bfloat16)
 index = torch.zeros(3, dtype=torch.int64)
-tm.move_cache_triton(pool[:, 0], pool[:, 1], torch.zeros(8, 16), torch.zeros(8, 16, dtype=torch.int32),
-                     index, index, index + 1, index)
+kv = KVPool(pool[:, 0], pool[:, 1], torch.zeros(8, 16, dtype=torch.int32), torch.zeros(8, 16))
+tm.move_cache_triton(kv, index, index, index + 1, index)
 
 target = GPUTarget("cuda", int(sys.argv[1]), 32)
 for kernel, args, kwargs in launches:

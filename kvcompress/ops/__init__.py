@@ -4,6 +4,8 @@ Importable without vLLM (the GPU machines have torch + triton but no vLLM).
 """
 
 from kvcompress.ops.allocator import OutOfPagesError, PageAllocator
+from kvcompress.ops.compress import CompressResult, compress_sequences, gather_logical
+from kvcompress.ops.dispatch import KernelOps, resolve_ops
 from kvcompress.ops.eviction import (
     EvictionPlan,
     evictable_blocks,
@@ -11,23 +13,24 @@ from kvcompress.ops.eviction import (
     protected_slots,
     schedule_evictions,
 )
-from kvcompress.ops.move_cache import (
-    CompressResult,
-    compress_sequences,
-    gather_logical,
-    move_cache,
-    plan_moves,
-)
+from kvcompress.ops.kv_pool import KVPool, MetricSink, PagedBatch, SlotBatch
+from kvcompress.ops.move_cache import move_cache, plan_moves
+from kvcompress.ops.page_tables import fill_page_tables
 from kvcompress.ops.paged_attention import paged_attention, write_kv
-from kvcompress.ops.paged_cache import AppendPlan, PerHeadPagedCache, fill_page_tables, pages_for
+from kvcompress.ops.paged_cache import AppendPlan, PerHeadPagedCache, pages_for
 
 __all__ = [
     "AppendPlan",
     "CompressResult",
     "EvictionPlan",
+    "KVPool",
+    "KernelOps",
+    "MetricSink",
     "OutOfPagesError",
     "PageAllocator",
+    "PagedBatch",
     "PerHeadPagedCache",
+    "SlotBatch",
     "compress_sequences",
     "evictable_blocks",
     "fill_page_tables",
@@ -38,6 +41,7 @@ __all__ = [
     "plan_moves",
     "protected_count",
     "protected_slots",
+    "resolve_ops",
     "schedule_evictions",
     "write_kv",
 ]

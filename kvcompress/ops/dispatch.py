@@ -1,16 +1,23 @@
 """Backend choice for the GPU-capable ops: CUDA extension -> Triton -> PyTorch reference.
 
-Entry points with the reference signatures:
+:func:`resolve_ops` picks the backends for a device once and returns a :class:`KernelOps`
+whose methods run them (an engine resolves once; its attention and compression use that
+object). The ops take the narrow arguments of :mod:`kvcompress.ops.kv_pool`:
 
-- :func:`paged_attention` (see :func:`kvcompress.ops.paged_attention.paged_attention`)
-- :func:`paged_decode_by_slot` (see
+- ``paged_attention(query, pool, batch, scale, out, metrics)`` (see
+  :func:`kvcompress.ops.paged_attention.paged_attention`)
+- ``paged_decode_by_slot(query, pool, batch, scale, out, metrics)`` (see
   :func:`kvcompress.ops.decode_by_slot.paged_decode_by_slot_reference`): decode over
   slot-indexed tables, the CUDA-graph path; Triton or reference (the CUDA op takes
   gathered tables, so a selected ``"cuda"`` runs Triton here)
-- :func:`move_cache` (see :func:`kvcompress.ops.move_cache.move_cache`)
-- :func:`fill_page_tables` (see :func:`kvcompress.ops.paged_cache.fill_page_tables`):
-  the allocator's page-table scatter; CUDA op or reference (it has no Triton kernel:
-  a forced ``"triton"`` runs the reference)
+- ``move_cache(pool, src_pages, src_offsets, dst_pages, dst_offsets)`` (see
+  :func:`kvcompress.ops.move_cache.move_cache`)
+- ``fill_page_tables(page_tables, pages, offsets, first_column, rows)`` (see
+  :func:`kvcompress.ops.page_tables.fill_page_tables`): the allocator's page-table
+  scatter; CUDA op or reference (it has no Triton kernel: a forced ``"triton"`` runs
+  the reference)
+
+The module-level functions of the same names resolve at each call (tests, scripts).
 
 Backends:
 
@@ -20,16 +27,17 @@ Backends:
   shapes (query and caches of one dtype, head size 64/128/256, block size 16/32,
   contiguous 16-byte aligned rows): any other batch (a prefill / chunked-prefill row,
   another shape) goes to Triton (or the reference when triton is missing) even when
-  ``"cuda"`` is selected.
+  ``"cuda"`` is selected. The ops are called by their schema argument names.
 - ``"triton"``: :mod:`kvcompress.ops.triton_attention` / :mod:`~kvcompress.ops.triton_move_cache`;
   CUDA tensors, or any tensors under ``TRITON_INTERPRET=1`` when forced (tests).
 - ``"reference"``: the PyTorch ops (any device).
 
 ``"auto"`` (default) picks the first available in that order for CUDA tensors and the
 reference otherwise (the interpreter is never chosen automatically). The choice is
-overridable with the environment variable ``KVCOMPRESS_OPS_BACKEND`` (read at each
-call) and, taking precedence, the context manager :func:`use_backend`. A forced backend
-that cannot run raises :class:`BackendUnavailableError` naming the reason.
+overridable with the environment variable ``KVCOMPRESS_OPS_BACKEND`` and, taking
+precedence, the context manager :func:`use_backend`; both are read when the ops are
+resolved. A forced backend that cannot run raises :class:`BackendUnavailableError`
+naming the reason.
 
 Importable without vLLM, without triton and without the CUDA extension.
 """
@@ -39,17 +47,23 @@ from __future__ import annotations
 import os
 import threading
 from contextlib import contextmanager
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Iterable, Iterator
 
 import torch
 
-from kvcompress.ops.move_cache import move_cache as _reference_move_cache
-from kvcompress.ops.paged_attention import paged_attention as _reference_paged_attention
+from kvcompress.ops.decode_by_slot import paged_decode_by_slot_reference
+from kvcompress.ops.kv_pool import KVPool, MetricSink, PagedBatch, SlotBatch
+from kvcompress.ops.move_cache import move_cache as reference_move_cache
+from kvcompress.ops.page_tables import fill_page_tables as reference_fill_page_tables
+from kvcompress.ops.paged_attention import paged_attention as reference_paged_attention
 
 __all__ = [
     "BACKENDS",
     "ENV_VAR",
+    "OPS",
     "BackendUnavailableError",
+    "KernelOps",
     "available_backends",
     "decode_by_slot_capturable",
     "cuda_decode_supports",
@@ -58,6 +72,7 @@ __all__ = [
     "paged_attention",
     "paged_decode_by_slot",
     "requested_backend",
+    "resolve_ops",
     "selected_backend",
     "use_backend",
 ]
@@ -70,6 +85,8 @@ CUDA_OPS = {
     "move_cache": "move_cache",
     "fill_page_tables": "allocate_pages",
 }
+# The ops a KernelOps runs (paged_decode_by_slot follows paged_attention's choice).
+OPS = ("paged_attention", "paged_decode_by_slot", "move_cache", "fill_page_tables")
 
 
 class BackendUnavailableError(RuntimeError):
@@ -238,10 +255,6 @@ def _call_by_schema(op, values: dict):
     return op(**kwargs)
 
 
-def _is_decode_only(query_start_loc: list[int]) -> bool:
-    return all(query_start_loc[s + 1] - query_start_loc[s] == 1 for s in range(len(query_start_loc) - 1))
-
-
 CUDA_DECODE_HEAD_SIZES = (64, 128, 256)
 CUDA_DECODE_BLOCK_SIZES = (16, 32)
 
@@ -256,10 +269,9 @@ def _rows_aligned(cache: torch.Tensor) -> bool:
     )
 
 
-def cuda_decode_supports(
-    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor | None
-) -> bool:
+def cuda_decode_supports(query: torch.Tensor, pool: KVPool, out: torch.Tensor | None) -> bool:
     """Whether ``torch.ops.kvcompress.paged_decode_attention`` has a kernel for these tensors."""
+    key_cache, value_cache = pool.key_cache, pool.value_cache
     return (
         key_cache.dtype == value_cache.dtype == query.dtype
         and (out is None or out.dtype == query.dtype)
@@ -272,192 +284,191 @@ def cuda_decode_supports(
     )
 
 
-def paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_positions: torch.Tensor,
-    block_tables: torch.Tensor,
-    head_lens: torch.Tensor,
-    query_start_loc,
-    query_positions: torch.Tensor,
-    scale: float,
-    out: torch.Tensor | None = None,
-    max_query_chunk: int = 512,
-    slot_metrics: torch.Tensor | None = None,
-    metric_seqs: torch.Tensor | None = None,
-    metric_power: int = 2,
-    *,
-    max_head_len: int | None = None,
-    partition_size: int = 512,
-) -> torch.Tensor:
-    """Attention of one layer over per-head paged KVs on the selected backend.
+def _not_cuda(device: torch.device) -> str:
+    """Where a batch the CUDA op cannot take runs: Triton when it can, else the reference."""
+    return "triton" if _triton_unavailable_reason(device, "paged_attention") is None else "reference"
 
-    Arguments and result as :func:`kvcompress.ops.paged_attention.paged_attention`.
-    ``max_head_len`` (optional upper bound of the decode rows' head lengths) lets the
-    Triton decode size its partition grid without reading ``head_lens`` on the host.
-    ``partition_size``: keys per decode partition (CUDA and Triton; a multiple of the
-    block size).
+
+def _resolve(device: torch.device, op: str) -> str:
+    """The backend that runs ``op`` on ``device`` under the current setting."""
+    if op == "paged_decode_by_slot":
+        backend = selected_backend(device, "paged_attention")
+        return _not_cuda(device) if backend == "cuda" else backend
+    if op == "fill_page_tables" and requested_backend() == "triton":
+        return "reference"
+    return selected_backend(device, op)
+
+
+def resolve_ops(device: torch.device | str, ops: Iterable[str] = OPS) -> "KernelOps":
+    """The backends of ``ops`` (default: all of :data:`OPS`) on ``device``, chosen now
+    (``use_backend`` / ``$KVCOMPRESS_OPS_BACKEND`` are read here, not at each call).
+
+    Raises :class:`BackendUnavailableError` when a forced backend cannot run one of them.
     """
-    backend = selected_backend(query.device, "paged_attention")
-    if isinstance(query_start_loc, torch.Tensor):
-        query_start_loc = query_start_loc.tolist()
-    if backend == "cuda":
-        num_seqs = len(query_start_loc) - 1
-        if _is_decode_only(query_start_loc) and cuda_decode_supports(query, key_cache, value_cache, out):
-            if out is None:
-                out = torch.empty_like(query)
-            if num_seqs == 0:
-                return out
-            # Decode-only: query row s is sequence s (rows past the batch are padding).
-            values = dict(
-                out=out[:num_seqs], query=query[:num_seqs], key_cache=key_cache,
-                value_cache=value_cache, slot_positions=slot_positions, block_tables=block_tables,
-                head_lens=head_lens, query_positions=query_positions[:num_seqs],
-                scale=float(scale), partition_size=int(partition_size),
-                slot_metrics=slot_metrics if metric_seqs is not None else None,
-                metric_seqs=metric_seqs if slot_metrics is not None else None,
-                metric_power=int(metric_power),
-                max_head_len=max_head_len,
+    device = torch.device(device)
+    backends = {}
+    for op in ops:
+        if op not in OPS:
+            raise ValueError(f"unknown op {op!r}; choose from {', '.join(OPS)}")
+        backends[op] = _resolve(device, op)
+    return KernelOps(device, backends)
+
+
+@dataclass(frozen=True, eq=False)
+class KernelOps:
+    """The GPU-capable ops bound to backends resolved once for one device (:func:`resolve_ops`).
+
+    Attributes:
+        device: the device the backends were chosen for.
+        backends: op name -> ``"cuda"`` / ``"triton"`` / ``"reference"`` (for logging;
+            ``paged_attention``'s ``"cuda"`` covers decode-only batches of supported
+            shapes, other batches run on Triton, else the reference).
+    """
+
+    device: torch.device
+    backends: dict[str, str]
+
+    def __str__(self) -> str:
+        return ", ".join(f"{op}={backend}" for op, backend in self.backends.items())
+
+    def _backend(self, op: str) -> str:
+        if op not in self.backends:
+            raise RuntimeError(f"{op} was not resolved for these ops (resolved: {self})")
+        return self.backends[op]
+
+    @property
+    def decode_by_slot_capturable(self) -> bool:
+        """Whether ``paged_decode_by_slot`` runs a graph-capturable kernel (Triton on CUDA;
+        the reference reads lengths on the host)."""
+        return self.device.type == "cuda" and self.backends.get("paged_decode_by_slot") == "triton"
+
+    def paged_attention(
+        self, query: torch.Tensor, pool: KVPool, batch: PagedBatch, scale: float,
+        out: torch.Tensor | None = None, metrics: MetricSink | None = None, *,
+        max_query_chunk: int = 512, partition_size: int = 512,
+    ) -> torch.Tensor:
+        """Attention of one layer over per-head paged KVs; arguments and result as
+        :func:`kvcompress.ops.paged_attention.paged_attention`. ``partition_size``: keys
+        per decode partition (CUDA and Triton; a multiple of the block size)."""
+        backend = self._backend("paged_attention")
+        if backend == "cuda":
+            if batch.decode_only() and cuda_decode_supports(query, pool, out):
+                return _cuda_decode(query, pool, batch, scale, out, metrics, partition_size)
+            # The CUDA op is decode-only: other batches run on Triton when it can.
+            backend = _not_cuda(query.device)
+        if backend == "triton":
+            from kvcompress.ops.triton_attention import paged_attention_triton
+
+            return paged_attention_triton(
+                query, pool, batch, scale, out, metrics, partition_size=partition_size
             )
-            _call_by_schema(_cuda_op("paged_attention"), values)
-            return out
-        # The CUDA op is decode-only: other batches run on Triton when it can.
-        backend = "triton" if _triton_unavailable_reason(query.device, "paged_attention") is None else "reference"
-    if backend == "triton":
-        from kvcompress.ops.triton_attention import paged_attention_triton
+        return reference_paged_attention(query, pool, batch, scale, out, metrics, max_query_chunk)
 
-        return paged_attention_triton(
-            query, key_cache, value_cache, slot_positions, block_tables, head_lens,
-            query_start_loc, query_positions, scale, out=out, max_query_chunk=max_query_chunk,
-            slot_metrics=slot_metrics, metric_seqs=metric_seqs, metric_power=metric_power,
-            max_head_len=max_head_len, partition_size=partition_size,
-        )
-    return _reference_paged_attention(
-        query, key_cache, value_cache, slot_positions, block_tables, head_lens,
-        query_start_loc, query_positions, scale, out=out, max_query_chunk=max_query_chunk,
-        slot_metrics=slot_metrics, metric_seqs=metric_seqs, metric_power=metric_power,
+    def paged_decode_by_slot(
+        self, query: torch.Tensor, pool: KVPool, batch: SlotBatch, scale: float,
+        out: torch.Tensor | None = None, metrics: MetricSink | None = None, *,
+        partition_size: int = 512,
+    ) -> torch.Tensor:
+        """Slot-indexed decode attention (Triton, or the reference); arguments as
+        :func:`kvcompress.ops.decode_by_slot.paged_decode_by_slot_reference`."""
+        if self._backend("paged_decode_by_slot") == "triton":
+            from kvcompress.ops.triton_attention import paged_decode_by_slot_triton
+
+            return paged_decode_by_slot_triton(
+                query, pool, batch, scale, out, metrics, partition_size=partition_size
+            )
+        return paged_decode_by_slot_reference(query, pool, batch, scale, out, metrics)
+
+    def move_cache(
+        self, pool: KVPool, src_pages: torch.Tensor, src_offsets: torch.Tensor,
+        dst_pages: torch.Tensor, dst_offsets: torch.Tensor,
+    ) -> None:
+        """MoveCache; arguments as :func:`kvcompress.ops.move_cache.move_cache`."""
+        backend = self._backend("move_cache")
+        if src_pages.numel() == 0:
+            return
+        moves = (src_pages, src_offsets, dst_pages, dst_offsets)
+        if backend == "cuda":
+            names = ("src_pages", "src_offsets", "dst_pages", "dst_offsets")
+            _call_by_schema(_cuda_op("move_cache"), {**pool.tensors(), **dict(zip(names, moves))})
+        elif backend == "triton":
+            from kvcompress.ops.triton_move_cache import move_cache_triton
+
+            move_cache_triton(pool, *moves)
+        else:
+            reference_move_cache(pool, *moves)
+
+    def fill_page_tables(
+        self, page_tables: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor,
+        first_column: torch.Tensor, rows: torch.Tensor,
+    ) -> None:
+        """The allocator's page-table fill; arguments as
+        :func:`kvcompress.ops.page_tables.fill_page_tables`."""
+        backend = self._backend("fill_page_tables")
+        if backend == "cuda" and page_tables.is_contiguous() and pages.is_contiguous():
+            # The op pops from a free stack: ``pages`` is that slice, so it starts at 0.
+            _call_by_schema(
+                _cuda_op("fill_page_tables"),
+                dict(
+                    page_tables=page_tables, free_stack=pages.to(torch.int64), stack_start=0,
+                    offsets=offsets, first_column=first_column, rows=rows,
+                ),
+            )
+            return
+        reference_fill_page_tables(page_tables, pages, offsets, first_column, rows)
+
+
+def _cuda_decode(query, pool, batch, scale, out, metrics, partition_size) -> torch.Tensor:
+    """``torch.ops.kvcompress.paged_decode_attention`` on a decode-only batch: query row
+    ``s`` is sequence ``s`` (rows past the batch are padding)."""
+    if out is None:
+        out = torch.empty_like(query)
+    num_seqs = len(batch.query_start_loc) - 1
+    if num_seqs == 0:
+        return out
+    values = dict(
+        pool.tensors(),
+        out=out[:num_seqs], query=query[:num_seqs], block_tables=batch.block_tables,
+        head_lens=batch.head_lens, query_positions=batch.query_positions[:num_seqs],
+        scale=float(scale), partition_size=int(partition_size), max_head_len=batch.max_head_len,
+        metric_seqs=None if metrics is None else metrics.selected,
+        metric_power=2 if metrics is None else int(metrics.power),
     )
-
-
-def paged_decode_by_slot(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_positions: torch.Tensor,
-    block_tables: torch.Tensor,
-    head_lens: torch.Tensor,
-    seq_slots: torch.Tensor,
-    query_positions: torch.Tensor,
-    scale: float,
-    out: torch.Tensor | None = None,
-    slot_metrics: torch.Tensor | None = None,
-    metric_slots: torch.Tensor | None = None,
-    metric_power: int = 2,
-    max_head_len: int | None = None,
-    *,
-    partition_size: int = 512,
-    row_index: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Slot-indexed decode attention on the selected backend (Triton for CUDA tensors
-    when importable, else the reference); arguments as
-    :func:`kvcompress.ops.decode_by_slot.paged_decode_by_slot_reference`."""
-    backend = selected_backend(query.device, "paged_attention")
-    if backend == "cuda":
-        backend = "triton" if _triton_unavailable_reason(query.device, "paged_attention") is None else "reference"
-    if backend == "triton":
-        from kvcompress.ops.triton_attention import paged_decode_by_slot_triton
-
-        return paged_decode_by_slot_triton(
-            query, key_cache, value_cache, slot_positions, block_tables, head_lens, seq_slots,
-            query_positions, scale, out=out, slot_metrics=slot_metrics, metric_slots=metric_slots,
-            metric_power=metric_power, max_head_len=max_head_len, partition_size=partition_size,
-            row_index=row_index,
-        )
-    from kvcompress.ops.decode_by_slot import paged_decode_by_slot_reference
-
-    return paged_decode_by_slot_reference(
-        query, key_cache, value_cache, slot_positions, block_tables, head_lens, seq_slots,
-        query_positions, scale, out=out, slot_metrics=slot_metrics, metric_slots=metric_slots,
-        metric_power=metric_power,
-    )
+    if metrics is None:
+        values["slot_metrics"] = None
+    _call_by_schema(_cuda_op("paged_attention"), values)
+    return out
 
 
 def decode_by_slot_capturable(device: torch.device | str) -> bool:
     """Whether :func:`paged_decode_by_slot` runs a graph-capturable kernel on ``device``
-    (Triton on CUDA; the reference reads lengths on the host)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return False
+    under the current setting (Triton on CUDA; the reference reads lengths on the host)."""
     try:
-        backend = selected_backend(device, "paged_attention")
+        return resolve_ops(device, ("paged_decode_by_slot",)).decode_by_slot_capturable
     except BackendUnavailableError:
         return False
-    if backend == "reference":
-        return False
-    return _triton_unavailable_reason(device, "paged_attention") is None
 
 
-def move_cache(
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_metrics: torch.Tensor,
-    slot_positions: torch.Tensor,
-    src_pages: torch.Tensor,
-    src_offsets: torch.Tensor,
-    dst_pages: torch.Tensor,
-    dst_offsets: torch.Tensor,
-) -> None:
-    """MoveCache on the selected backend; arguments as
-    :func:`kvcompress.ops.move_cache.move_cache`."""
-    backend = selected_backend(key_cache.device, "move_cache")
-    if src_pages.numel() == 0:
-        return
-    if backend == "cuda":
-        _call_by_schema(
-            _cuda_op("move_cache"),
-            dict(
-                key_cache=key_cache, value_cache=value_cache, slot_metrics=slot_metrics,
-                slot_positions=slot_positions, src_pages=src_pages, src_offsets=src_offsets,
-                dst_pages=dst_pages, dst_offsets=dst_offsets,
-            ),
-        )
-        return
-    if backend == "triton":
-        from kvcompress.ops.triton_move_cache import move_cache_triton
-
-        move_cache_triton(
-            key_cache, value_cache, slot_metrics, slot_positions,
-            src_pages, src_offsets, dst_pages, dst_offsets,
-        )
-        return
-    _reference_move_cache(
-        key_cache, value_cache, slot_metrics, slot_positions,
-        src_pages, src_offsets, dst_pages, dst_offsets,
-    )
+# -- resolved at each call (tests, benchmark scripts; engines hold a KernelOps) -----------
 
 
-def fill_page_tables(
-    page_tables: torch.Tensor,
-    pages: torch.Tensor,
-    offsets: torch.Tensor,
-    first_column: torch.Tensor,
-    rows: torch.Tensor,
-) -> None:
-    """The allocator's page-table fill on the selected backend; arguments as
-    :func:`kvcompress.ops.paged_cache.fill_page_tables`."""
-    from kvcompress.ops.paged_cache import fill_page_tables as reference_fill
+def paged_attention(query, pool, batch, scale, out=None, metrics=None, **knobs) -> torch.Tensor:
+    """:meth:`KernelOps.paged_attention` on the backend selected now."""
+    ops = resolve_ops(query.device, ("paged_attention",))
+    return ops.paged_attention(query, pool, batch, scale, out, metrics, **knobs)
 
-    wanted = requested_backend()
-    backend = "reference" if wanted == "triton" else selected_backend(page_tables.device, "fill_page_tables")
-    if backend == "cuda" and page_tables.is_contiguous() and pages.is_contiguous():
-        # The op pops from a free stack: ``pages`` is that slice, so it starts at 0.
-        _call_by_schema(
-            _cuda_op("fill_page_tables"),
-            dict(
-                page_tables=page_tables, free_stack=pages.to(torch.int64), stack_start=0,
-                offsets=offsets, first_column=first_column, rows=rows,
-            ),
-        )
-        return
-    reference_fill(page_tables, pages, offsets, first_column, rows)
+
+def paged_decode_by_slot(query, pool, batch, scale, out=None, metrics=None, **knobs) -> torch.Tensor:
+    """:meth:`KernelOps.paged_decode_by_slot` on the backend selected now."""
+    ops = resolve_ops(query.device, ("paged_decode_by_slot",))
+    return ops.paged_decode_by_slot(query, pool, batch, scale, out, metrics, **knobs)
+
+
+def move_cache(pool: KVPool, *moves: torch.Tensor) -> None:
+    """:meth:`KernelOps.move_cache` on the backend selected now."""
+    resolve_ops(pool.device, ("move_cache",)).move_cache(pool, *moves)
+
+
+def fill_page_tables(page_tables: torch.Tensor, *args: torch.Tensor) -> None:
+    """:meth:`KernelOps.fill_page_tables` on the backend selected now."""
+    resolve_ops(page_tables.device, ("fill_page_tables",)).fill_page_tables(page_tables, *args)

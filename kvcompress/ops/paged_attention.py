@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from kvcompress.ops.kv_pool import KVPool, MetricSink, PagedBatch
+
 
 def write_kv(
     key_cache: torch.Tensor,
@@ -85,45 +87,32 @@ def _gather_heads(
 
 
 def paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_positions: torch.Tensor,
-    block_tables: torch.Tensor,
-    head_lens: torch.Tensor,
-    query_start_loc: list[int],
-    query_positions: torch.Tensor,
-    scale: float,
-    out: torch.Tensor | None = None,
-    max_query_chunk: int = 512,
-    slot_metrics: torch.Tensor | None = None,
-    metric_seqs: torch.Tensor | None = None,
-    metric_power: int = 2,
+    query: torch.Tensor, pool: KVPool, batch: PagedBatch, scale: float,
+    out: torch.Tensor | None = None, metrics: MetricSink | None = None, max_query_chunk: int = 512,
 ) -> torch.Tensor:
     """Attention of one layer over per-head paged KVs.
 
     Args:
         query: ``[T, num_q_heads, D]``; query head ``j`` reads KV head ``j // G``.
-        key_cache, value_cache: ``[num_pages, block_size, D]``.
-        slot_positions: ``[num_pages, block_size]`` token position of each slot.
-        block_tables: ``[S, num_kv_heads, P]`` page ids of this layer (entries past a
-            head's pages are ignored).
-        head_lens: ``[S, num_kv_heads]`` KVs held per head.
-        query_start_loc: ``S + 1`` Python ints; sequence ``s`` owns query rows
-            ``[query_start_loc[s], query_start_loc[s + 1])``.
-        query_positions: ``[T]`` token position of each query.
+        pool: the page pool (K, V ``[num_pages, block_size, D]``, slot positions, and
+            the slot metrics ``metrics`` adds to).
+        batch: this layer's ``block_tables [S, num_kv_heads, P]`` and ``head_lens
+            [S, num_kv_heads]``, ``query_start_loc`` (``S + 1`` ints) and
+            ``query_positions [T]``.
         scale: softmax scale.
         out: optional ``[T, num_q_heads, D]`` output buffer.
+        metrics: optional; the decode queries of the sequences it selects (``[S]``
+            bool) add their attention probabilities ** ``metrics.power``, summed over
+            the query group, into ``pool.slot_metrics`` at the slots they read
+            (continual compression; only held slots are touched, nothing is zeroed).
         max_query_chunk: queries of one sequence attended at a time (bounds memory).
-        slot_metrics: optional ``[num_pages, block_size]`` float32; the decode queries of
-            the sequences selected by ``metric_seqs`` (``[S]`` bool) add their attention
-            probabilities ** ``metric_power``, summed over the query group, into the
-            metrics of the slots they read (continual compression; only held slots are
-            touched, nothing is zeroed).
 
     Returns:
         ``[T, num_q_heads, D]`` in ``query.dtype`` (``out`` if given).
     """
+    key_cache, value_cache, slot_positions = pool.key_cache, pool.value_cache, pool.slot_positions
+    block_tables, head_lens = batch.block_tables, batch.head_lens
+    query_start_loc, query_positions = batch.query_start_loc, batch.query_positions
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs, num_kv_heads, _ = block_tables.shape
     group = num_q_heads // num_kv_heads
@@ -156,15 +145,16 @@ def paged_attention(
         out[token_rows] = result.reshape(len(decode_rows), num_q_heads, head_dim).to(
             out.dtype
         )
-        if slot_metrics is not None and metric_seqs is not None:
-            adds = visible & metric_seqs[rows].view(-1, 1, 1)  # [B, H, K]
+        if metrics is not None:
+            slot_metrics = pool.slot_metrics
+            adds = visible & metrics.selected[rows].to(torch.bool).view(-1, 1, 1)  # [B, H, K]
             if bool(adds.any()):
                 block_size_ = slot_metrics.shape[1]
                 slot_ids = (
                     tables.unsqueeze(-1) * block_size_
                     + torch.arange(block_size_, device=tables.device)
                 ).reshape(len(decode_rows), num_kv_heads, -1)
-                gained = probs[:, :, :, 0, :].pow(metric_power).sum(dim=2)  # [B, H, K]
+                gained = probs[:, :, :, 0, :].pow(metrics.power).sum(dim=2)  # [B, H, K]
                 slot_metrics.view(-1).index_add_(
                     0, slot_ids[adds], gained[adds].to(slot_metrics.dtype)
                 )

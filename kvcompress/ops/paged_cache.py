@@ -24,39 +24,18 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcompress.ops import dispatch
 from kvcompress.ops.allocator import PageAllocator
+from kvcompress.ops.dispatch import KernelOps
+from kvcompress.ops.kv_pool import KVPool
+from kvcompress.ops.page_tables import fill_page_tables
+
+__all__ = ["AppendPlan", "PerHeadPagedCache", "fill_page_tables", "pages_for"]
 
 
 def pages_for(lengths: torch.Tensor, block_size: int) -> torch.Tensor:
     """Pages needed to hold ``lengths`` KVs per head: ``ceil(lengths / block_size)``."""
     return (lengths + block_size - 1) // block_size
-
-
-def fill_page_tables(
-    page_tables: torch.Tensor,
-    pages: torch.Tensor,
-    offsets: torch.Tensor,
-    first_column: torch.Tensor,
-    rows: torch.Tensor,
-) -> None:
-    """Hand freshly allocated pages to their requesters' page tables (reference).
-
-    Args:
-        page_tables: contiguous int64 ``[..., P]``, addressed as ``[num_rows, P]``
-            (the cache's ``[max_seqs, L, H, P]``: ``row = seq_slot * L * H + layer * H + head``).
-        pages: ``[offsets[-1]]`` int64 page ids, requester ``r`` owns
-            ``pages[offsets[r]:offsets[r + 1]]``.
-        offsets: ``[R + 1]`` int64 exclusive prefix sum of the demands.
-        first_column: ``[R]`` int64 first new column of each requester (its old page count).
-        rows: ``[R]`` int64 page-table row of each requester.
-
-    Requester ``r`` gets ``page_tables[rows[r], first_column[r] + j] = pages[offsets[r] + j]``.
-    """
-    demand = offsets[1:] - offsets[:-1]
-    requester = torch.repeat_interleave(torch.arange(rows.numel(), device=rows.device), demand)
-    within = torch.arange(pages.numel(), device=pages.device) - offsets[requester]
-    table = page_tables.view(-1, page_tables.shape[-1])
-    table[rows[requester], first_column[requester] + within] = pages
 
 
 @dataclass
@@ -84,13 +63,17 @@ class PerHeadPagedCache:
         max_seqs: int,
         max_pages_per_head: int,
         device: torch.device | str = "cpu",
+        ops: KernelOps | None = None,
     ) -> None:
+        """``ops``: the engine's resolved ops, whose ``fill_page_tables`` :meth:`append`
+        uses (None: the backend selected at each call)."""
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.block_size = block_size
         self.max_seqs = max_seqs
         self.max_pages_per_head = max_pages_per_head
         self.device = torch.device(device)
+        self.ops = ops
         self.allocator = PageAllocator(num_pages, self.device)
         self.page_tables = torch.zeros(
             (max_seqs, num_layers, num_kv_heads, max_pages_per_head),
@@ -111,6 +94,12 @@ class PerHeadPagedCache:
     @property
     def num_pages(self) -> int:
         return self.allocator.num_pages
+
+    def kv_pool(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> KVPool:
+        """The pool the ops take: ``key_cache`` / ``value_cache`` ``[num_buffer_pages,
+        block_size, head_dim]`` (views of the KV buffer) with this cache's slot
+        positions and metrics."""
+        return KVPool(key_cache, value_cache, self.slot_positions, self.slot_metrics)
 
     def new_sequence(self) -> int:
         """Reserve an empty sequence slot."""
@@ -178,10 +167,9 @@ class PerHeadPagedCache:
                 seq_slots.repeat_interleave(num_heads_total) * num_heads_total
                 + torch.arange(num_heads_total, device=device).repeat(seq_slots.numel())
             )
-            # CUDA extension's one-kernel fill where built, else fill_page_tables below.
-            from kvcompress.ops.dispatch import fill_page_tables as dispatched_fill
-
-            dispatched_fill(self.page_tables, pages, offsets, old_pages.reshape(-1), rows)
+            # CUDA extension's one-kernel fill where built, else the reference.
+            fill = self.ops.fill_page_tables if self.ops is not None else dispatch.fill_page_tables
+            fill(self.page_tables, pages, offsets, old_pages.reshape(-1), rows)
         self.head_lens[seq_slots] = new_lens
 
         # Token t of sequence s lands at index old_len[s, l, h] + (t - start[s]).

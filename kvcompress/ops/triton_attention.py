@@ -1,8 +1,9 @@
 """Triton attention over the per-(layer, KV head) paged cache.
 
 Same call and semantics as the PyTorch reference
-:func:`kvcompress.ops.paged_attention.paged_attention` (the oracle): one layer of a
-mixed batch, block tables ``[S, H_kv, P]``, per-head lengths ``[S, H_kv]``, a key is
+:func:`kvcompress.ops.paged_attention.paged_attention` (the oracle), taking the
+:mod:`kvcompress.ops.kv_pool` arguments: one layer of a mixed batch, block tables
+``[S, H_kv, P]``, per-head lengths ``[S, H_kv]``, a key is
 visible to a query iff its slot index is ``< head_len`` and its stored token position
 is ``<=`` the query's position; query head ``j`` reads KV head ``j // G``.
 
@@ -15,7 +16,7 @@ Kernels:
   normalised partial output, and a reduce kernel combines them (vLLM paged attention
   v2). With one partition the output is written directly (v1).
 - decode metrics (continual compression): a second pass over the same grid, only
-  for sequences with ``metric_seqs[s]``; it recomputes the scores, normalises them
+  for sequences selected by the ``MetricSink``; it recomputes the scores, normalises them
   with the global max / sum from the stats and atomically adds
   ``sum_over_group(prob ** metric_power)`` into ``slot_metrics`` at the visible slots
   it reads (sparse: nothing else in the pool is touched).
@@ -37,6 +38,8 @@ import math
 import os
 
 import torch
+
+from kvcompress.ops.kv_pool import KVPool, MetricSink, PagedBatch, SlotBatch
 
 try:  # pragma: no cover - exercised where triton exists
     import triton
@@ -446,38 +449,31 @@ def _dot_config(query: torch.Tensor, key_cache: torch.Tensor):
     return dot_dtype, emulate, ("ieee" if dot_dtype == tl.float32 else None)
 
 
+def _common_strides(pool: KVPool, block_tables, head_lens, out) -> tuple[int, ...]:
+    """Strides of K, V, positions, tables, lengths and output, in the kernels' order."""
+    return (
+        *pool.key_cache.stride(), *pool.value_cache.stride(),
+        *pool.slot_positions.stride(),
+        *block_tables.stride(),
+        *head_lens.stride(),
+        *out.stride(),
+    )
+
+
 def paged_attention_triton(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_positions: torch.Tensor,
-    block_tables: torch.Tensor,
-    head_lens: torch.Tensor,
-    query_start_loc,
-    query_positions: torch.Tensor,
-    scale: float,
-    out: torch.Tensor | None = None,
-    max_query_chunk: int = 512,
-    slot_metrics: torch.Tensor | None = None,
-    metric_seqs: torch.Tensor | None = None,
-    metric_power: int = 2,
-    *,
-    partition_size: int = DEFAULT_PARTITION_SIZE,
-    max_head_len: int | None = None,
-    block_m: int | None = None,
-    varlen_tile: int | None = None,
+    query: torch.Tensor, pool: KVPool, batch: PagedBatch, scale: float,
+    out: torch.Tensor | None = None, metrics: MetricSink | None = None, *,
+    partition_size: int = DEFAULT_PARTITION_SIZE, block_m: int | None = None, varlen_tile: int | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`kvcompress.ops.paged_attention.paged_attention`.
 
-    Same arguments and result (``max_query_chunk`` is accepted and ignored: the
-    kernels tile queries themselves). ``query_start_loc`` may be a list of ``S + 1``
-    ints or a tensor (moved to the host once).
+    Same arguments and result (no ``max_query_chunk``: the kernels tile queries
+    themselves). ``batch.max_head_len``, when given, sizes the decode partition grid
+    without a device sync (default: read ``head_lens``).
 
     Extra keyword-only knobs:
         partition_size: decode keys per partition (rounded up to whole pages); heads
             longer than that are split and reduced (v2).
-        max_head_len: upper bound of the decode sequences' head lengths, to size the
-            partition grid without a device sync (default: read ``head_lens``).
         block_m: rows (query tokens x group) of one varlen program (default 64,
             32 for head sizes > 128).
         varlen_tile: keys per varlen iteration (default 64, 32 for float32 operands
@@ -485,6 +481,8 @@ def paged_attention_triton(
     """
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed: the Triton paged attention is unavailable")
+    key_cache, value_cache = pool.key_cache, pool.value_cache
+    block_tables, head_lens, query_positions = batch.block_tables, batch.head_lens, batch.query_positions
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs, num_kv_heads, _ = block_tables.shape
     if num_q_heads % num_kv_heads:
@@ -500,9 +498,7 @@ def paged_attention_triton(
             raise TypeError(f"{name} dtype {t.dtype} is not supported (float32, float16, bfloat16)")
     if out is None:
         out = torch.empty_like(query)
-    if isinstance(query_start_loc, torch.Tensor):
-        query_start_loc = query_start_loc.tolist()
-    query_start_loc = [int(x) for x in query_start_loc]
+    query_start_loc = batch.query_start_loc
     if len(query_start_loc) != num_seqs + 1:
         raise ValueError(f"query_start_loc has {len(query_start_loc)} entries for {num_seqs} sequences")
     if num_tokens == 0 or num_seqs == 0:
@@ -517,24 +513,16 @@ def paged_attention_triton(
     block_q = block_m // group
     decode, blocks = _batch_plan(query_start_loc, block_q, device)
 
-    common_strides = (
-        *key_cache.stride(), *value_cache.stride(),
-        *slot_positions.stride(),
-        *block_tables.stride(),
-        *head_lens.stride(),
-        *out.stride(),
-    )
-
     if blocks is not None:
         tile = max(16, _next_pow2(varlen_tile or (32 if wide else 64)))
         grid = (blocks.shape[1], num_kv_heads)
         _varlen_kernel[grid](
-            query, key_cache, value_cache, slot_positions, block_tables, head_lens, query_positions,
+            query, key_cache, value_cache, pool.slot_positions, block_tables, head_lens, query_positions,
             blocks[0], blocks[1], blocks[2],
             out,
             float(scale),
             *query.stride(),
-            *common_strides,
+            *_common_strides(pool, block_tables, head_lens, out),
             GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m,
             HEAD_DIM=head_dim, HEAD_PAD=head_pad,
             BLOCK_SIZE=block_size, TILE=tile,
@@ -545,30 +533,30 @@ def paged_attention_triton(
     if decode is None:
         return out
     dec_seq, dec_tok = decode[0], decode[1]
+    max_head_len = batch.max_head_len
     if max_head_len is None:
         max_head_len = int(head_lens[dec_seq.long()].max().item())
-    want_metrics = slot_metrics is not None and metric_seqs is not None
+    flags = None if metrics is None else metrics.selected.to(device=device, dtype=torch.int8)
     _launch_decode(
-        query, key_cache, value_cache, slot_positions, block_tables, head_lens, query_positions,
-        dec_seq, dec_tok, out, scale, max_head_len, partition_size,
-        slot_metrics if want_metrics else None,
-        metric_seqs.to(device=device, dtype=torch.int8) if want_metrics else None,
-        metric_power,
+        query, pool, block_tables, head_lens, query_positions, (dec_seq, dec_tok), out, scale,
+        max_head_len, partition_size, flags, 2 if metrics is None else metrics.power,
     )
     return out
 
 
 def _launch_decode(
-    query, key_cache, value_cache, slot_positions, block_tables, head_lens, query_positions,
-    dec_seq, dec_tok, out, scale, max_head_len, partition_size,
-    slot_metrics, metric_flags, metric_power,
+    query, pool, block_tables, head_lens, query_positions, rows, out, scale, max_head_len, partition_size,
+    metric_flags, metric_power,
 ) -> None:
-    """Decode, reduce and metric kernels for rows ``(dec_seq[b], dec_tok[b])``.
+    """Decode, reduce and metric kernels for rows ``rows = (dec_seq, dec_tok)``.
 
-    ``dec_seq`` indexes ``block_tables`` / ``head_lens`` / ``metric_flags`` (int8, or
-    None for no metrics); ``dec_tok`` indexes ``query`` / ``query_positions`` / ``out``.
-    Launch shapes depend only on the row count and ``max_head_len`` (no host reads).
+    ``dec_seq[b]`` indexes ``block_tables`` / ``head_lens`` / ``metric_flags`` (int8, or
+    None for no metrics: then ``pool.slot_metrics`` is not touched); ``dec_tok[b]``
+    indexes ``query`` / ``query_positions`` / ``out``. Launch shapes depend only on the
+    row count and ``max_head_len`` (no host reads).
     """
+    dec_seq, dec_tok = rows
+    key_cache, slot_positions, slot_metrics = pool.key_cache, pool.slot_positions, pool.slot_metrics
     num_decodes = dec_seq.shape[0]
     num_q_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = block_tables.shape[1]
@@ -578,13 +566,6 @@ def _launch_decode(
     head_pad = max(16, _next_pow2(head_dim))
     dot_dtype, emulate, precision = _dot_config(query, key_cache)
     wide = head_pad * (4 if dot_dtype == tl.float32 else 2) > 512
-    common_strides = (
-        *key_cache.stride(), *value_cache.stride(),
-        *slot_positions.stride(),
-        *block_tables.stride(),
-        *head_lens.stride(),
-        *out.stride(),
-    )
     max_head_len = max(1, int(max_head_len))
     pages_per_part = max(1, -(-int(partition_size) // block_size))
     pages_per_tile = math.gcd(pages_per_part, max(1, (32 if wide else 64) // block_size))
@@ -592,7 +573,7 @@ def _launch_decode(
     part_tokens = pages_per_part * block_size
     num_parts = -(-max_head_len // part_tokens)
     single = num_parts == 1
-    want_metrics = slot_metrics is not None and metric_flags is not None
+    want_metrics = metric_flags is not None
     write_stats = want_metrics or not single
     group_pad = max(16, _next_pow2(group))
     f32 = torch.float32
@@ -607,12 +588,12 @@ def _launch_decode(
         part_out = torch.empty(num_decodes, num_q_heads, num_parts, head_pad, dtype=f32, device=device)
 
     _decode_kernel[(num_decodes, num_kv_heads, num_parts)](
-        query, key_cache, value_cache, slot_positions, block_tables, head_lens, query_positions,
+        query, key_cache, pool.value_cache, slot_positions, block_tables, head_lens, query_positions,
         dec_seq, dec_tok,
         out, part_out, part_max, part_sum,
         float(scale),
         *query.stride(),
-        *common_strides,
+        *_common_strides(pool, block_tables, head_lens, out),
         num_q_heads, num_parts,
         GROUP=group, GROUP_PAD=group_pad,
         HEAD_DIM=head_dim, HEAD_PAD=head_pad,
@@ -662,60 +643,48 @@ def _launch_decode(
 
 
 def paged_decode_by_slot_triton(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_positions: torch.Tensor,
-    block_tables: torch.Tensor,
-    head_lens: torch.Tensor,
-    seq_slots: torch.Tensor,
-    query_positions: torch.Tensor,
-    scale: float,
-    out: torch.Tensor | None = None,
-    slot_metrics: torch.Tensor | None = None,
-    metric_slots: torch.Tensor | None = None,
-    metric_power: int = 2,
-    max_head_len: int | None = None,
-    *,
+    query: torch.Tensor, pool: KVPool, batch: SlotBatch, scale: float,
+    out: torch.Tensor | None = None, metrics: MetricSink | None = None, *,
     partition_size: int = DEFAULT_PARTITION_SIZE,
-    row_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton version of
     :func:`kvcompress.ops.decode_by_slot.paged_decode_by_slot_reference` (same
-    arguments; ``max_head_len`` defaults to the tables' width ``P * block_size``).
+    arguments; ``batch.max_head_len`` defaults to the tables' width ``P * block_size``).
 
     No host reads and launch shapes fixed by ``B`` and ``max_head_len``: capturable in
-    a CUDA graph when ``seq_slots``, ``query_positions``, ``metric_slots``,
-    ``row_index`` (``[B]`` int32 ``arange``; made per call when None) and the cache
-    tensors keep their addresses. ``seq_slots`` should be int32 (others are
-    converted, which allocates).
+    a CUDA graph when ``batch``'s tensors (``seq_slots``, ``query_positions``,
+    ``row_index``: ``[B]`` int32 ``arange``, made per call when None), the metric flags
+    and the pool keep their addresses. ``seq_slots`` should be int32 and the metric
+    flags int8 (others are converted, which allocates).
     """
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed: the Triton paged attention is unavailable")
+    block_tables = batch.block_tables
     num_rows, num_q_heads, head_dim = query.shape
     num_kv_heads = block_tables.shape[1]
     if num_q_heads % num_kv_heads:
         raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
-    block_size = key_cache.shape[1]
+    block_size = pool.block_size
     if block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
     if out is None:
         out = torch.empty_like(query)
     if num_rows == 0:
         return out
+    max_head_len = batch.max_head_len
     if max_head_len is None:
         max_head_len = block_tables.shape[2] * block_size
+    seq_slots = batch.seq_slots
     if seq_slots.dtype != torch.int32:
         seq_slots = seq_slots.to(torch.int32)
-    want_metrics = slot_metrics is not None and metric_slots is not None
+    row_index = batch.row_index
+    if row_index is None:
+        row_index = torch.arange(num_rows, dtype=torch.int32, device=query.device)
     flags = None
-    if want_metrics:
-        flags = metric_slots if metric_slots.dtype == torch.int8 else metric_slots.to(torch.int8)
+    if metrics is not None:
+        flags = metrics.selected if metrics.selected.dtype == torch.int8 else metrics.selected.to(torch.int8)
     _launch_decode(
-        query, key_cache, value_cache, slot_positions, block_tables, head_lens, query_positions,
-        seq_slots,
-        row_index if row_index is not None else torch.arange(num_rows, dtype=torch.int32, device=query.device),
-        out, scale, max_head_len, partition_size,
-        slot_metrics if want_metrics else None, flags, metric_power,
+        query, pool, block_tables, batch.head_lens, batch.query_positions, (seq_slots, row_index), out,
+        scale, max_head_len, partition_size, flags, 2 if metrics is None else metrics.power,
     )
     return out

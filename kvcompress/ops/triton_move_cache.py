@@ -2,8 +2,8 @@
 
 Same call and semantics as the reference :func:`kvcompress.ops.move_cache.move_cache`.
 One program copies ``MOVES`` moves; K and V rows are copied in their storage dtype
-(bit exact). ``key_cache`` / ``value_cache`` may be strided views (e.g. ``pool[:, 0]``
-and ``pool[:, 1]`` of a ``[N, 2, b, D]`` buffer). Sources and destinations must be
+(bit exact). The pool's ``key_cache`` / ``value_cache`` may be strided views (e.g.
+``pool[:, 0]`` and ``pool[:, 1]`` of a ``[N, 2, b, D]`` buffer). Sources and destinations must be
 disjoint, as for the reference (no program reads a slot another one writes).
 
 Importable without triton (``HAS_TRITON`` is then False and the launcher raises).
@@ -12,6 +12,8 @@ Importable without triton (``HAS_TRITON`` is then False and the launcher raises)
 from __future__ import annotations
 
 import torch
+
+from kvcompress.ops.kv_pool import KVPool
 
 try:  # pragma: no cover - exercised where triton exists
     import triton
@@ -73,16 +75,8 @@ if HAS_TRITON:
 
 
 def move_cache_triton(
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_metrics: torch.Tensor,
-    slot_positions: torch.Tensor,
-    src_pages: torch.Tensor,
-    src_offsets: torch.Tensor,
-    dst_pages: torch.Tensor,
-    dst_offsets: torch.Tensor,
-    *,
-    moves_per_program: int = 8,
+    pool: KVPool, src_pages: torch.Tensor, src_offsets: torch.Tensor,
+    dst_pages: torch.Tensor, dst_offsets: torch.Tensor, *, moves_per_program: int = 8,
 ) -> None:
     """Triton version of :func:`kvcompress.ops.move_cache.move_cache` (in place)."""
     if not HAS_TRITON:
@@ -92,6 +86,7 @@ def move_cache_triton(
         return
     if not (src_offsets.numel() == dst_pages.numel() == dst_offsets.numel() == num_moves):
         raise ValueError("src_pages, src_offsets, dst_pages and dst_offsets must have one entry per move")
+    key_cache, value_cache = pool.key_cache, pool.value_cache
     if key_cache.shape != value_cache.shape:
         raise ValueError("key_cache and value_cache shapes differ")
     if key_cache.dtype != value_cache.dtype:
@@ -105,10 +100,10 @@ def move_cache_triton(
     moves = max(1, 1 << (int(moves_per_program) - 1).bit_length())
     grid = (triton.cdiv(num_moves, moves),)
     _move_cache_kernel[grid](
-        key_cache, value_cache, slot_metrics, slot_positions,
+        key_cache, value_cache, pool.slot_metrics, pool.slot_positions,
         src_pages, src_offsets, dst_pages, dst_offsets,
         num_moves,
         *key_cache.stride(), *value_cache.stride(),
-        *slot_metrics.stride(), *slot_positions.stride(),
+        *pool.slot_metrics.stride(), *pool.slot_positions.stride(),
         HEAD_DIM=head_dim, HEAD_PAD=head_pad, MOVES=moves,
     )

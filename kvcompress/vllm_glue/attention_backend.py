@@ -7,7 +7,8 @@ step (pages allocated, where every new KV goes) and publishes it with
 ``set_current_step``; the metadata builder hands that plan to every layer, and
 the impl writes the layer's new KVs and runs ``kvcompress.ops.paged_attention``.
 vLLM's own ``kv_cache`` views and ``slot_mapping`` are not used: the whole KV
-buffer is one pool of pages, reached through ``WorkerCacheState``.
+buffer is one pool of pages, reached through ``WorkerCacheState`` (its ``pool``, and
+its ``ops``: the kernels' backends, resolved once for the engine).
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from kvcompress.config import SUPPORTED_BLOCK_SIZES
-from kvcompress.ops import write_kv
-from kvcompress.ops.dispatch import decode_by_slot_capturable, paged_attention, paged_decode_by_slot
+from kvcompress.ops import MetricSink, PagedBatch, SlotBatch, write_kv
+from kvcompress.ops.dispatch import decode_by_slot_capturable
 from kvcompress.ops.metrics import accumulate_metrics, attention_metrics, pool_metrics
 from kvcompress.vllm_glue import step as step_state
 from kvcompress.vllm_glue.step import PerHeadStep
@@ -187,34 +188,28 @@ class PerHeadAttentionImpl(AttentionImpl):
         )
         query = query[:num_tokens].view(num_tokens, self.num_heads, self.head_size)
         metrics = step.metrics
-        block_tables = step.block_tables[:, layer_index]
-        head_lens = step.head_lens[:, layer_index]
-        paged_attention(
-            query,
-            state.key_cache,
-            state.value_cache,
-            state.cache.slot_positions,
-            block_tables,
-            head_lens,
-            step.query_start_loc,
-            step.query_positions,
-            self.scale,
+        batch = PagedBatch(
+            step.block_tables[:, layer_index], step.head_lens[:, layer_index],
+            step.query_start_loc, step.query_positions, max_head_len=step.max_head_len,
+        )
+        decode_metrics = None
+        if metrics is not None and metrics.decode_seqs is not None:
+            decode_metrics = MetricSink(metrics.decode_seqs, metrics.power)
+        state.ops.paged_attention(
+            query, state.pool, batch, self.scale,
             out=output[:num_tokens].view(num_tokens, self.num_heads, self.head_size),
-            slot_metrics=state.cache.slot_metrics if metrics is not None else None,
-            metric_seqs=metrics.decode_seqs if metrics is not None else None,
-            metric_power=metrics.power if metrics is not None else 2,
-            max_head_len=step.max_head_len,
+            metrics=decode_metrics,
         )
         if metrics is not None:
-            self._prompt_metrics(state, step, metrics, query, block_tables, head_lens)
+            self._prompt_metrics(state, step, metrics, query, batch)
         return output
 
     def _store_kvs(self, state, key, value, num_rows, write_pages, write_offsets) -> None:
         """Write the first ``num_rows`` new K/V rows (``[T, num_kv_heads * D]`` or
         ``[T, num_kv_heads, D]``) at their ``[num_rows, num_kv_heads]`` slots."""
         write_kv(
-            state.key_cache,
-            state.value_cache,
+            state.pool.key_cache,
+            state.pool.value_cache,
             key[:num_rows].view(num_rows, self.num_kv_heads, self.head_size),
             value[:num_rows].view(num_rows, self.num_kv_heads, self.head_size),
             write_pages,
@@ -241,47 +236,40 @@ class PerHeadAttentionImpl(AttentionImpl):
             state, key, value, rows,
             buffers.write_pages[layer_index, :rows], buffers.write_offsets[layer_index, :rows],
         )
-        paged_decode_by_slot(
-            query[:rows].view(rows, self.num_heads, self.head_size),
-            state.key_cache,
-            state.value_cache,
-            cache.slot_positions,
-            cache.page_tables[:, layer_index],
-            cache.head_lens[:, layer_index],
-            buffers.seq_slots[:rows],
-            buffers.query_positions[:rows],
-            self.scale,
+        batch = SlotBatch(
+            cache.page_tables[:, layer_index], cache.head_lens[:, layer_index],
+            buffers.seq_slots[:rows], buffers.query_positions[:rows],
+            max_head_len=buffers.max_head_len, row_index=buffers.row_index[:rows],
+        )
+        state.ops.paged_decode_by_slot(
+            query[:rows].view(rows, self.num_heads, self.head_size), state.pool, batch, self.scale,
             out=output[:rows].view(rows, self.num_heads, self.head_size),
-            slot_metrics=cache.slot_metrics,
-            metric_slots=buffers.metric_slots,
-            metric_power=buffers.metric_power,
-            max_head_len=buffers.max_head_len,
+            metrics=MetricSink(buffers.metric_slots, buffers.metric_power),
             partition_size=buffers.partition_size,
-            row_index=buffers.row_index[:rows],
         )
         return output
 
-    def _prompt_metrics(self, state, step, metrics, query, block_tables, head_lens) -> None:
+    def _prompt_metrics(self, state, step, metrics, query, batch: PagedBatch) -> None:
         """Score this layer's keys with the prompt queries chosen by the runner."""
-        cache = state.cache
+        pool = state.pool
         for rows in metrics.prompt_rows:
-            tables = block_tables[rows.seq_index]
-            lens = head_lens[rows.seq_index]
+            tables = batch.block_tables[rows.seq_index]
+            lens = batch.head_lens[rows.seq_index]
             spec = rows.spec
             scored = attention_metrics(
                 query[rows.row_start:rows.row_end],
                 step.query_positions[rows.row_start:rows.row_end],
-                state.key_cache,
-                cache.slot_positions,
+                pool.key_cache,
+                pool.slot_positions,
                 tables,
                 lens,
                 self.scale,
                 power=spec.power,
                 skip_nearest=spec.skip_nearest if spec.queries == "full" else 0,
             )
-            accumulate_metrics(cache.slot_metrics, tables, lens, scored)
+            accumulate_metrics(pool.slot_metrics, tables, lens, scored)
             if rows.prompt_done:
-                pool_metrics(cache.slot_metrics, tables, lens, spec.pool_kernel, spec.pool)
+                pool_metrics(pool.slot_metrics, tables, lens, spec.pool_kernel, spec.pool)
 
 
 class PerHeadAttentionBackend(AttentionBackend):

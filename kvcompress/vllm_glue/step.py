@@ -9,11 +9,11 @@ built. Decode-only steps read the fixed-address ``DecodeBuffers`` instead of a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 
 import torch
 
-from kvcompress.ops import AppendPlan, PerHeadPagedCache
+from kvcompress.ops import AppendPlan, KernelOps, KVPool, PerHeadPagedCache, resolve_ops
 from kvcompress.ops.decode_by_slot import graph_partition_size
 from kvcompress.policies import MetricSpec
 
@@ -118,17 +118,33 @@ class WorkerCacheState:
 
     Attributes:
         cache: page tables / head lengths / slot positions / allocator.
-        key_cache, value_cache: ``[num_buffer_pages, block_size, head_dim]`` views of
-            the pool (the allocator's pages plus the scratch page).
         layer_index: attention layer name -> layer index in the page tables.
         decode_buffers: fixed-address inputs of decode-only steps.
+        pool: the ops' view of the KV buffer: K / V ``[num_buffer_pages, block_size,
+            head_dim]`` (the allocator's pages plus the scratch page) with the cache's
+            slot positions and metrics (``cache.kv_pool(key_cache, value_cache)``).
+        ops: the kernels, backends resolved once for the pool's device
+            (``kvcompress.ops.dispatch.resolve_ops``; resolved here when None).
+
+    ``key_cache`` / ``value_cache`` (init only): instead of ``pool``, the two views of
+    the KV buffer; the pool is built from them.
     """
 
     cache: PerHeadPagedCache
-    key_cache: torch.Tensor
-    value_cache: torch.Tensor
     layer_index: dict[str, int]
     decode_buffers: DecodeBuffers | None = None
+    pool: KVPool | None = None
+    ops: KernelOps | None = None
+    key_cache: InitVar[torch.Tensor | None] = None
+    value_cache: InitVar[torch.Tensor | None] = None
+
+    def __post_init__(self, key_cache: torch.Tensor | None, value_cache: torch.Tensor | None) -> None:
+        if (key_cache is None) != (value_cache is None) or (key_cache is None) == (self.pool is None):
+            raise TypeError("WorkerCacheState: give either pool or both key_cache and value_cache")
+        if self.pool is None:
+            self.pool = self.cache.kv_pool(key_cache, value_cache)
+        if self.ops is None:
+            self.ops = resolve_ops(self.pool.device)
 
 
 @dataclass

@@ -1,0 +1,174 @@
+"""One compression step: evict, compact and free pages for a batch of sequences.
+
+:func:`compress_sequences` gathers the sequences' metrics and positions in logical
+order (:func:`gather_logical`), ranks them by the policy
+(:func:`~kvcompress.ops.policy_scores.policy_metrics`), schedules the evictions over
+all layers and heads (:func:`~kvcompress.ops.eviction.schedule_evictions`), compacts
+every shrunk head (:func:`~kvcompress.ops.move_cache.plan_moves`, then MoveCache on
+the resolved backend) and frees the trailing pages. Batched tensor ops over sequences,
+layers and heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcompress.ops import dispatch
+from kvcompress.ops.dispatch import KernelOps
+from kvcompress.ops.eviction import protected_slots, schedule_evictions
+from kvcompress.ops.kv_pool import KVPool
+from kvcompress.ops.move_cache import plan_moves
+from kvcompress.ops.paged_cache import PerHeadPagedCache, pages_for
+from kvcompress.ops.policy_scores import policy_metrics
+from kvcompress.policies import Policy
+
+
+@dataclass
+class CompressResult:
+    """Result of :func:`compress_sequences`.
+
+    Attributes:
+        new_head_lens: ``[S, L, H]`` int64, KVs each head holds afterwards.
+        evict_blocks: ``[S, L, H]`` int64, pages each head gave back.
+        pages_freed: total pages returned to the allocator (``== evict_blocks.sum()``).
+        kvs_evicted: total KVs evicted (``(old_lens - new_head_lens).sum()``).
+        kept_unprotected_by_layer: ``[L]`` int64, KVs kept that are not protected
+            (window, sinks), summed over sequences and heads: how a policy split the
+            budget over layers (XKV profiles are made from it).
+    """
+
+    new_head_lens: torch.Tensor
+    evict_blocks: torch.Tensor
+    pages_freed: int
+    kvs_evicted: int
+    kept_unprotected_by_layer: torch.Tensor | None = None
+
+
+def gather_logical(
+    cache: PerHeadPagedCache, seq_slots: torch.Tensor, num_slots: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-head metrics and positions of some sequences in logical slot order.
+
+    Args:
+        cache: the paged cache.
+        seq_slots: ``[S]`` int64 sequence slots.
+        num_slots: ``K``, logical slots per head (default: the longest head's pages
+            times ``block_size``; at least one page). Must be a multiple of ``b``.
+
+    Returns:
+        ``(metrics [S, L, H, K] float32, positions [S, L, H, K] int32, tables
+        [S, L, H, K / b] int64)``; entries past a head's length are garbage.
+    """
+    block_size = cache.block_size
+    seq_slots = seq_slots.to(cache.device, torch.int64)
+    if num_slots is None:
+        lens = cache.head_lens[seq_slots]
+        max_pages = int(pages_for(lens, block_size).max().item()) if lens.numel() else 0
+        num_slots = max(1, max_pages) * block_size
+    num_pages = num_slots // block_size
+    tables = cache.page_tables[seq_slots][..., :num_pages]  # [S, L, H, P]
+    # Logical slot k lives at (tables[..., k // b], k % b).
+    pages = tables.repeat_interleave(block_size, dim=-1)  # [S, L, H, K]
+    offsets = torch.arange(num_slots, device=cache.device) % block_size
+    return cache.slot_metrics[pages, offsets], cache.slot_positions[pages, offsets], tables
+
+
+def compress_sequences(
+    cache: PerHeadPagedCache,
+    pool: KVPool,
+    seq_slots: torch.Tensor,
+    evict_blocks_per_seq: torch.Tensor,
+    context_lens: torch.Tensor | int,
+    protected_window: torch.Tensor | int,
+    sink_tokens: torch.Tensor | int,
+    *,
+    block_cost: str = "max",
+    policy: Policy | None = None,
+    generator: torch.Generator | None = None,
+    ops: KernelOps | None = None,
+) -> CompressResult:
+    """Evict, compact and free pages for a batch of sequences (one compression step).
+
+    Gathers each sequence's per-head metrics and positions in logical order through
+    ``cache.page_tables`` (padded to the longest head among them), schedules the
+    evictions over all layers and heads of each sequence
+    (:func:`~kvcompress.ops.eviction.schedule_evictions`), moves the kept KVs of each
+    head's eviction range into its evicted slots (:func:`plan_moves`, then MoveCache
+    on ``ops``), frees the trailing pages of every shrunk head with one
+    ``cache.allocator.free`` call and sets ``cache.head_lens``.
+
+    Args:
+        cache: the paged cache (its ``slot_metrics`` hold the metrics).
+        pool: the page pool of all layers (``cache.kv_pool(key_cache, value_cache)``:
+            its slot positions and metrics are the cache's).
+        seq_slots: ``[S]`` int64 distinct sequence slots.
+        evict_blocks_per_seq: ``[S]`` int64 ``E_s``, pages to free per sequence
+            (fewer are freed when fewer are evictable).
+        context_lens: ``[S]`` int64 tokens in each sequence's context.
+        protected_window: ``[S]`` int64, the last this-many token positions are kept.
+        sink_tokens: ``[S]`` int64, the first this-many token positions are kept.
+        block_cost: ``"max"`` (paper) or ``"sum"``, see ``schedule_evictions``.
+        policy: eviction policy (None: ``kvc``). Its metric source replaces the stored
+            metrics for ``position`` (oldest first) and ``random``; its budget split
+            orders the pages freed (``kvcompress.ops.budget_split``).
+        generator: random source of the ``random`` policy (on ``cache.device``).
+        ops: the engine's resolved ops (:func:`kvcompress.ops.dispatch.resolve_ops`);
+            None: MoveCache on the backend selected now.
+
+    Returns:
+        The :class:`CompressResult`. Afterwards every kept KV sits at a logical slot
+        ``< new_head_len`` of its head with K, V, metric and position unchanged.
+    """
+    if pool.slot_positions is not cache.slot_positions or pool.slot_metrics is not cache.slot_metrics:
+        raise ValueError("compress_sequences: pool must hold the cache's slot_positions / slot_metrics "
+                         "(build it with cache.kv_pool(key_cache, value_cache))")
+    device = cache.device
+    block_size = cache.block_size
+    seq_slots = seq_slots.to(device, torch.int64)
+    num_seqs = seq_slots.numel()
+    head_lens = cache.head_lens[seq_slots]  # [S, L, H]
+    if num_seqs == 0 or int(head_lens.max().item()) == 0:
+        zeros = torch.zeros_like(head_lens)
+        return CompressResult(head_lens.clone(), zeros, 0, 0)
+
+    metrics, positions, tables = gather_logical(cache, seq_slots)
+    metrics = policy_metrics(policy, metrics, positions, generator)
+    protected = protected_slots(positions, head_lens, context_lens, protected_window, sink_tokens)
+    plan = schedule_evictions(
+        metrics, head_lens, protected, evict_blocks_per_seq, block_size, block_cost,
+        split=policy.split if policy is not None else None,
+    )
+
+    num_slots = metrics.shape[-1]
+    flat_tables = tables.reshape(-1, tables.shape[-1])  # [R, P]
+    row, src_index, dst_index = plan_moves(
+        plan.evicted.reshape(-1, num_slots), head_lens.reshape(-1), plan.new_head_lens.reshape(-1)
+    )
+    move_cache = ops.move_cache if ops is not None else dispatch.move_cache
+    move_cache(
+        pool,
+        flat_tables[row, src_index // block_size],
+        src_index % block_size,
+        flat_tables[row, dst_index // block_size],
+        dst_index % block_size,
+    )
+
+    # Free pages [ceil(new_len / b), ceil(len / b)) of every head.
+    page_index = torch.arange(tables.shape[-1], device=device)
+    freed = (page_index >= pages_for(plan.new_head_lens, block_size).unsqueeze(-1)) & (
+        page_index < pages_for(head_lens, block_size).unsqueeze(-1)
+    )
+    freed_pages = tables[freed]
+    cache.allocator.free(freed_pages)
+    cache.head_lens[seq_slots] = plan.new_head_lens
+    # protected_slots() marks held KVs only, and the schedule never evicts them.
+    kept_unprotected = plan.new_head_lens - protected.sum(dim=-1)
+    return CompressResult(
+        new_head_lens=plan.new_head_lens,
+        evict_blocks=plan.evict_blocks,
+        pages_freed=int(freed_pages.numel()),
+        kvs_evicted=int((head_lens - plan.new_head_lens).sum().item()),
+        kept_unprotected_by_layer=kept_unprotected.clamp(min=0).sum(dim=(0, 2)),
+    )

@@ -1,0 +1,134 @@
+"""The narrow arguments of the attention and MoveCache ops (reference, Triton, CUDA).
+
+Instead of a dozen positional tensors, every op takes:
+
+- :class:`KVPool`: the page pool all layers share (K, V, and each slot's token
+  position and eviction metric);
+- :class:`PagedBatch` (``paged_attention``): one layer's tables for the sequences of a
+  batch and where their queries are; or :class:`SlotBatch` (``paged_decode_by_slot``):
+  decode rows over the tables of every sequence slot;
+- :class:`MetricSink` (optional): which decode queries add their attention to the pool's
+  ``slot_metrics``, and with what power.
+
+The CUDA ops (``csrc/``) keep their flat schemas; :meth:`KVPool.tensors` gives the pool's
+tensors under those schema argument names. Plain holders: nothing is copied or checked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+
+@dataclass(frozen=True, eq=False)
+class KVPool:
+    """The per-(layer, KV head) page pool: page ``n`` holds ``block_size`` KVs of one head.
+
+    Attributes:
+        key_cache, value_cache: ``[num_pages, block_size, head_dim]``, the cache dtype;
+            may be strided views (``pool[:, 0]`` / ``pool[:, 1]`` of a ``[N, 2, b, D]``
+            buffer), the head dim contiguous.
+        slot_positions: ``[num_pages, block_size]`` int32, token position of the KV in
+            each slot (RoPE and the causal mask read it, not the slot order).
+        slot_metrics: ``[num_pages, block_size]`` float32, eviction metric of the KV in
+            each slot (accumulated attention); moves with the KV.
+
+    ``slot_positions`` / ``slot_metrics`` may have fewer pages than the K / V views:
+    the runner's scratch page (written by padding rows, never read) is past them.
+    """
+
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    slot_positions: torch.Tensor
+    slot_metrics: torch.Tensor
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The four tensors by field name (the CUDA ops' schema argument names)."""
+        return {field.name: getattr(self, field.name) for field in fields(self)}
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per page."""
+        return self.key_cache.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        """Where the pool lives (the ops' backends are chosen for it)."""
+        return self.key_cache.device
+
+
+@dataclass(frozen=True, eq=False)
+class PagedBatch:
+    """One layer of a batch, for ``paged_attention``.
+
+    Attributes:
+        block_tables: ``[S, num_kv_heads, P]`` int64 page ids of this layer (entries
+            past a head's pages are never read).
+        head_lens: ``[S, num_kv_heads]`` int64 KVs held per head.
+        query_start_loc: ``S + 1`` Python ints: sequence ``s`` owns query rows
+            ``[query_start_loc[s], query_start_loc[s + 1])`` (a tensor is read to the
+            host once, here).
+        query_positions: ``[T]`` int64 token position of each query row.
+        max_head_len: optional upper bound of the decode rows' head lengths, known on
+            the host: the GPU decode sizes its partition grid without reading
+            ``head_lens`` (the reference ignores it).
+    """
+
+    block_tables: torch.Tensor
+    head_lens: torch.Tensor
+    query_start_loc: list[int]
+    query_positions: torch.Tensor
+    max_head_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.query_start_loc, torch.Tensor):
+            object.__setattr__(self, "query_start_loc", self.query_start_loc.tolist())
+
+    def decode_only(self) -> bool:
+        """Every sequence has exactly one query row."""
+        starts = self.query_start_loc
+        return all(starts[s + 1] - starts[s] == 1 for s in range(len(starts) - 1))
+
+
+@dataclass(frozen=True, eq=False)
+class SlotBatch:
+    """Decode rows over the tables of ALL sequence slots, for ``paged_decode_by_slot``
+    (the CUDA-graph path: nothing here is read on the host).
+
+    Attributes:
+        block_tables: ``[num_slots, num_kv_heads, P]`` page ids of one layer for every
+            sequence slot (e.g. ``PerHeadPagedCache.page_tables[:, layer]``).
+        head_lens: ``[num_slots, num_kv_heads]`` KVs held per head.
+        seq_slots: ``[B]`` int32, query row ``b`` is the decode query of slot
+            ``seq_slots[b]`` (distinct for real rows; padding rows may share an empty slot).
+        query_positions: ``[B]`` token position of each row.
+        max_head_len: fixed upper bound of every head length (tokens), sizes the grid
+            (None: the tables' width ``P * block_size``; the reference ignores it).
+        row_index: optional ``[B]`` int32 ``arange`` (kernel row -> query row), kept at a
+            fixed address for graph capture (made per call when None).
+    """
+
+    block_tables: torch.Tensor
+    head_lens: torch.Tensor
+    seq_slots: torch.Tensor
+    query_positions: torch.Tensor
+    max_head_len: int | None = None
+    row_index: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class MetricSink:
+    """Decode queries that add ``sum over the query group of prob ** power`` into
+    ``KVPool.slot_metrics`` at the held slots they see (continual compression; nothing
+    is zeroed).
+
+    Attributes:
+        selected: which decode queries add: ``[S]`` bool over a ``PagedBatch``'s
+            sequences, or ``[num_slots]`` int8 / bool over the sequence slots of a
+            ``SlotBatch``.
+        power: 2 (L2, the paper's squared attention) or 1 (L1).
+    """
+
+    selected: torch.Tensor
+    power: int = 2
