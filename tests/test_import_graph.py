@@ -1,0 +1,135 @@
+"""No import cycle among the modules of the ``kvcompress`` package.
+
+Every module is parsed with ``ast`` (nothing is imported). An edge ``a -> b`` is any
+import of ``b`` anywhere in ``a``: at module level or inside a function (a lazy import
+that only hides a cycle counts as one). ``from x import y`` points at ``x.y`` when that
+is a module of the package, else at ``x``; relative imports are resolved against the
+importing module. Importing a submodule is not counted as importing its parent package.
+The packages and their folders are read from ``pyproject.toml`` (``kvcompress.patches``
+lives in ``patches/``).
+"""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _package_dirs() -> dict[str, Path]:
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    mapped = setuptools.get("package-dir", {})
+    dirs = {}
+    for package in setuptools["packages"]:
+        folder = mapped.get(package, package.replace(".", "/"))
+        dirs[package] = ROOT / folder
+    return dirs
+
+
+def _modules() -> dict[str, Path]:
+    """Module name -> file, for every ``.py`` directly in a listed package folder."""
+    modules = {}
+    for package, folder in _package_dirs().items():
+        for path in sorted(folder.glob("*.py")):
+            name = package if path.stem == "__init__" else f"{package}.{path.stem}"
+            modules[name] = path
+    return modules
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """Package modules that ``name`` imports anywhere in its source."""
+    is_package = path.stem == "__init__"
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = name.split(".")
+                anchor = parts if is_package else parts[:-1]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = []
+            for alias in node.names:
+                submodule = f"{base}.{alias.name}"
+                targets.append(submodule if submodule in modules else base)
+        else:
+            continue
+        for target in targets:
+            # ``import a.b.c`` names a.b.c; keep the longest prefix that is a module.
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def _find_cycle(graph: dict[str, set[str]], within: set[str] | None = None) -> list[str] | None:
+    """One cycle as ``[a, b, ..., a]`` (among the nodes ``within``, default all), or None."""
+    nodes = set(graph) if within is None else within
+    state: dict[str, int] = {}  # 1 = on the stack, 2 = done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node] & nodes):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                cycle = visit(nxt)
+                if cycle:
+                    return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(nodes):
+        if node not in state:
+            cycle = visit(node)
+            if cycle:
+                return cycle
+    return None
+
+
+def _all_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per group of modules that import each other (strongly connected)."""
+    reach = {node: _reachable(graph, node) for node in graph}
+    groups = {frozenset(n for n in reach[node] if node in reach[n]) for node in graph if node in reach[node]}
+    return [_find_cycle(graph, set(group)) for group in sorted(groups, key=sorted)]
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Nodes reachable from ``start`` by one or more edges."""
+    seen: set[str] = set()
+    todo = list(graph[start])
+    while todo:
+        node = todo.pop()
+        if node not in seen:
+            seen.add(node)
+            todo.extend(graph[node])
+    return seen
+
+
+def test_the_scan_sees_lazy_and_relative_imports(tmp_path):
+    """The checker itself: function-level and relative imports are edges."""
+    modules = {"pkg": tmp_path / "__init__.py", "pkg.a": tmp_path / "a.py", "pkg.b": tmp_path / "b.py"}
+    modules["pkg.a"].write_text("import os\n\ndef f():\n    from pkg import b\n    from . import a\n")
+    assert _imports("pkg.a", modules["pkg.a"], modules) == {"pkg.b"}
+    modules["pkg.b"].write_text("from .a import f\n")
+    assert _imports("pkg.b", modules["pkg.b"], modules) == {"pkg.a"}
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _find_cycle({"a": {"b"}, "b": set()}) is None
+    two = {"a": {"b"}, "b": {"a", "c"}, "c": set(), "d": {"e"}, "e": {"d"}}
+    assert _all_cycles(two) == [["a", "b", "a"], ["d", "e", "d"]]
+
+
+def test_kvcompress_has_no_import_cycle():
+    modules = _modules()
+    assert "kvcompress.ops.dispatch" in modules and "kvcompress.patches" in modules
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    cycles = _all_cycles(graph)
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(cycle) for cycle in cycles)
