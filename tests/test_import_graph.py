@@ -4,7 +4,8 @@ Every module is parsed with ``ast`` (nothing is imported). An edge ``a -> b`` is
 import of ``b`` anywhere in ``a``: at module level or inside a function (a lazy import
 that only hides a cycle counts as one). ``from x import y`` points at ``x.y`` when that
 is a module of the package, else at ``x``; relative imports are resolved against the
-importing module. Importing a submodule is not counted as importing its parent package.
+importing module. Importing a submodule is not counted as importing its parent package,
+nor is a compiled module (``kvcompress._C``) a node.
 The packages and their folders are read from ``pyproject.toml`` (``kvcompress.patches``
 lives in ``patches/``).
 """
@@ -58,12 +59,9 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
                 targets.append(submodule if submodule in modules else base)
         else:
             continue
-        for target in targets:
-            # ``import a.b.c`` names a.b.c; keep the longest prefix that is a module.
-            while target and target not in modules:
-                target = target.rpartition(".")[0]
-            if target and target != name:
-                found.add(target)
+        # Names outside the package (torch, vllm) and compiled modules (kvcompress._C)
+        # are not nodes.
+        found.update(target for target in targets if target in modules and target != name)
     return found
 
 
