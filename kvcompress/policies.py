@@ -49,10 +49,10 @@ scheduler process to the workers).
 
 Adding a policy
 ---------------
-One place: a ``register_policy(PolicyDefinition(...))`` call at the end of this module
-(name, metric source, split, paper defaults), plus its test (a case in
-``tests/test_policies.py``'s brute-force reference when its split rule is new).
-Everything else follows from the registry: ``POLICY_NAMES``, the
+One place: a ``PolicyDefinition(...)`` entry in the policy list at the end of this
+module (name, metric source, split, paper defaults), plus its test (a case in
+``tests/test_policies.py``'s brute-force reference when its split rule is new) and,
+as documentation, its row in the table above and in README.md. Everything else follows from the registry: ``POLICY_NAMES``, the
 ``--kv-compress-policy`` choices and help, the per-policy defaults shown by
 ``--help``, the ``kv_compress_policy`` request field, the scheduler's policy index
 and the workers' resolved policies. Only a policy that needs a *new kind* of metric
@@ -298,8 +298,12 @@ class PolicyDefinition:
 
     Attributes:
         name: the ``--kv-compress-policy`` / ``kv_compress_policy`` value.
-        metric: the metric source and the paper's metric settings.
-        split: the budget split, with its default knobs.
+        metric: the metric source and the paper's metric settings (each overridden by
+            its server setting when that is given, e.g. ``--kv-compress-pool``).
+        split: the budget split. Its knobs (PyramidKV's beta, Ada-KV's floor, XKV's
+            profile) are server-wide settings, applied to every policy whose split
+            reads them (``--kv-compress-pyramid-beta`` defaults to ``PYRAMID_BETA``
+            for all), so leave them at their defaults here.
         sink_tokens: attention sinks never evicted (the paper's).
         paper: where the policy comes from (help text).
     """
@@ -444,44 +448,48 @@ def load_layer_profile(path: str | Path) -> tuple[float, ...]:
 
 
 # --------------------------------------------------------------------------- the policies
-# One call per policy (order = POLICY_NAMES order = the scheduler's policy index).
+# One entry per policy; their order is POLICY_NAMES (the scheduler's policy index).
 
-register_policy(PolicyDefinition(
-    "kvc", MetricSpec(power=2, observation_window=8, pool="max"), GlobalSplit(),
-    paper="KV-Compress",
-))
-register_policy(PolicyDefinition(
-    "snapkv", MetricSpec(power=1, observation_window=32, pool="max"), UniformSplit(),
-    paper="SnapKV",
-))
-register_policy(PolicyDefinition(
-    "pyramidkv", MetricSpec(power=1, observation_window=8, pool="max"), PyramidSplit(),
-    paper="PyramidKV",
-))
-register_policy(PolicyDefinition(
-    "ada-snapkv", MetricSpec(power=1, observation_window=32, pool="max"), AdaSplit(UniformSplit()),
-    paper="Ada-KV over SnapKV",
-))
-register_policy(PolicyDefinition(
-    "ada-pyramidkv", MetricSpec(power=1, observation_window=32, pool="max"), AdaSplit(PyramidSplit()),
-    paper="Ada-KV over PyramidKV",
-))
-register_policy(PolicyDefinition(
-    "xkv", MetricSpec(power=1, observation_window=8, pool="avg"), XKVSplit(),
-    paper="XKV",
-))
-register_policy(PolicyDefinition(
-    "h2o", MetricSpec(power=1, queries="full", skip_nearest=0, pool_kernel=1), UniformSplit(),
-    paper="H2O",
-))
-register_policy(PolicyDefinition(
-    "streamingllm", MetricSpec(source=TokenPosition(), pool_kernel=1), UniformSplit(),
-    sink_tokens=4, paper="StreamingLLM",
-))
-register_policy(PolicyDefinition(
-    "random", MetricSpec(source=RandomNoise(), pool_kernel=1), UniformSplit(),
-    paper="baseline",
-))
+for _definition in (
+    PolicyDefinition(
+        "kvc", MetricSpec(power=2, observation_window=8, pool="max"), GlobalSplit(),
+        paper="KV-Compress",
+    ),
+    PolicyDefinition(
+        "snapkv", MetricSpec(power=1, observation_window=32, pool="max"), UniformSplit(),
+        paper="SnapKV",
+    ),
+    PolicyDefinition(
+        "pyramidkv", MetricSpec(power=1, observation_window=8, pool="max"), PyramidSplit(),
+        paper="PyramidKV",
+    ),
+    PolicyDefinition(
+        "ada-snapkv", MetricSpec(power=1, observation_window=32, pool="max"), AdaSplit(UniformSplit()),
+        paper="Ada-KV over SnapKV",
+    ),
+    PolicyDefinition(
+        "ada-pyramidkv", MetricSpec(power=1, observation_window=32, pool="max"), AdaSplit(PyramidSplit()),
+        paper="Ada-KV over PyramidKV",
+    ),
+    PolicyDefinition(
+        "xkv", MetricSpec(power=1, observation_window=8, pool="avg"), XKVSplit(),
+        paper="XKV",
+    ),
+    PolicyDefinition(
+        "h2o", MetricSpec(power=1, queries="full", skip_nearest=0, pool_kernel=1), UniformSplit(),
+        paper="H2O",
+    ),
+    PolicyDefinition(
+        "streamingllm", MetricSpec(source=TokenPosition(), pool_kernel=1), UniformSplit(),
+        sink_tokens=4, paper="StreamingLLM",
+    ),
+    PolicyDefinition(
+        "random", MetricSpec(source=RandomNoise(), pool_kernel=1), UniformSplit(),
+        paper="baseline",
+    ),
+):
+    register_policy(_definition)
+del _definition
 
 POLICY_NAMES = tuple(POLICIES)
 """The registered policy names, in registration order (the scheduler's policy index)."""
