@@ -148,11 +148,10 @@ class KVCompressConfig(BaseModel):
         try:
             return cls(**values)
         except ValidationError as error:
-            problems = [
-                f"{FLAGS.get(field, field)}: {describe_error(item)}"
-                for item in error.errors()
-                for field in [str(item["loc"][0]) if item["loc"] else "?"]
-            ]
+            problems = []
+            for item in error.errors():
+                field = str(item["loc"][0]) if item["loc"] else "?"
+                problems.append(f"{FLAGS.get(field, field)}: {describe_error(item)}")
             raise KVCompressConfigError(
                 "invalid kvcompress setting(s): " + "; ".join(problems)
             ) from None
