@@ -35,6 +35,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 from kvcompress.config import KVCompressConfig
 from kvcompress.contract import CompressionOrder, RequestCompression, WorkerReport
 from kvcompress.ops import PerHeadPagedCache, compress_sequences
+from kvcompress.ops.dispatch import resolve_ops
 from kvcompress.vllm_glue.step import (
     DecodeBuffers,
     MetricQueries,
@@ -128,6 +129,8 @@ class PerHeadRunnerMixin:
         max_model_len = self.vllm_config.model_config.max_model_len
         max_num_seqs = self.vllm_config.scheduler_config.max_num_seqs
         max_pages_per_head = -(-max_model_len // block_size)
+        # Kernels chosen once for the engine's life (CUDA extension > Triton > reference).
+        ops = resolve_ops(pool.device)
         cache = PerHeadPagedCache(
             num_pages=num_pages,
             num_layers=num_layers,
@@ -136,6 +139,7 @@ class PerHeadRunnerMixin:
             max_seqs=max_num_seqs + 1,  # + the padding rows' empty slot
             max_pages_per_head=max_pages_per_head,
             device=pool.device,
+            ops=ops,
         )
         pad_slot = cache.new_sequence()
         self.kvc_cache = cache
@@ -164,16 +168,16 @@ class PerHeadRunnerMixin:
         set_worker_state(
             WorkerCacheState(
                 cache=cache,
-                key_cache=pool[:, 0],
-                value_cache=pool[:, 1],
+                pool=cache.kv_pool(pool[:, 0], pool[:, 1]),
+                ops=ops,
                 layer_index={name: i for i, name in enumerate(layer_names)},
                 decode_buffers=decode_buffers,
             )
         )
         logger.info(
             "kvcompress: %d pages of %d tokens x 1 (layer, KV head) "
-            "(%d layers x %d KV heads, %d bytes per page)",
-            num_pages, block_size, num_layers, num_kv_heads, page_bytes,
+            "(%d layers x %d KV heads, %d bytes per page); kernels: %s",
+            num_pages, block_size, num_layers, num_kv_heads, page_bytes, ops,
         )
 
     def _kvc_release(self, request_ids) -> None:
@@ -216,6 +220,7 @@ class PerHeadRunnerMixin:
         ordered = sum(orders[r].evict_pages for r in request_ids)
         pages_freed = kvs_evicted = 0
         # One batched compression per policy present in this step's orders.
+        state = get_worker_state()
         by_policy: dict[str, list[str]] = {}
         for request_id in request_ids:
             by_policy.setdefault(orders[request_id].compression.policy.name, []).append(request_id)
@@ -223,8 +228,7 @@ class PerHeadRunnerMixin:
             policy = orders[group[0]].compression.policy
             result = compress_sequences(
                 cache,
-                get_worker_state().key_cache,
-                get_worker_state().value_cache,
+                state.pool,
                 self._kvc_column([self.kvc_requests[r].seq_slot for r in group]),
                 self._kvc_column([orders[r].evict_pages for r in group]),
                 self._kvc_column([orders[r].context_len for r in group]),
@@ -233,6 +237,7 @@ class PerHeadRunnerMixin:
                 block_cost=self.kvc_settings.block_cost,
                 policy=policy,
                 generator=self._kvc_random(),
+                ops=state.ops,
             )
             pages_freed += int(result.pages_freed)
             kvs_evicted += int(result.kvs_evicted)
