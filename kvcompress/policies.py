@@ -52,10 +52,10 @@ Adding a policy
 One place: a ``PolicyDefinition(...)`` entry in the policy list at the end of this
 module (name, metric source, split, paper defaults), plus its test (a case in
 ``tests/test_policies.py``'s brute-force reference when its split rule is new) and,
-as documentation, its row in the table above and in README.md. Everything else follows from the registry: ``POLICY_NAMES``, the
-``--kv-compress-policy`` choices and help, the per-policy defaults shown by
-``--help``, the ``kv_compress_policy`` request field, the scheduler's policy index
-and the workers' resolved policies. Only a policy that needs a *new kind* of metric
+as documentation, its row in the table above and in README.md. Everything else
+follows from the registry: ``POLICY_NAMES``, the ``--kv-compress-policy`` choices
+and help, the per-policy defaults shown by ``--help``, the ``kv_compress_policy``
+request field and the policies the scheduler resolves for each request. Only a policy that needs a *new kind* of metric
 source or split also needs that strategy: a parameter class here and its torch rule,
 registered with ``@ranks(...)`` in ``ops/policy_scores.py`` or ``@split_rule(...)`` in
 ``ops/budget_split.py`` (``tests/test_policies.py`` checks every registered policy has
@@ -448,7 +448,7 @@ def load_layer_profile(path: str | Path) -> tuple[float, ...]:
 
 
 # --------------------------------------------------------------------------- the policies
-# One entry per policy; their order is POLICY_NAMES (the scheduler's policy index).
+# One entry per policy; their order is POLICY_NAMES.
 
 for _definition in (
     PolicyDefinition(
@@ -492,4 +492,4 @@ for _definition in (
 del _definition
 
 POLICY_NAMES = tuple(POLICIES)
-"""The registered policy names, in registration order (the scheduler's policy index)."""
+"""The registered policy names, in registration order."""
