@@ -31,6 +31,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Iterable, Protocol
 
+import numpy as np
+
 from kvcompress.budget import RequestBudget, RequestFieldError, blocks_to_evict, request_budget
 from kvcompress.config import KVCompressConfig
 from kvcompress.contract import CompressionOrder, RequestCompression, WorkerReport
@@ -87,15 +89,30 @@ class PlannerStats:
     preempted_after_compression: int = 0
     recompressed_after_preemption: int = 0
     num_preemptions: int = 0
+    # requests released (aborted) while the worker ran the step: its report still
+    # counts their pages, the cross-check accounts for them
+    released_in_flight: int = 0
 
 
 @dataclass
 class _Step:
-    """What the planner decided so far in the current step."""
+    """What the planner decided so far in the current step.
+
+    Attributes:
+        number: steps since the engine started.
+        orders: compressions ordered this step.
+        kvs_sorted: KVs the ordered compressions sort (the per-step cap).
+        dispatched: the step went to the worker (vLLM's ``schedule()`` returned).
+        released_in_flight: request id -> pages the scheduler released after the
+            step was dispatched and before the worker's report was adopted (vLLM
+            processes aborts there); the worker still held them when it reported.
+    """
 
     number: int = 0
     orders: dict[str, CompressionOrder] = field(default_factory=dict)
     kvs_sorted: int = 0
+    dispatched: bool = False
+    released_in_flight: dict[str, int] = field(default_factory=dict)
 
 
 class CompressionPlanner:
@@ -230,8 +247,9 @@ class CompressionPlanner:
                 break
 
     def take_orders(self) -> dict[str, CompressionOrder]:
-        """This step's orders; those of requests preempted since are void (their
-        pages are gone)."""
+        """This step's orders, as the step goes to the worker; those of requests
+        preempted since they were ordered are void (their pages are gone)."""
+        self.step.dispatched = True
         return {
             request_id: order
             for request_id, order in self.step.orders.items()
@@ -252,6 +270,13 @@ class CompressionPlanner:
 
     def on_finished(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
+
+    def on_released(self, request_id: str, pages: int) -> None:
+        """The scheduler gave back the ``pages`` of ``request_id`` (finished, aborted
+        or preempted). Between dispatch and the report, the worker still holds them."""
+        if self.step.dispatched and pages > 0:  # 0: it never held pages (never ran)
+            self.step.released_in_flight[request_id] = pages
+            self.stats.released_in_flight += 1
 
     def note_batch(self, num_running: int, num_decoding: int) -> None:
         stats = self.stats
@@ -274,16 +299,33 @@ class CompressionPlanner:
             logger.error("kvcompress: no head lengths reported for compressed request %s",
                          request_id)
         self.stats.steps_checked += 1
-        held = {r: accounting.pages_held(r) for r in accounting.request_ids()}
-        if report.free_pages == accounting.num_free_pages and report.pages_held == held:
+        held, free = self.expected_worker_pages(report)
+        if report.free_pages == free and report.pages_held == held:
             return True
         self.stats.mismatches += 1
         logger.error(
             "kvcompress: worker pages (free %d, held %s) differ from the "
             "scheduler's (free %d, held %s)",
-            report.free_pages, report.pages_held, accounting.num_free_pages, held,
+            report.free_pages, report.pages_held, free, held,
         )
         return False
+
+    def expected_worker_pages(self, report: WorkerReport) -> tuple[dict[str, int], int]:
+        """``(pages held per request, free pages)`` the worker must have reported: the
+        scheduler's counts plus the requests released while the step ran. A request
+        compressed this step and then released is counted from its reported head
+        lengths (the scheduler had only an upper bound for its growth)."""
+        accounting = self.accounting
+        held = {r: accounting.pages_held(r) for r in accounting.request_ids()}
+        free = accounting.num_free_pages
+        for request_id, pages in self.step.released_in_flight.items():
+            lens = report.head_lens.get(request_id)
+            if lens is not None:
+                pages = int(((np.asarray(lens, np.int64) + accounting.block_size - 1)
+                             // accounting.block_size).sum())
+            held[request_id] = pages
+            free -= pages
+        return held, free
 
     def page_stats(self) -> dict:
         """Scheduler-side page counts per request and the counters."""

@@ -214,3 +214,50 @@ def test_interval_recompresses_after_n_steps_only():
             planner.adopt(_settle(planner, ["a"]))
     assert ordered_at == [4, 7]
     assert planner.stats.compressions_on_interval == 2
+
+
+def _dispatch(planner: CompressionPlanner, requests: list[Req]) -> dict:
+    planner.begin_step()
+    planner.compress_due(requests)
+    return planner.take_orders()
+
+
+def test_requests_released_while_the_step_runs_are_not_a_mismatch():
+    # vLLM aborts requests between the model step and update_from_output: the
+    # scheduler has released their pages, the worker's report still counts them.
+    planner = _planner(rate=4, protected_window=8, min_cache_tokens=16)
+    a, b, c = (_prefilled(planner, name, 600) for name in "abc")
+    orders = _dispatch(planner, [a, b, c])
+    assert set(orders) == {"a", "b", "c"}
+    report = _settle(planner, ["a", "b", "c"])  # the worker compressed all three
+    for request_id in ("b", "c"):  # then two were aborted, before the report came
+        planner.on_released(request_id, planner.accounting.release(request_id))
+    assert planner.adopt(report) is True
+    assert planner.stats.mismatches == 0 and planner.stats.released_in_flight == 2
+    planner.accounting.check_consistent()
+    # next step: the worker dropped them too (finished_req_ids); nothing is left over
+    _dispatch(planner, [a])
+    held = {"a": planner.accounting.pages_held("a")}
+    assert planner.adopt(WorkerReport(planner.accounting.num_free_pages, held, {})) is True
+
+
+def test_release_before_dispatch_is_not_expected_in_the_report():
+    planner = _planner(rate=4, protected_window=8, min_cache_tokens=16)
+    a, b = _prefilled(planner, "a", 600), _prefilled(planner, "b", 600)
+    planner.begin_step()  # b finishes during schedule(): the worker is told at once
+    planner.on_released("b", planner.accounting.release("b"))
+    planner.compress_due([a])
+    planner.take_orders()
+    assert planner.adopt(_settle(planner, ["a"])) is True
+    assert planner.stats.released_in_flight == 0
+
+
+def test_a_real_disagreement_is_still_reported_with_requests_in_flight():
+    planner = _planner(rate=4, protected_window=8, min_cache_tokens=16)
+    a, b = _prefilled(planner, "a", 600), _prefilled(planner, "b", 600)
+    _dispatch(planner, [a, b])
+    report = _settle(planner, ["a", "b"])
+    planner.on_released("b", planner.accounting.release("b"))
+    report.pages_held["b"] += 1  # the worker holds a page nobody accounts for
+    assert planner.adopt(report) is False
+    assert planner.stats.mismatches == 1

@@ -35,6 +35,7 @@ class PerHeadKVCacheManager:
         max_model_len: int,
         watermark_pages: int,
         relieve=None,
+        on_release=None,
     ) -> None:
         self._inner = inner
         self.accounting = accounting
@@ -42,6 +43,8 @@ class PerHeadKVCacheManager:
         self.watermark_pages = watermark_pages
         # relieve(request, pages_short) compresses other requests instead of preempting.
         self.relieve = relieve
+        # on_release(request_id, pages) hears of every request whose pages go back.
+        self.on_release = on_release
         self.scheduled_this_step: set[str] = set()
 
     def __getattr__(self, name: str):
@@ -94,12 +97,17 @@ class PerHeadKVCacheManager:
         self.scheduled_this_step.add(request_id)
         return blocks
 
+    def _release(self, request_id: str) -> None:
+        pages = self.accounting.release(request_id)
+        if self.on_release is not None:
+            self.on_release(request_id, pages)
+
     def free(self, request) -> None:
-        self.accounting.release(request.request_id)
+        self._release(request.request_id)
         self._inner.free(request)
 
     def pop_blocks_for_free(self, request):
-        self.accounting.release(request.request_id)
+        self._release(request.request_id)
         return self._inner.pop_blocks_for_free(request)
 
 

@@ -55,6 +55,7 @@ class KVCompressScheduler(Scheduler):
             max_model_len=max_model_len,
             watermark_pages=int(self.scheduler_config.watermark * num_pages),
             relieve=self._relieve if settings.enabled else None,
+            on_release=self.planner.on_released,
         )
         logger.info(
             "kvcompress scheduler: %d pages (%d layers x %d KV heads x %d token blocks), "
