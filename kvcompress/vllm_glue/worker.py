@@ -10,12 +10,14 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from kvcompress.patches.attention_registry import per_head_attention_backend
+from kvcompress.patches.cpu_sampling import CPUSeededChunkRewind
 from kvcompress.patches.util import swapped_attribute
 from kvcompress.vllm_glue.runner import PerHeadRunnerMixin
 
 
-class KVCompressCPUModelRunner(PerHeadRunnerMixin, CPUModelRunner):
-    """vLLM's CPU model runner over the per-(layer, KV head) page pool."""
+class KVCompressCPUModelRunner(CPUSeededChunkRewind, PerHeadRunnerMixin, CPUModelRunner):
+    """vLLM's CPU model runner over the per-(layer, KV head) page pool (with the fix
+    for seeded sampling under chunked prefill, ``patches/cpu_sampling.py``)."""
 
 
 class KVCompressCPUWorker(CPUWorker):
