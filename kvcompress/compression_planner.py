@@ -36,6 +36,7 @@ import numpy as np
 from kvcompress.budget import RequestBudget, RequestFieldError, blocks_to_evict, request_budget
 from kvcompress.config import KVCompressConfig
 from kvcompress.contract import CompressionOrder, RequestCompression, WorkerReport
+from kvcompress.engine_stats import KVCompressStats, PolicyTotals
 from kvcompress.page_accounting import PageAccounting
 from kvcompress.policies import POLICY_NAMES, Policy
 
@@ -92,6 +93,12 @@ class PlannerStats:
     # requests released (aborted) while the worker ran the step: its report still
     # counts their pages, the cross-check accounts for them
     released_in_flight: int = 0
+    # policy -> compressions ordered (all reasons)
+    compressions_by_policy: dict[str, int] = field(default_factory=dict)
+    # policy -> what the worker reported having done (WorkerReport.compressions)
+    reported: dict[str, PolicyTotals] = field(default_factory=dict)
+    # worker steps that freed other than the ordered pages (WorkerReport.evict_mismatches)
+    evict_mismatches: int = 0
 
 
 @dataclass
@@ -122,6 +129,8 @@ class CompressionPlanner:
         self.settings = settings
         self.accounting = accounting
         self.stats = PlannerStats()
+        # Counts since vLLM last took stats (None: vLLM does not log stats).
+        self.metrics: KVCompressStats | None = None
         self.requests: dict[str, PlannedRequest] = {}
         self.step = _Step()
         # Resolved once: the server's policy settings are fixed for the engine's life.
@@ -220,6 +229,10 @@ class CompressionPlanner:
         stats.compressions += 1
         setattr(stats, f"compressions_{reason}", getattr(stats, f"compressions_{reason}") + 1)
         stats.pages_freed += evict
+        policy = planned.compression.policy.name
+        stats.compressions_by_policy[policy] = stats.compressions_by_policy.get(policy, 0) + 1
+        if self.metrics is not None:
+            self.metrics.count_order(reason, policy)
         return evict
 
     def compress_due(self, running: Iterable[PlannableRequest]) -> None:
@@ -261,11 +274,16 @@ class CompressionPlanner:
     def on_preempted(self, request_id: str) -> None:
         """Recomputed from scratch: due for compression again after its new prefill."""
         self.stats.num_preemptions += 1
+        metrics = self.metrics
+        if metrics is not None:
+            metrics.preemptions += 1
         planned = self.requests.get(request_id)
         if planned is not None and planned.last_compressed_step is not None:
             planned.last_compressed_step = None
             planned.recompress_due = True
             self.stats.preempted_after_compression += 1
+            if metrics is not None:
+                metrics.preemptions_after_compression += 1
         self.step.orders.pop(request_id, None)
 
     def on_finished(self, request_id: str) -> None:
@@ -300,7 +318,9 @@ class CompressionPlanner:
                          request_id)
         self.stats.steps_checked += 1
         held, free = self.expected_worker_pages(report)
-        if report.free_pages == free and report.pages_held == held:
+        agree = report.free_pages == free and report.pages_held == held
+        self._count_report(report, agree)
+        if agree:
             return True
         self.stats.mismatches += 1
         logger.error(
@@ -309,6 +329,40 @@ class CompressionPlanner:
             report.free_pages, report.pages_held, free, held,
         )
         return False
+
+    def _count_report(self, report: WorkerReport, agree: bool) -> None:
+        stats, metrics = self.stats, self.metrics
+        stats.evict_mismatches += report.evict_mismatches
+        for record in report.compressions:
+            stats.reported.setdefault(record.policy, PolicyTotals()).add(record)
+        if metrics is not None:
+            metrics.steps_checked += 1
+            metrics.page_mismatches += 0 if agree else 1
+            metrics.evict_mismatches += report.evict_mismatches
+            for record in report.compressions:
+                metrics.count_record(record)
+
+    # ------------------------------------------------------------------ metrics
+
+    def enable_metrics(self) -> None:
+        """Count for vLLM's stat loggers from now on (the scheduler calls it when vLLM
+        logs stats): :meth:`take_metrics` hands the counts over."""
+        self.metrics = KVCompressStats()
+
+    def take_metrics(self) -> KVCompressStats | None:
+        """The counts since the last call, with the page gauges of now; counting starts
+        again from zero. None unless :meth:`enable_metrics` was called."""
+        metrics = self.metrics
+        if metrics is None:
+            return None
+        self.metrics = KVCompressStats()
+        accounting = self.accounting
+        metrics.pages_total = accounting.num_pages
+        metrics.pages_free = accounting.num_free_pages
+        # Rows of released requests are zero.
+        metrics.kvs_held = int(accounting.head_lens.sum())
+        metrics.kvs_logical = int(accounting.logical_lens.sum()) * accounting.pages_per_token_block
+        return metrics
 
     def expected_worker_pages(self, report: WorkerReport) -> tuple[dict[str, int], int]:
         """``(pages held per request, free pages)`` the worker must have reported: the

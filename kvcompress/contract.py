@@ -72,6 +72,28 @@ class StepCompression:
 
 
 @dataclass
+class CompressionRecord:
+    """One batched compression the worker ran: the ordered requests of one policy in
+    one step (``compress_sequences``).
+
+    Attributes:
+        policy: the policy's name.
+        requests: requests compressed.
+        pages_freed: pages given back to the free-page stack.
+        kvs_before: KVs (over layers and KV heads) the requests held just before.
+        kvs_evicted: KVs evicted.
+        seconds: wall time of the compression (schedule, MoveCache, page frees).
+    """
+
+    policy: str
+    requests: int
+    pages_freed: int
+    kvs_before: int
+    kvs_evicted: int
+    seconds: float
+
+
+@dataclass
 class WorkerReport:
     """Worker -> scheduler, once per step, after the step's pages were allocated.
 
@@ -80,8 +102,13 @@ class WorkerReport:
         pages_held: request id -> pages its heads hold, for every live request.
         head_lens: request id -> ``[layers, kv_heads]`` int64 KVs per head, for the
             requests compressed this step (the scheduler adopts them).
+        compressions: the step's batched compressions, one per policy (metrics).
+        evict_mismatches: 1 if the step's compressions freed other than the pages the
+            scheduler ordered (logged by the worker; a bug), else 0.
     """
 
     free_pages: int
     pages_held: dict[str, int] = field(default_factory=dict)
     head_lens: dict[str, np.ndarray] = field(default_factory=dict)
+    compressions: list[CompressionRecord] = field(default_factory=list)
+    evict_mismatches: int = 0

@@ -28,11 +28,12 @@ def check_vllm_version() -> None:
 def apply_all() -> None:
     """Idempotent: vLLM runs general plugins in every process, often more than once."""
     check_vllm_version()
-    from kvcompress.patches import engine_args, engine_core, input_processor
+    from kvcompress.patches import engine_args, engine_core, input_processor, metrics
 
     engine_args.apply()
     engine_core.apply()
     input_processor.apply()
+    metrics.apply()
     from vllm.platforms import current_platform
 
     if current_platform.is_cuda():

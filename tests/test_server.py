@@ -176,3 +176,103 @@ def test_every_policy_frees_pages_through_the_server(server, policy):
     assert freed > prompt_pages // 2, (name, freed, prompt_pages)
     assert after["evict_mismatches"] == 0
     assert after["live_requests"] == 0
+
+
+def _metrics(server: str) -> dict[tuple, float]:
+    """kvcompress:* samples of /metrics: (name, sorted labels without model/engine) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{server}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("kvcompress:"):
+                assert sample.labels.pop("model_name") == "smollm2" and sample.labels.pop("engine") == "0"
+                samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def _metric(samples: dict, name: str, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def _summed(samples: dict, name: str) -> float:
+    return sum(value for (sample, _), value in samples.items() if sample == name)
+
+
+def _idle_metrics(server: str) -> dict:
+    """/metrics once the engine has no live request (gauges are set per engine step)."""
+    deadline = time.time() + 60
+    while True:
+        samples = _metrics(server)
+        if _metric(samples, "kvcompress:pages_held") == 0 or time.time() > deadline:
+            return samples
+        time.sleep(0.5)
+
+
+def test_prometheus_metrics_agree_with_the_worker(server):
+    """kvcompress:* on /metrics against the worker's own counters (dev-mode
+    /collective_rpc, model-runner process): a request compressed with streamingllm (per
+    request), then a streamed one with the server's pyramidkv, scraped while it runs and
+    then cancelled."""
+    from offline_assets import paul_graham_essays
+
+    worker_before, before = _worker_stats(server), _idle_metrics(server)
+    essay = paul_graham_essays()[2][:3000]  # ~700 tokens
+    xargs = {"kv_compress_rate": 4, "kv_compress_protected_window": 16}
+    reply = _post(f"{server}/v1/completions", {
+        "model": "smollm2", "prompt": essay, "temperature": 0, "max_tokens": 4,
+        "vllm_xargs": {**xargs, "kv_compress_policy": "streamingllm"},
+    })
+    assert reply["usage"]["prompt_tokens"] > 500
+
+    # While a request compressed at rate 4 runs, its held KVs are about a quarter of
+    # its tokens' (the gauge follows the scheduler's pages; the worker agrees per step).
+    request = urllib.request.Request(
+        f"{server}/v1/completions",
+        data=json.dumps({"model": "smollm2", "prompt": essay, "temperature": 0, "max_tokens": 400,
+                         "ignore_eos": True, "stream": True, "vllm_xargs": xargs}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as stream:
+        for _ in range(6):  # three tokens ("data: ..." and a blank line each): the
+            stream.readline()  # prefill ran, the compression after it too
+        running = _metrics(server)
+        assert _worker_stats(server)["live_requests"] == 1
+    ratio = _metric(running, "kvcompress:kvs_kept_ratio")
+    assert 0 < ratio < 0.5, ratio
+    assert 0 < _metric(running, "kvcompress:pages_held") < _metric(running, "kvcompress:pages_total")
+    # The stream was closed early (vLLM aborts the request): all pages come back.
+    after = _idle_metrics(server)
+    worker = _worker_stats(server)  # the step that released its pages has run
+    assert worker["live_requests"] == 0
+
+    def delta(name, **labels):
+        return _metric(after, name, **labels) - _metric(before, name, **labels)
+
+    for policy in ("streamingllm", "pyramidkv"):
+        freed = worker["pages_freed_by_policy"][policy] - worker_before["pages_freed_by_policy"].get(policy, 0)
+        assert freed > 0
+        assert delta("kvcompress:pages_freed_total", policy=policy) == freed
+        assert delta("kvcompress:compressions_total", reason="after_prefill", policy=policy) == 1
+        assert delta("kvcompress:compression_seconds_count", policy=policy) == 1
+        kept = delta("kvcompress:kvs_before_compression_total", policy=policy) \
+            - delta("kvcompress:kvs_evicted_total", policy=policy)
+        assert 0 < kept < delta("kvcompress:kvs_before_compression_total", policy=policy) / 2  # rate 4
+    assert _summed(after, "kvcompress:kvs_evicted_total") - _summed(before, "kvcompress:kvs_evicted_total") \
+        == worker["kvs_evicted"] - worker_before["kvs_evicted"]
+    assert _summed(after, "kvcompress:compressions_total") - _summed(before, "kvcompress:compressions_total") \
+        == worker["compressions"] - worker_before["compressions"] == 2
+    seconds = _summed(after, "kvcompress:compression_seconds_sum") - _summed(before, "kvcompress:compression_seconds_sum")
+    assert 0 < seconds <= worker["compress_seconds"] - worker_before["compress_seconds"]
+    assert delta("kvcompress:steps_checked_total") >= 4
+    assert _metric(after, "kvcompress:page_mismatches_total") == 0
+    assert _metric(after, "kvcompress:evict_mismatches_total") == worker["evict_mismatches"] == 0
+    # Idle: every page free, as the worker counts them.
+    assert _metric(after, "kvcompress:pages_total") == worker["num_pages"] == worker["num_free"]
+    assert _metric(after, "kvcompress:pages_free") == worker["num_pages"]
+    assert _metric(after, "kvcompress:pages_held") == 0 and _metric(after, "kvcompress:kvs_kept_ratio") == 1
+    info = [dict(labels) for (name, labels), value in after.items() if name == "kvcompress:config_info" and value == 1]
+    assert len(info) == 1
+    assert {"enabled": "true", "policy": "pyramidkv", "rate": "1"}.items() <= info[0].items()

@@ -33,7 +33,12 @@ from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 
 from kvcompress.config import KVCompressConfig
-from kvcompress.contract import CompressionOrder, RequestCompression, WorkerReport
+from kvcompress.contract import (
+    CompressionOrder,
+    CompressionRecord,
+    RequestCompression,
+    WorkerReport,
+)
 from kvcompress.ops import PerHeadPagedCache, compress_sequences
 from kvcompress.ops.dispatch import resolve_ops
 from kvcompress.vllm_glue.step import (
@@ -209,6 +214,9 @@ class PerHeadRunnerMixin:
 
     def _kvc_compress(self, orders: dict[str, CompressionOrder]) -> list[str]:
         """Compress the sequences the scheduler ordered; returns their request ids."""
+        # This step's part of the report (metrics): one record per batched compression.
+        self.kvc_step_compressions: list[CompressionRecord] = []
+        self.kvc_step_evict_mismatches = 0
         request_ids = [
             r for r in orders if r in self.kvc_requests and self.kvc_requests[r].seq_slot is not None
         ]
@@ -226,6 +234,7 @@ class PerHeadRunnerMixin:
             by_policy.setdefault(orders[request_id].compression.policy.name, []).append(request_id)
         for group in by_policy.values():
             policy = orders[group[0]].compression.policy
+            group_started = time.perf_counter()
             result = compress_sequences(
                 cache,
                 state.pool,
@@ -239,6 +248,16 @@ class PerHeadRunnerMixin:
                 generator=self._kvc_random(),
                 ops=state.ops,
             )
+            seconds = time.perf_counter() - group_started
+            kvs_kept = int(result.new_head_lens.sum().item())
+            self.kvc_step_compressions.append(CompressionRecord(
+                policy=policy.name,
+                requests=len(group),
+                pages_freed=int(result.pages_freed),
+                kvs_before=kvs_kept + int(result.kvs_evicted),
+                kvs_evicted=int(result.kvs_evicted),
+                seconds=seconds,
+            ))
             pages_freed += int(result.pages_freed)
             kvs_evicted += int(result.kvs_evicted)
             stats.add_policy_result(
@@ -250,6 +269,7 @@ class PerHeadRunnerMixin:
         if pages_freed != ordered:
             # The scheduler credited `ordered` pages; the report corrects it.
             stats.evict_mismatches += 1
+            self.kvc_step_evict_mismatches = 1
             logger.error(
                 "kvcompress: scheduler ordered %d pages evicted, the schedule freed %d",
                 ordered, pages_freed,
@@ -270,7 +290,11 @@ class PerHeadRunnerMixin:
     def _kvc_make_report(self, compressed: list[str]) -> WorkerReport:
         """Worker-side truth for the scheduler after this step's appends."""
         cache = self.kvc_cache
-        report = WorkerReport(free_pages=cache.allocator.num_free)
+        report = WorkerReport(
+            free_pages=cache.allocator.num_free,
+            compressions=self.kvc_step_compressions,
+            evict_mismatches=self.kvc_step_evict_mismatches,
+        )
         live = {r: w.seq_slot for r, w in self.kvc_requests.items() if w.seq_slot is not None}
         if live:
             slots = torch.tensor(list(live.values()), device=cache.device)

@@ -22,6 +22,7 @@ from kvcompress.contract import StepCompression
 from kvcompress.page_accounting import PageAccounting
 from kvcompress.vllm_glue.kv_layout import pages_in_pool
 from kvcompress.vllm_glue.kv_manager import PerHeadKVCacheManager, logical_block_count
+from kvcompress.vllm_glue.metrics import with_kvcompress_stats
 from kvcompress.vllm_glue.outputs import report_of, with_step_compression
 
 logger = init_logger(f"vllm.{__name__}")
@@ -49,6 +50,8 @@ class KVCompressScheduler(Scheduler):
             max_requests=vllm_config.scheduler_config.max_num_seqs * 2,
         )
         self.planner = CompressionPlanner(settings, accounting)
+        if self.log_stats:  # vLLM takes stats every step (make_stats): count for them
+            self.planner.enable_metrics()
         self.kv_cache_manager = PerHeadKVCacheManager(
             self.kv_cache_manager,
             accounting,
@@ -102,6 +105,13 @@ class KVCompressScheduler(Scheduler):
         if report is not None:
             self.planner.adopt(report)
         return super().update_from_output(scheduler_output, model_runner_output)
+
+    def make_stats(self, *args, **kwargs):
+        """vLLM's stats with kvcompress's figures since the last call (``/metrics``)."""
+        stats = super().make_stats(*args, **kwargs)
+        if stats is None:
+            return None
+        return with_kvcompress_stats(stats, self.planner.take_metrics())
 
     def _preempt_request(self, request, *args, **kwargs) -> None:
         self.planner.on_preempted(request.request_id)
