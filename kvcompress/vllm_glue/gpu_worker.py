@@ -23,6 +23,7 @@ from __future__ import annotations
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
 
+from kvcompress.patches.shutdown import WorkerProcessGuard
 from kvcompress.vllm_glue.runner import PerHeadRunnerMixin
 
 
@@ -30,7 +31,9 @@ class KVCompressGPUModelRunner(PerHeadRunnerMixin, GPUModelRunner):
     """vLLM's V1 GPU model runner over the per-(layer, KV head) page pool."""
 
 
-class KVCompressGPUWorker(Worker):
+class KVCompressGPUWorker(WorkerProcessGuard, Worker):
+    """vLLM's worker building the per-head runner; bounded exit (patches/shutdown.py)."""
+
     def _make_model_runner(self) -> KVCompressGPUModelRunner:
         if self.use_v2_model_runner:
             raise ValueError(

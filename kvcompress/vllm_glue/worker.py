@@ -11,6 +11,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 
 from kvcompress.patches.attention_registry import per_head_attention_backend
 from kvcompress.patches.cpu_sampling import CPUSeededChunkRewind
+from kvcompress.patches.shutdown import WorkerProcessGuard
 from kvcompress.patches.util import swapped_attribute
 from kvcompress.vllm_glue.runner import PerHeadRunnerMixin
 
@@ -20,7 +21,9 @@ class KVCompressCPUModelRunner(CPUSeededChunkRewind, PerHeadRunnerMixin, CPUMode
     for seeded sampling under chunked prefill, ``patches/cpu_sampling.py``)."""
 
 
-class KVCompressCPUWorker(CPUWorker):
+class KVCompressCPUWorker(WorkerProcessGuard, CPUWorker):
+    """vLLM's worker building the per-head runner; bounded exit (patches/shutdown.py)."""
+
     def init_device(self) -> None:
         if self.vllm_config.use_v2_model_runner:
             raise ValueError(
