@@ -164,9 +164,17 @@ def decode_metrics(
         return
     block_size, head_dim = pool.key_cache.shape[1], pool.key_cache.shape[2]
     group = query.shape[1] // num_kv_heads
-    keys = pool.key_cache[block_tables].reshape(rows, num_kv_heads, num_pages * block_size, head_dim)
     q = query.reshape(rows, num_kv_heads, group, head_dim).float()
-    scores = torch.einsum("bhgd,bhkd->bhgk", q, keys.float()) * scale
+    key_cache = pool.key_cache
+    if key_cache.stride(1) == 1:
+        # Pages store K as [D, b] (vLLM's CPU kernel layout): gather whole pages as
+        # stored, which is a copy of contiguous pages, not a strided walk.
+        pages = key_cache.transpose(1, 2)[block_tables].float()  # [B, H, P, D, b]
+        scores = torch.matmul(q.unsqueeze(2), pages)  # [B, H, P, G, b]
+        scores = scores.transpose(2, 3).reshape(rows, num_kv_heads, group, -1) * scale
+    else:
+        keys = key_cache[block_tables].reshape(rows, num_kv_heads, num_pages * block_size, head_dim)
+        scores = torch.einsum("bhgd,bhkd->bhgk", q, keys.float()) * scale
     held = torch.arange(num_pages * block_size, device=head_lens.device) < head_lens.unsqueeze(-1)
     scores = scores.masked_fill(~held.unsqueeze(2), float("-inf"))
     probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
