@@ -764,7 +764,8 @@ class Server:
         raise RuntimeError(f"vllm serve not healthy after {timeout:.0f} s:\n{self.log_tail()}")
 
     def log_tail(self, chars: int = 4000) -> str:
-        self.log_file.flush()
+        if not self.log_file.closed:
+            self.log_file.flush()
         return self.log_path.read_text(errors="replace")[-chars:]
 
     def _alive(self) -> list[int]:
