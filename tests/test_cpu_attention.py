@@ -158,3 +158,58 @@ def test_row_major_pool_is_not_taken():
     row_major = KVPool(buffer[:, 0], buffer[:, 1], pool.slot_positions, pool.slot_metrics)
     assert not cpu_attention.supports(query, row_major)
     assert cpu_attention.supports(query, pool)
+
+
+def test_slot_order_invariant_and_kernel_on_a_compressed_cache():
+    """The invariant the kernel's causal mask relies on, on a cache grown by
+    ``PerHeadPagedCache.append`` and compacted by ``compress_sequences`` (MoveCache):
+    after every append the step's tokens are the last slots of every head, in position
+    order, and every older slot holds an earlier position; the kernel then equals the
+    reference (which masks by stored position) on prefill, chunked-prefill and decode
+    steps of that cache."""
+    from kvcompress.ops import PerHeadPagedCache, compress_sequences, write_kv
+
+    gen = torch.Generator().manual_seed(7)
+    num_layers, num_kv_heads, group, head_dim, block_size = 2, 2, 3, 64, 16
+    cache = PerHeadPagedCache(600, num_layers, num_kv_heads, block_size, max_seqs=3, max_pages_per_head=40)
+    buffer = torch.zeros(600, 2, block_size, head_dim)
+    pool = cache.kv_pool(*cpu_attention.pool_views(buffer))
+    assert cpu_attention.in_kernel_layout(pool)
+    slots = torch.tensor([cache.new_sequence() for _ in range(3)])
+    context = [0, 0, 0]
+    steps = [[120, 75, 200], "compress", [40, 1, 1], [1, 1, 1], "compress", [1, 33, 1], [1, 1, 1]]
+    for step in steps:
+        if step == "compress":
+            cache.slot_metrics.copy_(torch.rand(cache.slot_metrics.shape, generator=gen))
+            result = compress_sequences(
+                cache, pool, slots, torch.tensor([3, 2, 4]), torch.tensor(context),
+                torch.tensor([8, 8, 8]), torch.tensor([0, 0, 0]),
+            )
+            assert result.pages_freed > 0
+            continue
+        positions = torch.cat([torch.arange(context[s], context[s] + n) for s, n in enumerate(step)])
+        plan = cache.append(slots, torch.tensor(step), positions)
+        for layer in range(num_layers):
+            new = torch.randn(2, len(positions), num_kv_heads, head_dim, generator=gen)
+            write_kv(pool.key_cache, pool.value_cache, new[0], new[1],
+                     plan.write_pages[layer], plan.write_offsets[layer])
+        starts = [0]
+        for s, n in enumerate(step):
+            starts.append(starts[-1] + n)
+            for layer in range(num_layers):
+                for head in range(num_kv_heads):
+                    length = int(cache.head_lens[slots[s], layer, head])
+                    index = torch.arange(length)
+                    pages = cache.page_tables[slots[s], layer, head, index // block_size]
+                    held = cache.slot_positions[pages, index % block_size].long()
+                    assert torch.equal(held[length - n:], torch.arange(context[s], context[s] + n))
+                    assert bool((held[: length - n] < context[s]).all())
+        for layer in range(num_layers):
+            batch = PagedBatch(
+                cache.page_tables[slots, layer], cache.head_lens[slots, layer], starts, positions
+            )
+            query = torch.randn(len(positions), num_kv_heads * group, head_dim, generator=gen)
+            want = paged_attention(query, pool, batch, 0.125)
+            got = cpu_attention.paged_attention_cpu(query, pool, batch, 0.125)
+            assert (got - want).abs().max().item() < 2e-5
+        context = [c + n for c, n in zip(context, step)]

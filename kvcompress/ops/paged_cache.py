@@ -179,10 +179,13 @@ class PerHeadPagedCache:
         starts = torch.cumsum(num_new_tokens, 0) - num_new_tokens
         token_index = torch.arange(token_seq.numel(), device=device) - starts[token_seq]
         head_index = old_lens[token_seq] + token_index.view(-1, 1, 1)  # [T, L, H]
-        tables = self.page_tables[seq_slots[token_seq]]  # [T, L, H, P]
-        write_pages = torch.gather(
-            tables, 3, (head_index // block_size).unsqueeze(-1)
-        ).squeeze(-1)
+        # One page id per (token, layer, head), read in place: no [T, L, H, P] gather.
+        write_pages = self.page_tables[
+            seq_slots[token_seq].view(-1, 1, 1),
+            torch.arange(self.num_layers, device=device).view(1, -1, 1),
+            torch.arange(self.num_kv_heads, device=device).view(1, 1, -1),
+            head_index // block_size,
+        ]
         write_offsets = head_index % block_size
         self.slot_positions[write_pages, write_offsets] = (
             positions.to(device, torch.int32).view(-1, 1, 1).expand_as(write_pages)
