@@ -15,10 +15,15 @@ from kvcompress.ops import cpu_attention
 from kvcompress.ops.decode_by_slot import paged_decode_by_slot_reference
 from kvcompress.ops.paged_attention import paged_attention
 
-pytestmark = pytest.mark.skipif(
-    cpu_attention.unavailable_reason() is not None,
-    reason=f"vLLM CPU kernel: {cpu_attention.unavailable_reason()}",
-)
+
+
+@pytest.fixture(autouse=True)
+def _vllm_cpu_kernel():
+    # Probed per test, never at collection: loading vLLM's kernels imports triton,
+    # which must first be imported by tests/test_triton_kernels.py with its interpreter on.
+    reason = cpu_attention.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"vLLM CPU kernel: {reason}")
 
 
 def make_case(query_lens, num_kv_heads, group, head_dim, block_size, dtype, seed, *, ragged=True, max_context=300):
