@@ -250,18 +250,15 @@ def paged_decode_by_slot_cpu(
     row holds), then one flattened call."""
     from kvcompress.ops.metrics import decode_metrics
 
-    rows = batch.seq_slots.to(torch.int64)
-    num_rows = rows.numel()
-    if out is None:
-        out = torch.empty_like(query)
-    if num_rows == 0:
+    out = torch.empty_like(query) if out is None else out
+    if batch.seq_slots.numel() == 0:
         return out
-    lens = batch.head_lens[rows]
-    max_pages = max(1, -(-int(lens.max()) // pool.block_size))
-    tables = batch.block_tables[rows, :, :max_pages]
+    gathered = batch.gathered(pool.block_size)
+    tables, lens = gathered.block_tables, gathered.head_lens
+    num_rows = lens.shape[0]
     _flat_decode(query[:num_rows], pool, tables, lens, scale, out[:num_rows])
     if metrics is not None:
-        selected = metrics.selected[rows].to(torch.bool)
+        selected = metrics.selected[batch.seq_slots.to(torch.int64)].to(torch.bool)
         if bool(selected.any()):
             decode_metrics(
                 query[:num_rows][selected], pool, tables[selected], lens[selected], scale,

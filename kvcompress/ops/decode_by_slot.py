@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcompress.ops.kv_pool import KVPool, MetricSink, PagedBatch, SlotBatch
+from kvcompress.ops.kv_pool import KVPool, MetricSink, SlotBatch
 from kvcompress.ops.paged_attention import paged_attention
 
 
@@ -73,13 +73,8 @@ def paged_decode_by_slot_reference(
         out = torch.empty_like(query)
     if num_rows == 0:
         return out
-    block_size = pool.block_size
-    lens = batch.head_lens[rows]  # [B, H]
-    # Only the pages some row holds (the slot tables are max_model_len wide).
-    num_pages = max(1, int(((lens.max() + block_size - 1) // block_size).item()))
-    tables = batch.block_tables[rows, :, :num_pages]
     # Rows sharing a (padding) slot read nothing, so per-row metrics stay exact.
-    gathered = PagedBatch(tables, lens, list(range(num_rows + 1)), batch.query_positions[:num_rows])
+    gathered = batch.gathered(pool.block_size)
     row_metrics = None if metrics is None else MetricSink(metrics.selected[rows], metrics.power)
     paged_attention(query[:num_rows], pool, gathered, scale, out=out[:num_rows], metrics=row_metrics)
     return out

@@ -116,6 +116,18 @@ class SlotBatch:
     max_head_len: int | None = None
     row_index: torch.Tensor | None = None
 
+    def gathered(self, block_size: int) -> PagedBatch:
+        """The rows as a :class:`PagedBatch` of one-query sequences: their tables gathered
+        from the slot tables, only the pages some row holds (the slot tables are
+        ``max_model_len`` wide). Reads the longest head on the host."""
+        rows = self.seq_slots.to(torch.int64)
+        lens = self.head_lens[rows]  # [B, H]
+        num_pages = max(1, -(-int(lens.max()) // block_size)) if rows.numel() else 1
+        return PagedBatch(
+            self.block_tables[rows, :, :num_pages], lens, list(range(rows.numel() + 1)),
+            self.query_positions[: rows.numel()],
+        )
+
 
 @dataclass(frozen=True, eq=False)
 class MetricSink:
