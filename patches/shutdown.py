@@ -235,13 +235,13 @@ _watch_lock = threading.Lock()
 _watching = False
 
 
-def _engine_child_process() -> bool:
-    """True in a process vLLM started for an engine (EngineCore, EngineCore_DP<i>,
-    VllmWorker-<rank>), never in the user's own process (in-process engines)."""
-    current = multiprocessing.current_process()
+def _engine_child_process(roles: tuple[str, ...] = ("EngineCore", "VllmWorker")) -> bool:
+    """True in a process vLLM started for an engine whose name starts with one of
+    ``roles`` (EngineCore, EngineCore_DP<i>, VllmWorker-<rank>), never in the user's own
+    process (in-process engines)."""
     if multiprocessing.parent_process() is None:
         return False
-    return current.name.startswith(("EngineCore", "VllmWorker"))
+    return multiprocessing.current_process().name.startswith(roles)
 
 
 def _alive(process: Any) -> bool:
@@ -372,9 +372,7 @@ def defer_group_signals(defer_s: float = WORKER_SIGNAL_DEFER_S) -> bool:
     gone, at a second signal, or ``defer_s`` after the first one. Only in
     ``VllmWorker-*`` processes' main thread; returns whether the handler was set.
     """
-    if not multiprocessing.current_process().name.startswith("VllmWorker"):
-        return False
-    if multiprocessing.parent_process() is None:
+    if not _engine_child_process(("VllmWorker",)):
         return False
     if threading.current_thread() is not threading.main_thread():
         return False
@@ -422,7 +420,7 @@ def guard_worker_process(vllm_config: Any) -> None:
     (``defer_group_signals``, for the engine's drain time plus ``WORKER_SIGNAL_DEFER_S``).
     A no-op where the worker runs inside EngineCore (``uni`` executor) or the user's
     process."""
-    if not multiprocessing.current_process().name.startswith("VllmWorker"):
+    if not _engine_child_process(("VllmWorker",)):
         return
     watch_parent("worker")
     drain_s = float(getattr(vllm_config, "shutdown_timeout", 0) or 0)
@@ -435,9 +433,7 @@ def bound_worker_exit() -> None:
     latest (``arm_exit_deadline``). With its engine alive vLLM bounds this itself (SIGTERM,
     SIGKILL); an orphaned worker has nobody else to do it. Never in EngineCore or the
     user's process."""
-    if multiprocessing.current_process().name.startswith("VllmWorker") and (
-        multiprocessing.parent_process() is not None
-    ):
+    if _engine_child_process(("VllmWorker",)):
         arm_exit_deadline(WORKER_EXIT_BOUND_S)
 
 

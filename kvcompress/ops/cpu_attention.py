@@ -230,11 +230,11 @@ def paged_attention_cpu(
             )
             out[: starts[-1], heads] = column
     if metrics is not None:
-        decode_rows = [s for s in range(num_seqs) if starts[s + 1] - starts[s] == 1]
-        selected = [s for s in decode_rows if bool(metrics.selected[s])]
-        if selected:
-            seqs = torch.tensor(selected, dtype=torch.int64)
-            rows = torch.tensor([starts[s] for s in selected], dtype=torch.int64)
+        first_rows = torch.tensor(starts, dtype=torch.int64)
+        decoding = first_rows.diff() == 1
+        seqs = (decoding & metrics.selected.to(torch.bool)).nonzero().squeeze(1)
+        if seqs.numel():
+            rows = first_rows[seqs]
             decode_metrics(
                 query[rows], pool, tables[seqs], batch.head_lens[seqs], scale, metrics.power
             )

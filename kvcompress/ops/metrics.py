@@ -179,7 +179,6 @@ def decode_metrics(
     scores = scores.masked_fill(~held.unsqueeze(2), float("-inf"))
     probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
     gained = probs.pow(power).sum(dim=2) if power != 1 else probs.sum(dim=2)  # [B, H, K]
-    slots = (
-        block_tables.unsqueeze(-1) * block_size + torch.arange(block_size, device=block_tables.device)
-    ).reshape(rows, num_kv_heads, -1)
+    slots = _logical_slots(block_tables.reshape(rows * num_kv_heads, num_pages), block_size)
+    slots = slots.view(rows, num_kv_heads, -1)
     pool.slot_metrics.view(-1).index_add_(0, slots[held], gained[held].to(pool.slot_metrics.dtype))
