@@ -89,6 +89,8 @@ CSV_FIELDS = [
     "seconds", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s",
     "throughput_multiplier", "throughput_vs_rate1", "max_decode_batch", "mean_decode_batch",
     "max_batch_multiplier",
+    "ideal_multiplier", "share_of_ideal", "prefill_step_seconds", "decode_step_seconds",
+    "decode_step_tokens_per_s", "decode_step_multiplier", "mean_decode_step_batch",
     "steps", "decode_steps", "preemptions", "compress_share_of_step_time", "compressions",
     "pages_freed", "kvs_evicted", "mismatches", "load_1min",
 ]  # fmt: skip
@@ -106,6 +108,9 @@ def _setup_env() -> None:
         if not cuda:
             os.environ["VLLM_TARGET_DEVICE"] = "cpu"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # The engine core in this process: each step's schedule is read (StepLog), the same
+    # way for both engines.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 # --------------------------------------------------------------------------------------
@@ -206,22 +211,79 @@ def _preemptions(llm) -> int:
         return -1
 
 
+class StepLog:
+    """What the scheduler of an in-process engine core scheduled in each step: prompt
+    tokens (recomputed ones after a preemption included) and decode rows. A step with no
+    prompt token is a decode step. Read the same way for stock vLLM and kvcompress."""
+
+    def __init__(self, llm) -> None:
+        core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+        if core is None:
+            raise RuntimeError(
+                "the benchmark reads each step's schedule from an in-process engine core: "
+                "run it with VLLM_ENABLE_V1_MULTIPROCESSING=0 (its default)"
+            )
+        self.scheduler = core.scheduler
+        self.pending: list[tuple[int, int]] = []
+        schedule = self.scheduler.schedule
+
+        def logged_schedule(*args, **kwargs):
+            output = schedule(*args, **kwargs)
+            self.pending.append(self._count(output))
+            return output
+
+        self.scheduler.schedule = logged_schedule
+
+    def _count(self, output) -> tuple[int, int]:
+        prompt_tokens = decode_rows = 0
+        for request_id, count in output.num_scheduled_tokens.items():
+            request = self.scheduler.requests[request_id]
+            before = request.num_computed_tokens - count  # advanced by schedule()
+            if count == 1 and before >= request.num_prompt_tokens:
+                decode_rows += 1
+            else:
+                prompt_tokens += count
+        return prompt_tokens, decode_rows
+
+    def take(self) -> tuple[int, int]:
+        """(prompt tokens, decode rows) scheduled since the last call."""
+        prompt_tokens = sum(p for p, _ in self.pending)
+        decode_rows = sum(d for _, d in self.pending)
+        self.pending.clear()
+        return prompt_tokens, decode_rows
+
+
 def run_batch(llm, prompts, params_list, desc: str, progress: bool) -> dict[str, Any]:
-    """Add every request, step the engine until all finished; timings and batch sizes."""
+    """Add every request, step the engine until all finished; timings and batch sizes,
+    and the time split into steps with prompt tokens and decode steps."""
     from tqdm import tqdm
     from vllm.inputs import TokensPrompt
 
     engine = llm.llm_engine
+    log = getattr(llm, "_benchmark_step_log", None) or StepLog(llm)
+    llm._benchmark_step_log = log
     tag = f"t{time.monotonic_ns()}"
     before = _preemptions(llm)
     bar = tqdm(total=len(prompts), desc=desc, unit="req", disable=not progress, leave=False, file=sys.stderr)
     started = time.perf_counter()
     for index, (prompt, params) in enumerate(zip(prompts, params_list)):
         engine.add_request(f"{tag}-{index}", TokensPrompt(prompt_token_ids=prompt), params)
+    log.take()
     batches: list[int] = []
     steps = finished = prompt_tokens = output_tokens = 0
+    prefill_seconds = decode_seconds = 0.0
+    decode_steps = decode_tokens = 0
     while engine.has_unfinished_requests():
+        step_started = time.perf_counter()
         outputs = engine.step()
+        step_seconds = time.perf_counter() - step_started
+        scheduled_prompt, scheduled_decodes = log.take()
+        if scheduled_prompt:
+            prefill_seconds += step_seconds
+        elif scheduled_decodes:
+            decode_seconds += step_seconds
+            decode_steps += 1
+            decode_tokens += scheduled_decodes
         steps += 1
         if outputs:
             batches.append(len(outputs))
@@ -247,7 +309,12 @@ def run_batch(llm, prompts, params_list, desc: str, progress: bool) -> dict[str,
         "max_decode_batch": max(batches, default=0),
         "mean_decode_batch": sum(batches) / max(1, len(batches)),
         "steps": steps,
-        "decode_steps": len(batches),
+        "output_steps": len(batches),
+        "prefill_step_seconds": prefill_seconds,
+        "decode_step_seconds": decode_seconds,
+        "decode_steps": decode_steps,
+        "decode_step_tokens_per_s": decode_tokens / decode_seconds if decode_seconds else None,
+        "mean_decode_step_batch": decode_tokens / decode_steps if decode_steps else None,
         "preemptions": after - before if before >= 0 and after >= 0 else None,
         "load_1min": load,
     }
@@ -459,6 +526,25 @@ def add_multipliers(rows: list[dict[str, Any]]) -> None:
             continue
         row["throughput_multiplier"] = row["total_tokens_per_s"] / base["total_tokens_per_s"]
         row["max_batch_multiplier"] = row["max_decode_batch"] / max(1, base["max_decode_batch"])
+        add_ideal(row, base)
+
+
+def add_ideal(row: dict[str, Any], stock: dict[str, Any]) -> None:
+    """The ceiling set by the workload: stock's own time with its decode steps sped up by
+    the max-batch ratio reached (prefill costs the same with or without compression):
+    ``ideal_multiplier = stock s / (stock s - stock decode s + stock decode s / ratio)``;
+    ``share_of_ideal`` = measured multiplier / ideal. ``decode_step_multiplier``: decode
+    steps' tokens/s over stock's (the decode phase alone)."""
+    row["ideal_multiplier"] = row["share_of_ideal"] = row["decode_step_multiplier"] = None
+    if row["engine"] != KVC or stock.get("decode_step_seconds") is None:
+        return
+    ratio = max(1.0, row["max_batch_multiplier"])
+    decode = stock["decode_step_seconds"]
+    ideal_seconds = stock["seconds"] - decode + decode / ratio
+    row["ideal_multiplier"] = stock["seconds"] / ideal_seconds
+    row["share_of_ideal"] = row["throughput_multiplier"] / row["ideal_multiplier"]
+    if row.get("decode_step_tokens_per_s") and stock.get("decode_step_tokens_per_s"):
+        row["decode_step_multiplier"] = row["decode_step_tokens_per_s"] / stock["decode_step_tokens_per_s"]
 
 
 def machine_description() -> str:
@@ -570,6 +656,45 @@ def markdown_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+SPLIT_HEADER = (
+    "| input | engine | rate | prompt-step s | decode-step s | decode steps | mean decode-step batch | "
+    "decode-step tok/s | x stock decode-step | x stock thpt | ideal x | % of ideal |"
+)
+
+
+def split_table(results: dict[str, Any]) -> str:
+    """Time split into steps with prompt tokens and decode steps; the ideal multiplier."""
+    lines = [SPLIT_HEADER, "|" + "---|" * SPLIT_HEADER.count(" | ") + "---|"]
+    for row in results["rows"]:
+        if row.get("decode_step_seconds") is None:
+            continue
+        is_kvc = row["engine"] == KVC
+        share = row.get("share_of_ideal")
+        lines.append("| " + " | ".join([
+            str(row["input_len"]),
+            row["engine"],
+            f"{row['rate']:g}" if is_kvc else "-",
+            f"{row['prefill_step_seconds']:.1f}",
+            f"{row['decode_step_seconds']:.1f}",
+            str(row["decode_steps"]),
+            _fmt(row.get("mean_decode_step_batch"), ".1f"),
+            _fmt(row.get("decode_step_tokens_per_s"), ".1f"),
+            _fmt(row.get("decode_step_multiplier")),
+            _fmt(row.get("throughput_multiplier")),
+            _fmt(row.get("ideal_multiplier")),
+            f"{100 * share:.0f}" if share is not None else "-",
+        ]) + " |")  # fmt: skip
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
+SPLIT_NOTES = (
+    "Steps split by what the scheduler scheduled: a prompt step has prompt tokens (chunks, "
+    "or recomputation after a preemption), a decode step only generated tokens. ideal x: "
+    "stock's time with its decode steps divided by the max-batch ratio reached (prefill costs "
+    "the same with or without compression) = stock s / (stock s - stock decode-step s + stock "
+    "decode-step s / (kvcompress max batch / stock max batch)); % of ideal: x stock thpt / ideal x."
+)
+
 NOTES = (
     "x stock: kvcompress / stock vLLM at the same input length (throughput: total tokens/s; "
     "batch: max decode batch); x r=1: kvcompress / kvcompress at rate 1. Decode batch: requests that produced a token in an engine step; "
@@ -597,6 +722,9 @@ def write_outputs(results: dict[str, Any], prefix: str | Path, plots: bool = Tru
     body = ["# Throughput: stock vLLM vs kvcompress, same KV memory", ""]
     body += [f"- {line}" for line in header_lines(results)]
     body += ["", markdown_table(results), "", NOTES, ""]
+    split = split_table(results)
+    if split:
+        body += ["## Prompt steps and decode steps", "", split, "", SPLIT_NOTES, ""]
     path.write_text("\n".join(body))
     written.append(path)
     if plots:
@@ -694,6 +822,10 @@ def print_report(results: dict[str, Any]) -> None:
         print(line)
     print(markdown_table(results))
     print(NOTES)
+    split = split_table(results)
+    if split:
+        print(split)
+        print(SPLIT_NOTES)
 
 
 # --------------------------------------------------------------------------------------

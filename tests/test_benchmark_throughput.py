@@ -57,6 +57,19 @@ def test_benchmark_throughput_smoke(tmp_path):
     assert 0 <= kvc4["compress_share_of_step_time"] < 1
     assert kvc1["throughput_vs_rate1"] == 1.0 and stock["throughput_vs_rate1"] is None
 
+    # Step split: every request's first token comes from a prompt step, so decode steps
+    # produce at most the other tokens; at rate 1 kvcompress schedules like stock.
+    for row in rows.values():
+        decode_tokens = row["decode_steps"] * row["mean_decode_step_batch"]
+        assert 0 < decode_tokens <= num_prompts * (output_len - 1), row
+        assert row["mean_decode_step_batch"] <= row["max_decode_batch"]
+        assert 0 < row["prefill_step_seconds"] + row["decode_step_seconds"] <= row["seconds"]
+    assert kvc1["decode_steps"] == stock["decode_steps"]
+    assert kvc4["decode_steps"] < stock["decode_steps"]
+    assert stock["ideal_multiplier"] is None and kvc1["ideal_multiplier"] == 1.0
+    assert 1.0 < kvc4["ideal_multiplier"] < kvc4["max_batch_multiplier"]
+    assert "## Prompt steps and decode steps" in prefix.with_suffix(".md").read_text()
+
     # The report can be rewritten from the saved JSON without running anything.
     again = bench.main(["--from-json", str(prefix.with_suffix(".json")), "--output-prefix", str(tmp_path / "again"),
                         "--no-plots", "--note", "rewritten"])  # fmt: skip

@@ -39,8 +39,12 @@ def LLM(model: str, *, kv_compress: bool = True, **kwargs: Any):  # noqa: N802 -
 
 
 def page_stats(llm) -> dict:
-    """Scheduler-side page counts and compression counters (engine-core process)."""
-    return llm.llm_engine.engine_core.call_utility("kvcompress_page_stats")
+    """Scheduler-side page counts and compression counters (engine-core process, or
+    this one with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    client = llm.llm_engine.engine_core
+    if hasattr(client, "call_utility"):
+        return client.call_utility("kvcompress_page_stats")
+    return client.engine_core.kvcompress_page_stats()
 
 
 def shutdown(llm) -> None:
