@@ -157,6 +157,50 @@ def test_decode_by_slot_with_padding_rows():
     assert torch.allclose(pool.slot_metrics, reference_pool.slot_metrics, atol=1e-6)
 
 
+@pytest.mark.parametrize("layers_alike", [False, True], ids=["ragged-layers", "equal-layers"])
+@pytest.mark.parametrize("shape", [(2, 4, 64, 16), (3, 3, 80, 32)], ids=["hkv2-g4-d64-b16", "hkv3-g3-d80-b32"])
+def test_planned_decode_step_equals_the_reference_per_layer(shape, layers_alike):
+    """``plan_decode_step`` (every layer's kernel tables, once per step) + ``decode_planned``
+    against the reference slot-indexed decode of each layer: outputs and the metrics of
+    the selected rows. Equal layers share one work split (as at rate 1)."""
+    num_kv_heads, group, head_dim, block_size = shape
+    num_slots, num_layers = 5, 3
+    pool, batch, query = make_case([1] * (num_slots * num_layers), num_kv_heads, group, head_dim, block_size, torch.float32, seed=head_dim + layers_alike)
+    page_tables = batch.block_tables.view(num_slots, num_layers, num_kv_heads, -1)
+    head_lens = batch.head_lens.view(num_slots, num_layers, num_kv_heads)
+    if layers_alike:
+        page_tables = page_tables[:, :1].expand_as(page_tables).contiguous()
+        head_lens = head_lens[:, :1].expand_as(head_lens).contiguous()
+    head_lens = head_lens.clamp(min=1)  # a decode row always holds its own new KV
+    seq_slots = torch.tensor([3, 0, 4, 1], dtype=torch.int32)
+    metric_rows = torch.tensor([0, 2])
+    selected = torch.zeros(num_slots, dtype=torch.int8)
+    selected[seq_slots[metric_rows].long()] = 1
+    plan = cpu_attention.plan_decode_step(pool, page_tables, head_lens, seq_slots, num_kv_heads * group, metric_rows)
+    assert len(plan) == num_layers
+    assert (plan[0].scheduler_metadata is plan[1].scheduler_metadata) == layers_alike
+    reference_pool = KVPool(pool.key_cache, pool.value_cache, pool.slot_positions, torch.zeros_like(pool.slot_metrics))
+    rows_query = query.view(num_slots, num_layers, -1, head_dim)
+    for layer in range(num_layers):
+        layer_query = rows_query[seq_slots.long(), layer]
+        positions = torch.full((4,), 10_000, dtype=torch.int64)  # a decode query sees every held KV
+        slot_batch = SlotBatch(page_tables[:, layer], head_lens[:, layer], seq_slots, positions)
+        want = paged_decode_by_slot_reference(layer_query, reference_pool, slot_batch, 0.1, metrics=MetricSink(selected))
+        planned = SlotBatch(page_tables[:, layer], head_lens[:, layer], seq_slots, positions, kernel_tables=plan[layer])
+        got = cpu_attention.paged_decode_by_slot_cpu(layer_query, pool, planned, 0.1, metrics=MetricSink(selected))
+        assert (got - want).abs().max().item() < TOLERANCE[torch.float32]
+    assert reference_pool.slot_metrics.abs().sum() > 0
+    assert torch.allclose(pool.slot_metrics, reference_pool.slot_metrics, atol=1e-6)
+
+
+def test_planned_decode_refuses_an_empty_head():
+    pool, batch, _ = make_case([1, 1], 2, 2, 64, 16, torch.float32, seed=1)
+    lens = batch.head_lens.clone().unsqueeze(1)
+    lens[1, 0, 1] = 0
+    with pytest.raises(RuntimeError, match="no KV"):
+        cpu_attention.plan_decode_step(pool, batch.block_tables.unsqueeze(1), lens, torch.tensor([0, 1]), 4)
+
+
 def test_row_major_pool_is_not_taken():
     pool, batch, query = make_case([1, 1], 2, 2, 64, 16, torch.float32, seed=0)
     buffer = torch.zeros((pool.key_cache.shape[0], 2, 16, 64))

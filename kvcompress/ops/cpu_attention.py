@@ -41,6 +41,7 @@ Importable without vLLM; :func:`unavailable_reason` loads vLLM's kernels on firs
 from __future__ import annotations
 
 import platform
+from dataclasses import dataclass
 
 import torch
 
@@ -116,11 +117,17 @@ def in_kernel_layout(pool: KVPool) -> bool:
 
 def supports(query: torch.Tensor, pool: KVPool) -> bool:
     """Whether the kernel takes this query and pool (else the reference runs)."""
+    return query.device.type == "cpu" and supports_pool(query.dtype, pool)
+
+
+def supports_pool(dtype: torch.dtype, pool: KVPool) -> bool:
+    """Whether the kernel takes queries of ``dtype`` over ``pool`` (the pool's head size,
+    dtype, device and page layout; vLLM's kernels loadable)."""
     return (
-        query.device.type == "cpu"
-        and query.dtype == pool.key_cache.dtype
-        and query.dtype in KERNEL_DTYPES
-        and query.shape[-1] in KERNEL_HEAD_SIZES
+        pool.device.type == "cpu"
+        and dtype == pool.key_cache.dtype
+        and dtype in KERNEL_DTYPES
+        and pool.key_cache.shape[-1] in KERNEL_HEAD_SIZES
         and in_kernel_layout(pool)
         and unavailable_reason() is None
     )
@@ -143,6 +150,17 @@ def _kernel_caches(pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
     return key4, value4
 
 
+def _scheduler_metadata(
+    num_seqs: int, group: int, head_dim: int, seq_lens: torch.Tensor, dtype: torch.dtype,
+    query_start_loc: torch.Tensor, block_size: int,
+) -> torch.Tensor:
+    """The kernel's split of the work over threads for these sequences (one KV head each)."""
+    return torch.ops._C.get_scheduler_metadata(
+        num_seqs, group, 1, head_dim, seq_lens, dtype, query_start_loc, True, -1,
+        kernel_isa(block_size, head_dim), True, None, "auto",
+    )
+
+
 def _attend(
     query: torch.Tensor, pool: KVPool, out: torch.Tensor, query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float,
@@ -155,10 +173,9 @@ def _attend(
         of each sequence); block_table ``[R, P]`` int32.
     """
     key4, value4 = _kernel_caches(pool)
-    num_seqs = seq_lens.shape[0]
-    metadata = torch.ops._C.get_scheduler_metadata(
-        num_seqs, query.shape[1], 1, query.shape[2], seq_lens, query.dtype,
-        query_start_loc, True, -1, kernel_isa(pool.block_size, query.shape[2]), True, None, "auto",
+    metadata = _scheduler_metadata(
+        seq_lens.shape[0], query.shape[1], query.shape[2], seq_lens, query.dtype,
+        query_start_loc, pool.block_size,
     )
     torch.ops._C.cpu_attention_with_kv_cache(
         query, key4, value4, out, query_start_loc, seq_lens, scale, True, None, -1,
@@ -241,6 +258,120 @@ def paged_attention_cpu(
     return out
 
 
+@dataclass(frozen=True, eq=False)
+class KernelDecodeLayer:
+    """One layer of a decode step in the kernel's terms: kernel sequence ``r`` is batch
+    row ``r // H``'s KV head ``r % H`` (``H`` KV heads, ``R = B * H`` sequences).
+
+    Attributes:
+        block_table: ``[R, P]`` int32 page ids (a contiguous slice of the step's tables).
+        seq_lens: ``[R]`` int32 KVs held per head (every decode head holds >= 1: its new KV).
+        query_start_loc: ``[R + 1]`` int32 ``arange`` (one query row of G heads each).
+        scheduler_metadata: the kernel's work split for these lengths.
+        key_cache, value_cache: the kernel's ``[N, 1, b, D]`` views of the pool.
+        metric_rows: ``[M]`` int64 batch rows whose query adds to the eviction metrics
+            (None: none).
+    """
+
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    scheduler_metadata: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    metric_rows: torch.Tensor | None
+
+
+def plan_decode_step(
+    pool: KVPool, page_tables: torch.Tensor, head_lens: torch.Tensor, seq_slots: torch.Tensor,
+    num_q_heads: int, metric_rows: torch.Tensor | None = None,
+) -> list[KernelDecodeLayer]:
+    """Every layer's :class:`KernelDecodeLayer` for a decode step, built once per step
+    (one gather of the rows' tables for all layers, no per-layer host work but the
+    kernel's work split, shared by all layers when their lengths agree, as at rate 1).
+
+    Args:
+        pool: the kernel-layout pool (:func:`supports_pool`).
+        page_tables: ``[num_slots, L, H, P_max]`` page ids of every sequence slot.
+        head_lens: ``[num_slots, L, H]`` KVs held per head (after this step's KVs).
+        seq_slots: ``[B]`` the batch rows' sequence slots.
+        num_q_heads: query heads of the model (a multiple of ``H``).
+        metric_rows: ``[M]`` rows whose decode query adds to the metrics, or None.
+    """
+    rows = seq_slots.to(torch.int64)
+    num_rows = rows.numel()
+    _, num_layers, num_kv_heads, _ = page_tables.shape
+    if num_rows == 0:
+        raise ValueError("plan_decode_step: a decode step has at least one row")
+    lens = head_lens.index_select(0, rows)  # [B, L, H]
+    shortest, longest = (int(x) for x in torch.aminmax(lens))
+    if shortest < 1:
+        raise RuntimeError("kvcompress: a decode row has a head with no KV (its own KV was not appended)")
+    num_pages = -(-longest // pool.block_size)
+    num_seqs = num_rows * num_kv_heads
+    tables = torch.empty((num_layers, num_rows, num_kv_heads, num_pages), dtype=torch.int32)
+    tables.copy_(page_tables[:, :, :, :num_pages].index_select(0, rows).permute(1, 0, 2, 3))
+    tables = tables.view(num_layers, num_seqs, num_pages)
+    seq_lens = torch.empty((num_layers, num_rows, num_kv_heads), dtype=torch.int32)
+    seq_lens.copy_(lens.permute(1, 0, 2))
+    seq_lens = seq_lens.view(num_layers, num_seqs)
+    starts = torch.arange(num_seqs + 1, dtype=torch.int32)
+    group, head_dim, dtype = num_q_heads // num_kv_heads, pool.key_cache.shape[2], pool.key_cache.dtype
+    key4, value4 = _kernel_caches(pool)
+    uniform = bool((seq_lens == seq_lens[:1]).all())
+    shared = (
+        _scheduler_metadata(num_seqs, group, head_dim, seq_lens[0], dtype, starts, pool.block_size)
+        if uniform else None
+    )
+    return [
+        KernelDecodeLayer(
+            block_table=tables[layer],
+            seq_lens=seq_lens[layer],
+            query_start_loc=starts,
+            scheduler_metadata=shared if uniform else _scheduler_metadata(
+                num_seqs, group, head_dim, seq_lens[layer], dtype, starts, pool.block_size
+            ),
+            key_cache=key4,
+            value_cache=value4,
+            metric_rows=metric_rows,
+        )
+        for layer in range(num_layers)
+    ]
+
+
+def decode_planned(
+    query: torch.Tensor, pool: KVPool, tables: KernelDecodeLayer, scale: float,
+    out: torch.Tensor, metric_power: int | None = None,
+) -> torch.Tensor:
+    """Decode rows ``query [B, Hq, D]`` of one layer into ``out [B, Hq, D]`` with the
+    step's prepared :class:`KernelDecodeLayer`: one kernel call; then, when
+    ``metric_power`` is given, the metric pass over ``tables.metric_rows``."""
+    from kvcompress.ops.metrics import decode_metrics
+
+    num_rows, num_q_heads, head_dim = query.shape
+    num_seqs = tables.seq_lens.shape[0]
+    group = num_rows * num_q_heads // num_seqs
+    flat_query = query.contiguous().view(num_seqs, group, head_dim)
+    flat_out = out.view(num_seqs, group, head_dim) if out.is_contiguous() else torch.empty_like(flat_query)
+    torch.ops._C.cpu_attention_with_kv_cache(
+        flat_query, tables.key_cache, tables.value_cache, flat_out, tables.query_start_loc,
+        tables.seq_lens, scale, True, None, -1, tables.block_table, 0.0,
+        tables.scheduler_metadata, None, None, 1.0, 1.0, "auto",
+    )
+    if flat_out.data_ptr() != out.data_ptr():
+        out.copy_(flat_out.view(num_rows, num_q_heads, head_dim))
+    if metric_power is not None and tables.metric_rows is not None and tables.metric_rows.numel():
+        num_kv_heads = num_seqs // num_rows
+        rows = tables.metric_rows
+        decode_metrics(
+            query[rows], pool,
+            tables.block_table.view(num_rows, num_kv_heads, -1)[rows].long(),
+            tables.seq_lens.view(num_rows, num_kv_heads)[rows].long(),
+            scale, metric_power,
+        )
+    return out
+
+
 def paged_decode_by_slot_cpu(
     query: torch.Tensor, pool: KVPool, batch: SlotBatch, scale: float,
     out: torch.Tensor | None = None, metrics: MetricSink | None = None,
@@ -252,6 +383,13 @@ def paged_decode_by_slot_cpu(
 
     out = torch.empty_like(query) if out is None else out
     if batch.seq_slots.numel() == 0:
+        return out
+    if batch.kernel_tables is not None:
+        num_rows = batch.seq_slots.numel()
+        decode_planned(
+            query[:num_rows], pool, batch.kernel_tables, scale, out[:num_rows],
+            metrics.power if metrics is not None else None,
+        )
         return out
     gathered = batch.gathered(pool.block_size)
     tables, lens = gathered.block_tables, gathered.head_lens

@@ -411,7 +411,8 @@ class KernelOps:
         if backend == "vllm_cpu":
             from kvcompress.ops import cpu_attention
 
-            if cpu_attention.supports(query, pool):
+            # Tables planned for the kernel this step: it was checked then.
+            if batch.kernel_tables is not None or cpu_attention.supports(query, pool):
                 return cpu_attention.paged_decode_by_slot_cpu(query, pool, batch, scale, out, metrics)
         if backend == "triton":
             from kvcompress.ops.triton_attention import paged_decode_by_slot_triton

@@ -174,7 +174,7 @@ class PerHeadAttentionImpl(AttentionImpl):
         if attn_metadata is None:
             return output
         if attn_metadata.decode_only:
-            return self._decode_from_buffers(layer, query, key, value, output)
+            return self._decode_from_buffers(layer, query, key, value, output, attn_metadata.step)
         if attn_metadata.step is None:
             return output
         step = attn_metadata.step
@@ -216,9 +216,11 @@ class PerHeadAttentionImpl(AttentionImpl):
             write_offsets,
         )
 
-    def _decode_from_buffers(self, layer, query, key, value, output) -> torch.Tensor:
+    def _decode_from_buffers(self, layer, query, key, value, output, step=None) -> torch.Tensor:
         """A decode-only step over ``DecodeBuffers``: no host reads, fixed launch
-        shapes for a given row count (vLLM's padded batch: ``query.shape[0]`` rows)."""
+        shapes for a given row count (vLLM's padded batch: ``query.shape[0]`` rows).
+        ``step``: the step's plan (None in a CUDA-graph capture), whose
+        ``kernel_decode`` tables the CPU kernel reads when present."""
         state = step_state.get_worker_state()
         assert state is not None and state.decode_buffers is not None, (
             "kvcompress decode buffers not initialised"
@@ -236,10 +238,12 @@ class PerHeadAttentionImpl(AttentionImpl):
             state, key, value, rows,
             buffers.write_pages[layer_index, :rows], buffers.write_offsets[layer_index, :rows],
         )
+        kernel_decode = step.kernel_decode if step is not None else None
         batch = SlotBatch(
             cache.page_tables[:, layer_index], cache.head_lens[:, layer_index],
             buffers.seq_slots[:rows], buffers.query_positions[:rows],
             max_head_len=buffers.max_head_len, row_index=buffers.row_index[:rows],
+            kernel_tables=kernel_decode[layer_index] if kernel_decode is not None else None,
         )
         state.ops.paged_decode_by_slot(
             query[:rows].view(rows, self.num_heads, self.head_size), state.pool, batch, self.scale,

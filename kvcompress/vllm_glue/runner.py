@@ -171,14 +171,20 @@ class PerHeadRunnerMixin:
             device=pool.device,
         )
         self.kvc_generator: torch.Generator | None = None
-        set_worker_state(
-            WorkerCacheState(
-                cache=cache,
-                pool=cache.kv_pool(*self._kvc_page_views(pool, ops)),
-                ops=ops,
-                layer_index={name: i for i, name in enumerate(layer_names)},
-                decode_buffers=decode_buffers,
-            )
+        state = WorkerCacheState(
+            cache=cache,
+            pool=cache.kv_pool(*self._kvc_page_views(pool, ops)),
+            ops=ops,
+            layer_index={name: i for i, name in enumerate(layer_names)},
+            decode_buffers=decode_buffers,
+        )
+        set_worker_state(state)
+        # Decode steps on vLLM's CPU kernel get their tables in its terms once per step.
+        self.kvc_num_q_heads = self.vllm_config.model_config.get_num_attention_heads(
+            self.vllm_config.parallel_config
+        )
+        self.kvc_plan_kernel_decode = ops.kernel_page_layout and cpu_attention.supports_pool(
+            dtype, state.pool
         )
         logger.info(
             "kvcompress: %d pages of %d tokens x 1 (layer, KV head) "
@@ -412,9 +418,17 @@ class PerHeadRunnerMixin:
 
     def _kvc_plan_decode_step(self, req_ids, seq_slots, positions_t, plan, query_start) -> None:
         """Publish a decode-only step through the fixed-address ``DecodeBuffers``."""
-        buffers = get_worker_state().decode_buffers
+        state = get_worker_state()
+        buffers = state.decode_buffers
         self.kvc_stats.decode_only_steps += 1
         flagged = [i for i, r in enumerate(req_ids) if self._kvc_compresses(r)]
+        kernel_decode = None
+        if self.kvc_plan_kernel_decode:
+            cache = self.kvc_cache
+            kernel_decode = cpu_attention.plan_decode_step(
+                state.pool, cache.page_tables, cache.head_lens, seq_slots, self.kvc_num_q_heads,
+                torch.tensor(flagged, dtype=torch.int64) if flagged else None,
+            )
         buffers.fill(
             len(req_ids),
             seq_slots,
@@ -434,6 +448,7 @@ class PerHeadRunnerMixin:
                 max_head_len=buffers.max_head_len,
                 plan=plan,
                 decode_only=True,
+                kernel_decode=kernel_decode,
             )
         )
 

@@ -14,6 +14,7 @@ from dataclasses import InitVar, dataclass
 import torch
 
 from kvcompress.ops import AppendPlan, KernelOps, KVPool, PerHeadPagedCache, resolve_ops
+from kvcompress.ops.cpu_attention import KernelDecodeLayer
 from kvcompress.ops.decode_by_slot import graph_partition_size
 from kvcompress.policies import MetricSpec
 
@@ -200,6 +201,8 @@ class PerHeadStep:
         metrics: which queries add to the eviction metrics (None: none).
         decode_only: every row is one generated token: attention reads the
             ``DecodeBuffers`` (filled by the runner) instead of the fields above.
+        kernel_decode: for a decode-only step on vLLM's CPU kernel, every layer's rows
+            in the kernel's terms, built once for the step (None otherwise).
     """
 
     num_reqs: int
@@ -212,6 +215,7 @@ class PerHeadStep:
     plan: AppendPlan
     metrics: MetricQueries | None = None
     decode_only: bool = False
+    kernel_decode: list[KernelDecodeLayer] | None = None
 
 
 _worker_state: WorkerCacheState | None = None
