@@ -1098,6 +1098,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="kvcompress engine: pooling width for every policy (default: each policy's)")
     parser.add_argument("--kv-compress-observation-window", type=int, default=None,
                         help="kvcompress engine: scoring window for every policy (default: each policy's)")
+    parser.add_argument("--kv-compress-decode-metric-stride", type=int, default=None,
+                        help="kvcompress engine: decode queries add to the metrics every N tokens (default: the engine's)")
     parser.add_argument("--out", default=None, help="write <OUT>.json/.md/.png")
     parser.add_argument("--show-outputs", action="store_true")
     args = parser.parse_args(argv)
@@ -1108,7 +1110,8 @@ def main(argv: list[str] | None = None) -> dict:
         ppl_context=args.ppl_context, ppl_tokens=args.ppl_tokens,
         interval=args.kv_compress_interval, log=log,
         kvc_settings={"pool_kernel": args.kv_compress_pool_kernel,
-                      "observation_window": args.kv_compress_observation_window},
+                      "observation_window": args.kv_compress_observation_window,
+                      "decode_metric_stride": args.kv_compress_decode_metric_stride},
     )  # fmt: skip
     results["argv"] = " ".join(sys.argv[1:] if argv is None else argv)
     if args.show_outputs:

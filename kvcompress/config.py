@@ -108,6 +108,11 @@ class KVCompressConfig(BaseModel):
     interval: int = Field(0, ge=0)
     """Also compress every running sequence every N engine steps; 0 = only after prefill
     and instead of preemption."""
+    decode_metric_stride: int = Field(4, ge=1)
+    """A decoding sequence's query adds its attention to the eviction metrics every N
+    tokens (prompt metrics are scaled by 1/N to match, so rankings estimate those of
+    every query); 1 = every decode query. The metric pass is a cost of its own on
+    kernels that return no probabilities."""
     max_kv_per_iteration: int = Field(5_000_000, ge=1)
     """Cap on the KVs (summed over layers and heads) sorted in one compression step;
     sequences never compressed, then least recently compressed, go first."""

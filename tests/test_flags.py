@@ -93,9 +93,15 @@ def test_conflicting_block_size_is_refused(tmp_path):
 
 
 def test_unsupported_head_size_is_refused(tmp_path):
-    model = _write_config(tmp_path, head_dim=32, hidden_size=128)
-    with pytest.raises(KVCompressConfigError, match="head size 32"):
+    model = _write_config(tmp_path, head_dim=48, hidden_size=192)
+    with pytest.raises(KVCompressConfigError, match=r"head size 48 .*supported on this platform: \[32, 64, 80"):
         _engine_config(model, **_kvc())
+
+
+def test_head_size_of_vllms_cpu_kernel_is_taken(tmp_path):
+    model = _write_config(tmp_path, head_dim=80, hidden_size=320)
+    config = _engine_config(model, **_kvc())
+    assert config.model_config.get_head_size() == 80
 
 
 def test_sliding_window_model_is_refused(tmp_path):

@@ -31,12 +31,24 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from kvcompress.config import SUPPORTED_BLOCK_SIZES
 from kvcompress.ops import MetricSink, PagedBatch, SlotBatch, write_kv
+from kvcompress.ops.cpu_attention import KERNEL_HEAD_SIZES
 from kvcompress.ops.dispatch import decode_by_slot_capturable
 from kvcompress.ops.metrics import accumulate_metrics, attention_metrics, pool_metrics
 from kvcompress.vllm_glue import step as step_state
 from kvcompress.vllm_glue.step import PerHeadStep
 
-SUPPORTED_HEAD_SIZES = (64, 128, 256)
+# CUDA: the Triton kernels pad any head size to a power of two (the CUDA op takes
+# 64 / 128 / 256 and hands the others to Triton); CPU: vLLM 0.32's CPU attention kernel.
+CUDA_HEAD_SIZES = (64, 80, 96, 112, 128, 160, 192, 224, 256)
+CPU_HEAD_SIZES = KERNEL_HEAD_SIZES
+
+
+def supported_head_sizes(platform=None) -> tuple[int, ...]:
+    """Head sizes the per-head attention runs on a kernel for, on ``platform``
+    (default: vLLM's current platform)."""
+    if platform is None:
+        from vllm.platforms import current_platform as platform
+    return CPU_HEAD_SIZES if platform.is_cpu() else CUDA_HEAD_SIZES
 
 
 @dataclass
@@ -271,6 +283,8 @@ class PerHeadAttentionImpl(AttentionImpl):
                 power=spec.power,
                 skip_nearest=spec.skip_nearest if spec.queries == "full" else 0,
             )
+            if metrics.prompt_weight != 1.0:
+                scored = scored * metrics.prompt_weight
             accumulate_metrics(pool.slot_metrics, tables, lens, scored)
             if rows.prompt_done:
                 pool_metrics(pool.slot_metrics, tables, lens, spec.pool_kernel, spec.pool)
@@ -294,7 +308,7 @@ class PerHeadAttentionBackend(AttentionBackend):
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
-        return list(SUPPORTED_HEAD_SIZES)
+        return list(supported_head_sizes())
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:

@@ -139,7 +139,7 @@ def check_model_supported(vllm_config: Any, settings: KVCompressConfig) -> None:
     """Refuse models whose attention the per-head paged cache cannot hold."""
     if not settings.enabled:
         return
-    from kvcompress.vllm_glue.attention_backend import SUPPORTED_HEAD_SIZES
+    from kvcompress.vllm_glue.attention_backend import supported_head_sizes
 
     model_config = vllm_config.model_config
     flag = FLAGS["enabled"]
@@ -176,8 +176,9 @@ def check_model_supported(vllm_config: Any, settings: KVCompressConfig) -> None:
                 "profile for this model with benchmarks/xkv_profile.py)"
             )
     head_size = model_config.get_head_size()
-    if head_size not in SUPPORTED_HEAD_SIZES:
+    head_sizes = supported_head_sizes()
+    if head_size not in head_sizes:
         raise KVCompressConfigError(
             f"{flag} does not support head size {head_size} of model {name} "
-            f"(supported: {list(SUPPORTED_HEAD_SIZES)})"
+            f"(supported on this platform: {list(head_sizes)})"
         )

@@ -360,7 +360,7 @@ class PerHeadRunnerMixin:
         positions_t = torch.from_numpy(positions).to(device)
         plan = cache.append(seq_slots, torch.from_numpy(num_new).to(device), positions_t)
         if self._kvc_is_decode_only(req_ids, computed, num_new):
-            self._kvc_plan_decode_step(req_ids, seq_slots, positions_t, plan, query_start)
+            self._kvc_plan_decode_step(req_ids, computed, seq_slots, positions_t, plan, query_start)
             return
         head_lens = cache.head_lens[seq_slots]
         max_head_len = int(head_lens.max().item())
@@ -416,12 +416,15 @@ class PerHeadRunnerMixin:
             for request_id, done in zip(req_ids, computed.tolist())
         )
 
-    def _kvc_plan_decode_step(self, req_ids, seq_slots, positions_t, plan, query_start) -> None:
+    def _kvc_plan_decode_step(self, req_ids, computed, seq_slots, positions_t, plan, query_start) -> None:
         """Publish a decode-only step through the fixed-address ``DecodeBuffers``."""
         state = get_worker_state()
         buffers = state.decode_buffers
         self.kvc_stats.decode_only_steps += 1
-        flagged = [i for i, r in enumerate(req_ids) if self._kvc_compresses(r)]
+        flagged = [
+            i for i, (request_id, position) in enumerate(zip(req_ids, computed.tolist()))
+            if self._kvc_compresses(request_id) and self._kvc_decode_metric_due(position)
+        ]
         kernel_decode = None
         if self.kvc_plan_kernel_decode:
             cache = self.kvc_cache
@@ -480,8 +483,8 @@ class PerHeadRunnerMixin:
 
         Prompt queries, by the request's policy: the last ``observation_window``
         prompt positions (or, in ``full`` mode, every prompt query; none for the
-        position and random policies); decode queries: every query past the prompt,
-        added by the attention kernel itself.
+        position and random policies); decode queries: every ``decode_metric_stride``-th
+        token past the prompt, added by the attention kernel or a metric pass of its own.
         """
         settings = self.kvc_settings
         if not settings.compresses and not any(
@@ -496,7 +499,7 @@ class PerHeadRunnerMixin:
             prompt_len = self.requests[request_id].num_prompt_tokens
             first, count = int(computed[index]), int(num_new[index])
             if first >= prompt_len:
-                decode_seqs[index] = count == 1
+                decode_seqs[index] = count == 1 and self._kvc_decode_metric_due(first)
                 continue
             spec = self.kvc_requests[request_id].compression.policy.metric
             if not spec.scores_prompt:
@@ -514,7 +517,13 @@ class PerHeadRunnerMixin:
             decode_seqs=torch.from_numpy(decode_seqs).to(self.kvc_cache.device)
             if decode_seqs.any() else None,
             power=self.kvc_decode_metric_power,
+            prompt_weight=1.0 / settings.decode_metric_stride,
         )
+
+    def _kvc_decode_metric_due(self, position: int) -> bool:
+        """Whether the decode query at ``position`` adds to the metrics
+        (``decode_metric_stride``: every N-th token of a sequence)."""
+        return position % self.kvc_settings.decode_metric_stride == 0
 
     def _dummy_run(self, *args, **kwargs):
         # Warm-up, profiling and graph-capture batches must not touch the pages of

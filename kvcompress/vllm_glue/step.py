@@ -176,11 +176,15 @@ class MetricQueries:
         decode_seqs: ``[num_reqs]`` bool, sequences whose decode query adds its
             attention to the metrics (continual compression), or None.
         power: decode metric power, 2 (L2, squared attention) or 1 (L1).
+        prompt_weight: factor on prompt queries' scores (1 / the decode metric stride:
+            decode queries add every stride-th token, so both estimate per-query sums
+            on one scale).
     """
 
     prompt_rows: list[PromptMetricRows]
     decode_seqs: torch.Tensor | None
     power: int
+    prompt_weight: float = 1.0
 
 
 @dataclass
