@@ -342,6 +342,7 @@ def measure(
     gpu_memory_utilization: float | None = None,
     protected_window: int = 8,
     min_cache_tokens: int = 128,
+    block_size: int | None = None,
     max_num_seqs: int = 256,
     max_num_batched_tokens: int = 2048,
     dtype: str | None = None,
@@ -467,6 +468,7 @@ def measure(
                 model_path,
                 kv_compress_protected_window=protected_window,
                 kv_compress_min_cache_tokens=min_cache_tokens,
+                kv_compress_block_size=block_size,
                 **args,
             )
         except Exception as error:  # keep the stock results (e.g. a platform kvcompress lacks)
@@ -850,6 +852,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="let stock vLLM size its KV cache, then give kvcompress the same bytes")
     parser.add_argument("--protected-window", type=int, default=8)
     parser.add_argument("--min-cache-tokens", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="kvcompress page size in tokens (default: kvcompress's own)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--dtype", default=None, help="default float32 for tiny / smollm2, else auto")
@@ -894,6 +898,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         gpu_memory_utilization=args.gpu_memory_utilization,
         protected_window=args.protected_window,
         min_cache_tokens=args.min_cache_tokens,
+        block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         dtype=args.dtype,
