@@ -441,6 +441,7 @@ def measure(
         stock = LLM(model=model_path, **args)
         results["engine_start_seconds"][STOCK] = time.perf_counter() - t0
         cache = stock.llm_engine.vllm_config.cache_config
+        results["stock_block_size"] = cache.block_size
         if cache.num_gpu_blocks:
             results["stock_kv_capacity_tokens"] = cache.num_gpu_blocks * cache.block_size
         if "kv_cache_memory_bytes" not in args:
@@ -598,7 +599,8 @@ def header_lines(results: dict[str, Any]) -> list[str]:
         f"KV memory budget (both engines): {budget} bytes = {results['kv_budget_tokens_uncompressed']} "
         f"uncompressed tokens ({results['kv_bytes_per_token']} bytes/token); usable: stock "
         f"{results.get('stock_kv_capacity_tokens', '-')} tokens, kvcompress "
-        f"{results.get('kvcompress_kv_capacity_tokens', '-')} tokens",
+        f"{results.get('kvcompress_kv_capacity_tokens', '-')} tokens; block size: stock "
+        f"{results.get('stock_block_size', '-')} tokens, kvcompress page {results.get('kvcompress_block_size', '-')} tokens",
         f"{results['num_prompts']} prompts per run, input lengths {results['input_lens']}, output "
         f"{results['output_len']} tokens (ignore_eos); kvcompress: protected window "
         f"{results['protected_window']}, min cache {results['min_cache_tokens']} tokens (budget per "
