@@ -45,16 +45,18 @@ def test_allocator_hands_out_distinct_pages_and_takes_them_back():
     ),
     release_mask=st.lists(st.booleans(), min_size=3, max_size=3),
     block_size=st.sampled_from([4, 16]),
+    decode_steps=st.integers(0, 9),
 )
-def test_paged_cache_tables_match_a_brute_force_model(steps, release_mask, block_size):
+def test_paged_cache_tables_match_a_brute_force_model(steps, release_mask, block_size, decode_steps):
     """Every KV ends up at a distinct slot whose recorded position is its token's,
-    pages held = ceil(len / b) per head, and releasing returns exactly those pages."""
+    pages held = ceil(len / b) per head, and releasing returns exactly those pages
+    (prompt-like steps, then one-token decode steps: ``append_one``)."""
     layers, heads = 2, 3
     cache = PerHeadPagedCache(4000, layers, heads, block_size, max_seqs=3, max_pages_per_head=64)
     slots = torch.tensor([cache.new_sequence() for _ in range(3)])
     lengths = [0, 0, 0]
     seen = {}  # (seq, layer, head, position) -> (page, offset)
-    for step in steps:
+    for step in steps + [[1, 1, 1]] * decode_steps:
         num_new = torch.tensor(step)
         positions = torch.cat([torch.arange(lengths[i], lengths[i] + n) for i, n in enumerate(step)])
         plan = cache.append(slots, num_new, positions)
@@ -84,6 +86,25 @@ def test_paged_cache_tables_match_a_brute_force_model(steps, release_mask, block
     assert freed == int(held[torch.tensor(release_mask)].sum())
     cache.release(slots[~torch.tensor(release_mask)])
     assert cache.allocator.num_free == cache.num_pages
+
+
+def test_append_one_equals_the_general_append():
+    """The decode fast path places KVs, takes pages and updates tables exactly as the
+    general path does, page boundaries crossed included."""
+    twins = [PerHeadPagedCache(500, 2, 3, 4, max_seqs=4, max_pages_per_head=32) for _ in range(2)]
+    for cache in twins:
+        slots = torch.tensor([cache.new_sequence() for _ in range(3)])
+        cache.append(slots, torch.tensor([5, 8, 3]), torch.cat([torch.arange(5), torch.arange(8), torch.arange(3)]))
+    lengths = torch.tensor([5, 8, 3])
+    for _ in range(11):
+        one = twins[0].append_one(slots, lengths.clone())
+        general = twins[1]._append_tokens(slots, torch.ones(3, dtype=torch.int64), lengths.clone())
+        assert torch.equal(one.write_pages, general.write_pages)
+        assert torch.equal(one.write_offsets, general.write_offsets)
+        lengths += 1
+    for name in ("page_tables", "head_lens", "slot_positions"):
+        assert torch.equal(getattr(twins[0], name), getattr(twins[1], name)), name
+    assert twins[0].allocator.num_free == twins[1].allocator.num_free
 
 
 @pytest.mark.parametrize("backend", ["auto", "reference", "triton"])

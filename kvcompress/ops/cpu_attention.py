@@ -384,13 +384,6 @@ def paged_decode_by_slot_cpu(
     out = torch.empty_like(query) if out is None else out
     if batch.seq_slots.numel() == 0:
         return out
-    if batch.kernel_tables is not None:
-        num_rows = batch.seq_slots.numel()
-        decode_planned(
-            query[:num_rows], pool, batch.kernel_tables, scale, out[:num_rows],
-            metrics.power if metrics is not None else None,
-        )
-        return out
     gathered = batch.gathered(pool.block_size)
     tables, lens = gathered.block_tables, gathered.head_lens
     num_rows = lens.shape[0]

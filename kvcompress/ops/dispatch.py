@@ -448,8 +448,7 @@ class KernelOps:
         if backend == "vllm_cpu":
             from kvcompress.ops import cpu_attention
 
-            # Tables planned for the kernel this step: it was checked then.
-            if batch.kernel_tables is not None or cpu_attention.supports(query, pool):
+            if cpu_attention.supports(query, pool):
                 return cpu_attention.paged_decode_by_slot_cpu(query, pool, batch, scale, out, metrics)
         if backend == "triton":
             from kvcompress.ops.triton_attention import paged_decode_by_slot_triton
@@ -458,6 +457,19 @@ class KernelOps:
                 query, pool, batch, scale, out, metrics, partition_size=partition_size
             )
         return paged_decode_by_slot_reference(query, pool, batch, scale, out, metrics)
+
+    def decode_planned(
+        self, query: torch.Tensor, pool: KVPool, tables, scale: float, out: torch.Tensor,
+        metric_power: int | None = None,
+    ) -> torch.Tensor:
+        """Decode rows of one layer with the tables planned for vLLM's CPU kernel this
+        step (:func:`kvcompress.ops.cpu_attention.plan_decode_step`, built only when
+        ``paged_attention`` resolved to ``vllm_cpu`` and the pool suits it)."""
+        from kvcompress.ops import cpu_attention
+
+        if self.backends.get("paged_decode_by_slot") != "vllm_cpu":
+            raise RuntimeError(f"decode_planned needs the vllm_cpu backend (resolved: {self})")
+        return cpu_attention.decode_planned(query, pool, tables, scale, out, metric_power)
 
     def move_cache(
         self, pool: KVPool, src_pages: torch.Tensor, src_offsets: torch.Tensor,

@@ -17,12 +17,8 @@ tensors under those schema argument names. Plain holders: nothing is copied or c
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:  # the CPU kernel's tables; that module imports this one
-    from kvcompress.ops.cpu_attention import KernelDecodeLayer
 
 
 @dataclass(frozen=True, eq=False)
@@ -111,10 +107,6 @@ class SlotBatch:
             (None: the tables' width ``P * block_size``; the reference ignores it).
         row_index: optional ``[B]`` int32 ``arange`` (kernel row -> query row), kept at a
             fixed address for graph capture (made per call when None).
-        kernel_tables: optional, this layer's rows already in vLLM's CPU kernel terms
-            (built once per step for every layer,
-            :func:`kvcompress.ops.cpu_attention.plan_decode_step`); the CPU kernel path
-            then reads nothing else of the tables; the other backends ignore it.
     """
 
     block_tables: torch.Tensor
@@ -123,7 +115,6 @@ class SlotBatch:
     query_positions: torch.Tensor
     max_head_len: int | None = None
     row_index: torch.Tensor | None = None
-    kernel_tables: "KernelDecodeLayer | None" = None
 
     def gathered(self, block_size: int) -> PagedBatch:
         """The rows as a :class:`PagedBatch` of one-query sequences: their tables gathered

@@ -149,6 +149,16 @@ class PerHeadPagedCache:
         device = self.device
         seq_slots = seq_slots.to(device, torch.int64)
         num_new_tokens = num_new_tokens.to(device, torch.int64)
+        if positions.numel() == seq_slots.numel() and bool((num_new_tokens == 1).all()):
+            return self.append_one(seq_slots, positions)
+        return self._append_tokens(seq_slots, num_new_tokens, positions)
+
+    def _append_tokens(
+        self, seq_slots: torch.Tensor, num_new_tokens: torch.Tensor, positions: torch.Tensor
+    ) -> AppendPlan:
+        """:meth:`append` for any token counts (``seq_slots`` / ``num_new_tokens`` int64 on
+        the cache's device)."""
+        device = self.device
         block_size = self.block_size
         old_lens = self.head_lens[seq_slots]  # [S, L, H]
         new_lens = old_lens + num_new_tokens.view(-1, 1, 1)
@@ -189,6 +199,46 @@ class PerHeadPagedCache:
         write_offsets = head_index % block_size
         self.slot_positions[write_pages, write_offsets] = (
             positions.to(device, torch.int32).view(-1, 1, 1).expand_as(write_pages)
+        )
+        self.slot_metrics[write_pages, write_offsets] = 0.0
+        return AppendPlan(
+            write_pages=write_pages.permute(1, 0, 2).contiguous(),
+            write_offsets=write_offsets.permute(1, 0, 2).contiguous(),
+        )
+
+    def append_one(self, seq_slots: torch.Tensor, positions: torch.Tensor) -> AppendPlan:
+        """:meth:`append` of ONE token per sequence (a decode step), in fewer ops: a head
+        takes a new page only when its last one is full.
+
+        Args:
+            seq_slots: ``[S]`` int64 sequence slots, in batch order.
+            positions: ``[S]`` the new tokens' positions.
+        """
+        block_size = self.block_size
+        old_lens = self.head_lens.index_select(0, seq_slots)  # [S, L, H]
+        page_column = old_lens // block_size
+        write_offsets = old_lens - page_column * block_size
+        starts_page = write_offsets == 0
+        count = int(starts_page.sum())
+        if count:
+            columns = page_column[starts_page]
+            if int(columns.max()) >= self.max_pages_per_head:
+                raise RuntimeError(
+                    f"a head would need more than {self.max_pages_per_head} pages "
+                    "(longer than max_model_len)"
+                )
+            rows, layers, heads = starts_page.nonzero(as_tuple=True)
+            self.page_tables[seq_slots[rows], layers, heads, columns] = self.allocator.allocate(count)
+        self.head_lens[seq_slots] = old_lens + 1
+        slots = seq_slots.view(-1, 1, 1)
+        write_pages = self.page_tables[
+            slots,
+            torch.arange(self.num_layers, device=self.device).view(1, -1, 1),
+            torch.arange(self.num_kv_heads, device=self.device).view(1, 1, -1),
+            page_column,
+        ]  # [S, L, H]
+        self.slot_positions[write_pages, write_offsets] = (
+            positions.to(self.device, torch.int32).view(-1, 1, 1).expand_as(write_pages)
         )
         self.slot_metrics[write_pages, write_offsets] = 0.0
         return AppendPlan(

@@ -186,7 +186,10 @@ class PerHeadAttentionImpl(AttentionImpl):
         if attn_metadata is None:
             return output
         if attn_metadata.decode_only:
-            return self._decode_from_buffers(layer, query, key, value, output, attn_metadata.step)
+            step = attn_metadata.step
+            if step is not None and step.kernel_decode is not None:
+                return self._decode_planned(layer, query, key, value, output, step)
+            return self._decode_from_buffers(layer, query, key, value, output)
         if attn_metadata.step is None:
             return output
         step = attn_metadata.step
@@ -228,11 +231,28 @@ class PerHeadAttentionImpl(AttentionImpl):
             write_offsets,
         )
 
-    def _decode_from_buffers(self, layer, query, key, value, output, step=None) -> torch.Tensor:
+    def _decode_planned(self, layer, query, key, value, output, step: PerHeadStep) -> torch.Tensor:
+        """A decode-only step on vLLM's CPU kernel with the tables the runner built for
+        every layer once this step (``step.kernel_decode``; no CUDA graph on CPU, so the
+        step's own write slots are read instead of the ``DecodeBuffers``)."""
+        state = step_state.get_worker_state()
+        layer_index = state.layer_index[layer.layer_name]
+        rows = step.num_reqs
+        self._store_kvs(
+            state, key, value, rows,
+            step.plan.write_pages[layer_index], step.plan.write_offsets[layer_index],
+        )
+        state.ops.decode_planned(
+            query[:rows].view(rows, self.num_heads, self.head_size), state.pool,
+            step.kernel_decode[layer_index], self.scale,
+            output[:rows].view(rows, self.num_heads, self.head_size),
+            metric_power=step.decode_metric_power,
+        )
+        return output
+
+    def _decode_from_buffers(self, layer, query, key, value, output) -> torch.Tensor:
         """A decode-only step over ``DecodeBuffers``: no host reads, fixed launch
-        shapes for a given row count (vLLM's padded batch: ``query.shape[0]`` rows).
-        ``step``: the step's plan (None in a CUDA-graph capture), whose
-        ``kernel_decode`` tables the CPU kernel reads when present."""
+        shapes for a given row count (vLLM's padded batch: ``query.shape[0]`` rows)."""
         state = step_state.get_worker_state()
         assert state is not None and state.decode_buffers is not None, (
             "kvcompress decode buffers not initialised"
@@ -250,12 +270,10 @@ class PerHeadAttentionImpl(AttentionImpl):
             state, key, value, rows,
             buffers.write_pages[layer_index, :rows], buffers.write_offsets[layer_index, :rows],
         )
-        kernel_decode = step.kernel_decode if step is not None else None
         batch = SlotBatch(
             cache.page_tables[:, layer_index], cache.head_lens[:, layer_index],
             buffers.seq_slots[:rows], buffers.query_positions[:rows],
             max_head_len=buffers.max_head_len, row_index=buffers.row_index[:rows],
-            kernel_tables=kernel_decode[layer_index] if kernel_decode is not None else None,
         )
         state.ops.paged_decode_by_slot(
             query[:rows].view(rows, self.num_heads, self.head_size), state.pool, batch, self.scale,

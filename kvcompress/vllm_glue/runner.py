@@ -417,7 +417,9 @@ class PerHeadRunnerMixin:
         )
 
     def _kvc_plan_decode_step(self, req_ids, computed, seq_slots, positions_t, plan, query_start) -> None:
-        """Publish a decode-only step through the fixed-address ``DecodeBuffers``."""
+        """Publish a decode-only step: on vLLM's CPU kernel with every layer's kernel
+        tables built once; otherwise through the fixed-address ``DecodeBuffers`` (CUDA
+        graphs replay them)."""
         state = get_worker_state()
         buffers = state.decode_buffers
         self.kvc_stats.decode_only_steps += 1
@@ -432,14 +434,8 @@ class PerHeadRunnerMixin:
                 state.pool, cache.page_tables, cache.head_lens, seq_slots, self.kvc_num_q_heads,
                 torch.tensor(flagged, dtype=torch.int64) if flagged else None,
             )
-        buffers.fill(
-            len(req_ids),
-            seq_slots,
-            positions_t,
-            plan.write_pages,
-            plan.write_offsets,
-            seq_slots[flagged] if flagged else None,
-        )
+        else:
+            self._kvc_fill_decode_buffers(buffers, req_ids, seq_slots, positions_t, plan, flagged)
         set_current_step(
             PerHeadStep(
                 num_reqs=len(req_ids),
@@ -452,7 +448,19 @@ class PerHeadRunnerMixin:
                 plan=plan,
                 decode_only=True,
                 kernel_decode=kernel_decode,
+                decode_metric_power=self.kvc_decode_metric_power,
             )
+        )
+
+    @staticmethod
+    def _kvc_fill_decode_buffers(buffers, req_ids, seq_slots, positions_t, plan, flagged) -> None:
+        buffers.fill(
+            len(req_ids),
+            seq_slots,
+            positions_t,
+            plan.write_pages,
+            plan.write_offsets,
+            seq_slots[flagged] if flagged else None,
         )
 
     def _is_uniform_decode(

@@ -206,7 +206,10 @@ class PerHeadStep:
         decode_only: every row is one generated token: attention reads the
             ``DecodeBuffers`` (filled by the runner) instead of the fields above.
         kernel_decode: for a decode-only step on vLLM's CPU kernel, every layer's rows
-            in the kernel's terms, built once for the step (None otherwise).
+            in the kernel's terms, built once for the step (None otherwise); attention
+            then reads these and ``plan``, not the ``DecodeBuffers``.
+        decode_metric_power: the decode metric pass's power for ``kernel_decode`` rows
+            (their ``metric_rows``).
     """
 
     num_reqs: int
@@ -220,6 +223,7 @@ class PerHeadStep:
     metrics: MetricQueries | None = None
     decode_only: bool = False
     kernel_decode: list[KernelDecodeLayer] | None = None
+    decode_metric_power: int = 2
 
 
 _worker_state: WorkerCacheState | None = None
