@@ -19,6 +19,13 @@ compressing (schedule + MoveCache) and the pages freed by compression; then the 
 and max-batch multipliers over stock vLLM at the same input length. Rate 1 is kvcompress's
 per-head cache without eviction (its overhead alone).
 
+Each engine step is also classified by what the scheduler scheduled (the engine core runs
+in this process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, for both engines): a prompt step
+has prompt tokens, a decode step only generated tokens. From stock's own split comes the
+ideal multiplier (stock's time with its decode steps divided by the max-batch ratio
+reached; prefill costs the same with or without compression) and the share of it
+reached; decode-step tokens/s compare the decode phase alone.
+
 Defaults (sized for a 2-core CPU): the tiny random GQA Llama, synthetic token prompts, input
 lengths 512 and 2048, output 64, 48 prompts, 6144 tokens of KV memory (stock vLLM fits 9 / 2
 requests at once), protected window 8, min cache 128 tokens. The JSON also records the
