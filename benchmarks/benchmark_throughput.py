@@ -74,6 +74,7 @@ import os
 import sys
 import time
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -115,9 +116,31 @@ def _setup_env() -> None:
         if not cuda:
             os.environ["VLLM_TARGET_DEVICE"] = "cpu"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    # The engine core in this process: each step's schedule is read (StepLog), the same
-    # way for both engines.
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+@contextmanager
+def engine_core_in_process():
+    """Engines built inside run their engine core in this process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so each step's schedule can be read (StepLog),
+    the same way for both engines. The variable is restored afterwards and vLLM's
+    environment cache (switched on by an engine core's start) dropped. An in-process CPU
+    worker also pins this process's threads: run the benchmark as its own process."""
+    key = "VLLM_ENABLE_V1_MULTIPROCESSING"
+    previous = os.environ.get(key)
+    os.environ[key] = "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = previous
+        try:
+            from vllm import envs
+
+            envs.disable_envs_cache()
+        except (ImportError, AttributeError):  # pragma: no cover - other vLLM versions
+            pass
 
 
 # --------------------------------------------------------------------------------------
@@ -336,7 +359,14 @@ def _warmup(llm, params) -> None:
     llm.generate([TokensPrompt(prompt_token_ids=list(range(3, 67)))], warm, use_tqdm=False)
 
 
-def measure(
+def measure(**kwargs) -> dict[str, Any]:
+    """Run stock vLLM (one engine) then kvcompress (one engine, every rate), engine cores
+    in this process; the results (arguments: :func:`_measure`)."""
+    with engine_core_in_process():
+        return _measure(**kwargs)
+
+
+def _measure(
     *,
     model: str = "tiny",
     rates=DEFAULT_RATES,

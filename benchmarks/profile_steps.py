@@ -34,8 +34,6 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-
 import benchmark_throughput as bench  # noqa: E402  (sets VLLM_TARGET_DEVICE on CPU)
 
 NOTE = (
@@ -112,6 +110,11 @@ def main(argv=None) -> list[dict]:
     args = parser.parse_args(argv)
 
     bench._setup_env()
+    with bench.engine_core_in_process():
+        return _profile(args)
+
+
+def _profile(args) -> list[dict]:
     from vllm import LLM, SamplingParams
 
     import kvcompress
