@@ -2,7 +2,9 @@
 
 Why: ``EngineArgs.add_cli_args`` builds the parser of ``vllm serve`` and
 ``vllm bench throughput``, and ``EngineArgs.from_cli_args`` keeps only dataclass
-fields, so an added flag must be carried into ``additional_config`` by hand.
+fields, so an added flag must be carried into ``additional_config`` by hand (into the
+parsed ``args`` too: the extra API-server processes of ``--api-server-count N`` build
+their engine arguments from them before the plugin patches anything there).
 ``create_engine_config`` is wrapped so that every entry point (CLI, ``LLM(...)``,
 benchmarks) validates kvcompress settings and selects the kvcompress scheduler
 and worker before the engine starts; the validated section it stores carries a
@@ -83,6 +85,10 @@ def apply() -> None:
                 **(additional.get(ADDITIONAL_CONFIG_KEY) or {}), **section
             }
             engine_args.additional_config = additional
+            # Also into the parsed arguments: with --api-server-count > 1 vLLM hands
+            # ``args`` to API-server processes that build their engine arguments before
+            # this patch is applied there; --additional-config reaches them as a field.
+            args.additional_config = dict(additional)
         return engine_args
 
     def create_engine_config(self, *args, **kwargs):

@@ -125,6 +125,10 @@ def test_cli_flags_reach_the_engine_config(tmp_path):
     engine_args = AsyncEngineArgs.from_cli_args(args)
     section = engine_args.additional_config["kvcompress"]
     assert section == {"rate": 8.0, "protected_window": 32}
+    # Also in the parsed arguments, as --additional-config: the extra API servers of
+    # --api-server-count N build their engine arguments from them before the plugin
+    # patches from_cli_args there (without it they refused every vllm_xargs field).
+    assert args.additional_config["kvcompress"] == section
     config = engine_args.create_engine_config()
     assert config.additional_config["kvcompress"]["enabled"] is True
     assert config.additional_config["kvcompress"]["rate"] == 8.0
