@@ -1100,6 +1100,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="kvcompress engine: scoring window for every policy (default: each policy's)")
     parser.add_argument("--kv-compress-decode-metric-stride", type=int, default=None,
                         help="kvcompress engine: decode queries add to the metrics every N tokens (default: the engine's)")
+    parser.add_argument("--kv-compress-block-size", type=int, default=None,
+                        help="kvcompress engine: tokens per page (default: the engine's)")
     parser.add_argument("--out", default=None, help="write <OUT>.json/.md/.png")
     parser.add_argument("--show-outputs", action="store_true")
     args = parser.parse_args(argv)
@@ -1111,7 +1113,8 @@ def main(argv: list[str] | None = None) -> dict:
         interval=args.kv_compress_interval, log=log,
         kvc_settings={"pool_kernel": args.kv_compress_pool_kernel,
                       "observation_window": args.kv_compress_observation_window,
-                      "decode_metric_stride": args.kv_compress_decode_metric_stride},
+                      "decode_metric_stride": args.kv_compress_decode_metric_stride,
+                      "block_size": args.kv_compress_block_size},
     )  # fmt: skip
     results["argv"] = " ".join(sys.argv[1:] if argv is None else argv)
     if args.show_outputs:
