@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcompress.ops.flattened import decode_by_slot_flat, paged_attention_flat
 from kvcompress.ops.kv_pool import KVPool, MetricSink, PagedBatch, SlotBatch
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -163,9 +164,11 @@ def _scheduler_metadata(
 
 def _attend(
     query: torch.Tensor, pool: KVPool, out: torch.Tensor, query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float,
+    max_query_len: int, seq_lens: torch.Tensor, max_seq_len: int, block_table: torch.Tensor,
+    scale: float,
 ) -> None:
-    """One kernel call: sequences of one KV head and ``query.shape[1]`` query heads.
+    """One kernel call: sequences of one KV head and ``query.shape[1]`` query heads
+    (:class:`kvcompress.ops.flattened.Attend`; the two host bounds are not needed here).
 
     Args:
         query, out: ``[T, G, D]`` (row stride free, head dim contiguous).
@@ -183,36 +186,6 @@ def _attend(
     )
 
 
-def _flat_decode(
-    query: torch.Tensor, pool: KVPool, tables: torch.Tensor, lens: torch.Tensor,
-    scale: float, out: torch.Tensor,
-) -> None:
-    """Decode rows ``query [B, Hq, D]`` over ``tables [B, Hkv, P]``, ``lens [B, Hkv]``
-    into ``out [B, Hq, D]``: one call over ``B * Hkv`` flattened sequences. Rows whose
-    heads are empty (padding) get zeros."""
-    rows, num_q_heads, head_dim = query.shape
-    num_kv_heads = tables.shape[1]
-    group = num_q_heads // num_kv_heads
-    flat_lens = lens.reshape(-1).to(torch.int32)
-    empty = flat_lens == 0
-    has_empty = bool(empty.any())
-    if has_empty:  # the kernel wants >= 1 key per sequence; padding reads page 0
-        flat_lens = flat_lens.clamp(min=1)
-    flat_query = query.contiguous().view(rows * num_kv_heads, group, head_dim)
-    flat_out = out.view(rows * num_kv_heads, group, head_dim) if out.is_contiguous() else (
-        torch.empty_like(flat_query)
-    )
-    starts = torch.arange(rows * num_kv_heads + 1, dtype=torch.int32)
-    _attend(
-        flat_query, pool, flat_out, starts, flat_lens,
-        tables.reshape(rows * num_kv_heads, -1).to(torch.int32), scale,
-    )
-    if has_empty:
-        flat_out[empty] = 0
-    if flat_out.data_ptr() != out.data_ptr():
-        out.copy_(flat_out.view(rows, num_q_heads, head_dim))
-
-
 def paged_attention_cpu(
     query: torch.Tensor, pool: KVPool, batch: PagedBatch, scale: float,
     out: torch.Tensor | None = None, metrics: MetricSink | None = None,
@@ -221,41 +194,7 @@ def paged_attention_cpu(
     (``pool`` in the kernel layout, :func:`supports`). Same arguments and result; the
     decode queries selected by ``metrics`` add to ``pool.slot_metrics`` through
     :func:`kvcompress.ops.metrics.decode_metrics`."""
-    from kvcompress.ops.metrics import decode_metrics
-
-    if out is None:
-        out = torch.empty_like(query)
-    num_seqs, num_kv_heads, _ = batch.block_tables.shape
-    if num_seqs == 0:
-        return out
-    starts = batch.query_start_loc
-    num_q_heads, head_dim = query.shape[1], query.shape[2]
-    group = num_q_heads // num_kv_heads
-    block_size = pool.block_size
-    max_pages = max(1, -(-int(batch.head_lens.max()) // block_size))
-    tables = batch.block_tables[:, :, :max_pages]
-    if batch.decode_only():
-        _flat_decode(query[: starts[-1]], pool, tables, batch.head_lens, scale, out[: starts[-1]])
-    else:
-        query_start_loc = torch.tensor(starts, dtype=torch.int32)
-        column = torch.empty((starts[-1], group, head_dim), dtype=query.dtype)
-        for head in range(num_kv_heads):
-            heads = slice(head * group, (head + 1) * group)
-            _attend(
-                query[: starts[-1], heads], pool, column, query_start_loc,
-                batch.head_lens[:, head].to(torch.int32), tables[:, head].to(torch.int32), scale,
-            )
-            out[: starts[-1], heads] = column
-    if metrics is not None:
-        first_rows = torch.tensor(starts, dtype=torch.int64)
-        decoding = first_rows.diff() == 1
-        seqs = (decoding & metrics.selected.to(torch.bool)).nonzero().squeeze(1)
-        if seqs.numel():
-            rows = first_rows[seqs]
-            decode_metrics(
-                query[rows], pool, tables[seqs], batch.head_lens[seqs], scale, metrics.power
-            )
-    return out
+    return paged_attention_flat(_attend, query, pool, batch, scale, out, metrics)
 
 
 @dataclass(frozen=True, eq=False)
@@ -379,20 +318,4 @@ def paged_decode_by_slot_cpu(
     """:func:`kvcompress.ops.decode_by_slot.paged_decode_by_slot_reference` on vLLM's
     CPU kernel: the rows' tables are gathered from the slot tables (only the pages some
     row holds), then one flattened call."""
-    from kvcompress.ops.metrics import decode_metrics
-
-    out = torch.empty_like(query) if out is None else out
-    if batch.seq_slots.numel() == 0:
-        return out
-    gathered = batch.gathered(pool.block_size)
-    tables, lens = gathered.block_tables, gathered.head_lens
-    num_rows = lens.shape[0]
-    _flat_decode(query[:num_rows], pool, tables, lens, scale, out[:num_rows])
-    if metrics is not None:
-        selected = metrics.selected[batch.seq_slots.to(torch.int64)].to(torch.bool)
-        if bool(selected.any()):
-            decode_metrics(
-                query[:num_rows][selected], pool, tables[selected], lens[selected], scale,
-                metrics.power,
-            )
-    return out
+    return decode_by_slot_flat(_attend, query, pool, batch, scale, out, metrics)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from kvcompress.ops.flattened import decode_by_slot_flat, paged_attention_flat
 from kvcompress.ops.kv_pool import KVPool, MetricSink, PagedBatch, SlotBatch
 
 _state: dict[str, object] = {}
@@ -64,11 +65,10 @@ def unavailable_reason() -> str | None:
 def supports(query: torch.Tensor, pool: KVPool) -> bool:
     """Whether the kernel takes this query and pool: one dtype, the head dim contiguous,
     a Triton device (CUDA, or any under the interpreter)."""
-    import os
+    from kvcompress.ops.triton_attention import interpreter_active
 
-    device_ok = query.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     return (
-        device_ok
+        (query.device.type == "cuda" or interpreter_active())
         and query.dtype == pool.key_cache.dtype == pool.value_cache.dtype
         and query.stride(-1) == 1
         and pool.key_cache.stride(2) == 1
@@ -102,28 +102,6 @@ def _attend(
     )
 
 
-def _flat_decode(
-    query: torch.Tensor, pool: KVPool, tables: torch.Tensor, lens: torch.Tensor,
-    max_len: int, scale: float, out: torch.Tensor,
-) -> None:
-    """Decode rows ``query [B, Hq, D]`` over ``tables [B, H, P]``, ``lens [B, H]`` into
-    ``out [B, Hq, D]``: one call over ``B * H`` sequences; heads with no KV (padding
-    rows) get zeros. No host reads (``max_len`` is a host bound)."""
-    rows, num_q_heads, head_dim = query.shape
-    num_kv_heads = tables.shape[1]
-    num_seqs = rows * num_kv_heads
-    group = num_q_heads // num_kv_heads
-    flat_query = query.contiguous().view(num_seqs, group, head_dim)
-    flat_out = out.view(num_seqs, group, head_dim) if out.is_contiguous() else torch.empty_like(flat_query)
-    flat_lens = lens.reshape(num_seqs).to(torch.int32)
-    starts = torch.arange(num_seqs + 1, dtype=torch.int32, device=query.device)
-    block_table = tables.reshape(num_seqs, -1).to(torch.int32)
-    _attend(flat_query, pool, flat_out, starts, 1, flat_lens, max_len, block_table, scale)
-    flat_out.masked_fill_((flat_lens == 0).view(num_seqs, 1, 1), 0)
-    if flat_out.data_ptr() != out.data_ptr():
-        out.copy_(flat_out.view(rows, num_q_heads, head_dim))
-
-
 def paged_attention_unified(
     query: torch.Tensor, pool: KVPool, batch: PagedBatch, scale: float,
     out: torch.Tensor | None = None, metrics: MetricSink | None = None,
@@ -131,46 +109,7 @@ def paged_attention_unified(
     """:func:`kvcompress.ops.paged_attention.paged_attention` on vLLM's Triton unified
     attention (:func:`supports`); the decode queries selected by ``metrics`` add to
     ``pool.slot_metrics`` through :func:`kvcompress.ops.metrics.decode_metrics`."""
-    from kvcompress.ops.metrics import decode_metrics
-
-    if out is None:
-        out = torch.empty_like(query)
-    num_seqs, num_kv_heads, _ = batch.block_tables.shape
-    if num_seqs == 0:
-        return out
-    starts = batch.query_start_loc
-    num_rows = starts[-1]
-    num_q_heads, head_dim = query.shape[1], query.shape[2]
-    group = num_q_heads // num_kv_heads
-    block_size = pool.block_size
-    max_len = batch.max_head_len if batch.max_head_len is not None else int(batch.head_lens.max())
-    max_pages = max(1, -(-max_len // block_size))
-    tables = batch.block_tables[:, :, :max_pages]
-    if batch.decode_only():
-        _flat_decode(query[:num_rows], pool, tables, batch.head_lens, max_len, scale, out[:num_rows])
-    else:
-        device = query.device
-        query_start_loc = torch.tensor(starts, dtype=torch.int32, device=device)
-        max_query_len = max(starts[s + 1] - starts[s] for s in range(num_seqs))
-        column = torch.empty((num_rows, group, head_dim), dtype=query.dtype, device=device)
-        for head in range(num_kv_heads):
-            heads = slice(head * group, (head + 1) * group)
-            _attend(
-                query[:num_rows, heads], pool, column, query_start_loc, max_query_len,
-                batch.head_lens[:, head].to(torch.int32), max_len,
-                tables[:, head].to(torch.int32), scale,
-            )
-            out[:num_rows, heads] = column
-    if metrics is not None:
-        first_rows = torch.tensor(starts, dtype=torch.int64, device=query.device)
-        decoding = first_rows.diff() == 1
-        seqs = (decoding & metrics.selected.to(torch.bool)).nonzero().squeeze(1)
-        if seqs.numel():
-            decode_metrics(
-                query[first_rows[seqs]], pool, tables[seqs], batch.head_lens[seqs], scale,
-                metrics.power,
-            )
-    return out
+    return paged_attention_flat(_attend, query, pool, batch, scale, out, metrics)
 
 
 def paged_decode_by_slot_unified(
@@ -178,25 +117,7 @@ def paged_decode_by_slot_unified(
     out: torch.Tensor | None = None, metrics: MetricSink | None = None,
 ) -> torch.Tensor:
     """:func:`kvcompress.ops.decode_by_slot.paged_decode_by_slot_reference` on vLLM's
-    Triton unified attention: the rows' tables are gathered from the slot tables (only
-    the pages some row holds: one host read of the longest head, so this path is not
-    captured in CUDA graphs; the project's Triton slot decode is), then one flattened
-    call and the metric pass over the selected rows."""
-    from kvcompress.ops.metrics import decode_metrics
-
-    out = torch.empty_like(query) if out is None else out
-    num_rows = batch.seq_slots.numel()
-    if num_rows == 0:
-        return out
-    gathered = batch.gathered(pool.block_size)
-    tables, lens = gathered.block_tables, gathered.head_lens
-    max_len = int(lens.max())
-    _flat_decode(query[:num_rows], pool, tables, lens, max_len, scale, out[:num_rows])
-    if metrics is not None:
-        selected = metrics.selected[batch.seq_slots.to(torch.int64)].to(torch.bool)
-        if bool(selected.any()):
-            decode_metrics(
-                query[:num_rows][selected], pool, tables[selected], lens[selected], scale,
-                metrics.power,
-            )
-    return out
+    Triton unified attention: the rows' tables are gathered from the slot tables (one
+    host read of the longest head, so this path is not captured in CUDA graphs; the
+    project's Triton slot decode is), then one flattened call and the metric pass."""
+    return decode_by_slot_flat(_attend, query, pool, batch, scale, out, metrics)

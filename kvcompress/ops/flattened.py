@@ -1,0 +1,135 @@
+"""Head-as-sequence flattening, shared by the varlen paged-attention kernels that run
+the per-head pool: vLLM's CPU kernel (:mod:`kvcompress.ops.cpu_attention`) and vLLM's
+Triton ``unified_attention`` (:mod:`kvcompress.ops.unified_attention`).
+
+Each (request, KV head) of one layer becomes one kernel sequence with ONE KV head and
+``G = Hq / H`` query heads: its block-table row is that head's page ids, its length
+that head's length.
+
+- decode rows: kernel sequence ``r`` is row ``r // H``'s KV head ``r % H``; the query
+  ``[B, Hq, D]`` is viewed ``[B * H, G, D]``: one kernel call;
+- batches with prompt rows: one call per KV head with that head's query column
+  ``[T, G, D]`` (a strided view) against that head's tables.
+
+A backend supplies ``attend(query, pool, out, query_start_loc, max_query_len, seq_lens,
+max_seq_len, block_table, scale)``: one kernel call over sequences of one KV head
+(``query`` / ``out`` ``[T, G, D]``; ``query_start_loc [R + 1]``, ``seq_lens [R]``,
+``block_table [R, P]`` int32; the two maxima are host upper bounds).
+
+The kernels return no probabilities: decode rows selected by a :class:`MetricSink` add
+to the metrics through :func:`kvcompress.ops.metrics.decode_metrics`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from kvcompress.ops.kv_pool import KVPool, MetricSink, PagedBatch, SlotBatch
+
+
+class Attend(Protocol):
+    def __call__(
+        self, query: torch.Tensor, pool: KVPool, out: torch.Tensor,
+        query_start_loc: torch.Tensor, max_query_len: int, seq_lens: torch.Tensor,
+        max_seq_len: int, block_table: torch.Tensor, scale: float,
+    ) -> None: ...
+
+
+def flat_decode(
+    attend: Attend, query: torch.Tensor, pool: KVPool, tables: torch.Tensor,
+    lens: torch.Tensor, max_len: int, scale: float, out: torch.Tensor,
+) -> None:
+    """Decode rows ``query [B, Hq, D]`` over ``tables [B, H, P]``, ``lens [B, H]`` into
+    ``out [B, Hq, D]``: one call over ``B * H`` sequences. Heads with no KV (padding
+    rows) are given one key (the kernels want >= 1; they read page 0) and get zeros;
+    nothing is read on the host (``max_len`` is a host bound)."""
+    rows, num_q_heads, head_dim = query.shape
+    num_kv_heads = tables.shape[1]
+    num_seqs = rows * num_kv_heads
+    group = num_q_heads // num_kv_heads
+    flat_lens = lens.reshape(num_seqs).to(torch.int32)
+    empty = flat_lens == 0
+    flat_query = query.contiguous().view(num_seqs, group, head_dim)
+    flat_out = out.view(num_seqs, group, head_dim) if out.is_contiguous() else torch.empty_like(flat_query)
+    starts = torch.arange(num_seqs + 1, dtype=torch.int32, device=query.device)
+    block_table = tables.reshape(num_seqs, -1).to(torch.int32)
+    attend(flat_query, pool, flat_out, starts, 1, flat_lens.clamp(min=1), max_len, block_table, scale)
+    flat_out.masked_fill_(empty.view(num_seqs, 1, 1), 0)
+    if flat_out.data_ptr() != out.data_ptr():
+        out.copy_(flat_out.view(rows, num_q_heads, head_dim))
+
+
+def paged_attention_flat(
+    attend: Attend, query: torch.Tensor, pool: KVPool, batch: PagedBatch, scale: float,
+    out: torch.Tensor | None = None, metrics: MetricSink | None = None,
+) -> torch.Tensor:
+    """:func:`kvcompress.ops.paged_attention.paged_attention` through ``attend``; the
+    decode queries selected by ``metrics`` add to ``pool.slot_metrics``."""
+    from kvcompress.ops.metrics import decode_metrics
+
+    if out is None:
+        out = torch.empty_like(query)
+    num_seqs, num_kv_heads, _ = batch.block_tables.shape
+    if num_seqs == 0:
+        return out
+    starts = batch.query_start_loc
+    num_rows = starts[-1]
+    num_q_heads, head_dim = query.shape[1], query.shape[2]
+    group = num_q_heads // num_kv_heads
+    max_len = batch.max_head_len if batch.max_head_len is not None else int(batch.head_lens.max())
+    tables = batch.block_tables[:, :, : max(1, -(-max_len // pool.block_size))]
+    if batch.decode_only():
+        flat_decode(attend, query[:num_rows], pool, tables, batch.head_lens, max_len, scale, out[:num_rows])
+    else:
+        device = query.device
+        query_start_loc = torch.tensor(starts, dtype=torch.int32, device=device)
+        max_query_len = max(starts[s + 1] - starts[s] for s in range(num_seqs))
+        column = torch.empty((num_rows, group, head_dim), dtype=query.dtype, device=device)
+        for head in range(num_kv_heads):
+            heads = slice(head * group, (head + 1) * group)
+            attend(
+                query[:num_rows, heads], pool, column, query_start_loc, max_query_len,
+                batch.head_lens[:, head].to(torch.int32), max_len,
+                tables[:, head].to(torch.int32), scale,
+            )
+            out[:num_rows, heads] = column
+    if metrics is not None:
+        first_rows = torch.tensor(starts, dtype=torch.int64, device=query.device)
+        decoding = first_rows.diff() == 1
+        seqs = (decoding & metrics.selected.to(torch.bool)).nonzero().squeeze(1)
+        if seqs.numel():
+            decode_metrics(
+                query[first_rows[seqs]], pool, tables[seqs], batch.head_lens[seqs], scale,
+                metrics.power,
+            )
+    return out
+
+
+def decode_by_slot_flat(
+    attend: Attend, query: torch.Tensor, pool: KVPool, batch: SlotBatch, scale: float,
+    out: torch.Tensor | None = None, metrics: MetricSink | None = None,
+) -> torch.Tensor:
+    """:func:`kvcompress.ops.decode_by_slot.paged_decode_by_slot_reference` through
+    ``attend``: the rows' tables are gathered from the slot tables (only the pages some
+    row holds; one host read of the longest head), then one flattened call and the
+    metric pass over the selected rows."""
+    from kvcompress.ops.metrics import decode_metrics
+
+    out = torch.empty_like(query) if out is None else out
+    num_rows = batch.seq_slots.numel()
+    if num_rows == 0:
+        return out
+    gathered = batch.gathered(pool.block_size)
+    tables, lens = gathered.block_tables, gathered.head_lens
+    max_len = tables.shape[2] * pool.block_size  # the gathered pages' bound
+    flat_decode(attend, query[:num_rows], pool, tables, lens, max_len, scale, out[:num_rows])
+    if metrics is not None:
+        selected = metrics.selected[batch.seq_slots.to(torch.int64)].to(torch.bool)
+        if bool(selected.any()):
+            decode_metrics(
+                query[:num_rows][selected], pool, tables[selected], lens[selected], scale,
+                metrics.power,
+            )
+    return out
