@@ -666,35 +666,37 @@ TABLE_HEADER = (
 )
 
 
-def markdown_table(results: dict[str, Any]) -> str:
-    lines = [TABLE_HEADER, "|" + "---|" * TABLE_HEADER.count(" | ") + "---|"]
-    for row in results["rows"]:
-        is_kvc = row["engine"] == KVC
-        share = row.get("compress_share_of_step_time")
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    str(row["input_len"]),
-                    row["engine"],
-                    f"{row['rate']:g}" if is_kvc else "-",
-                    f"{row['requests_per_s']:.3f}",
-                    f"{row['output_tokens_per_s']:.1f}",
-                    f"{row['total_tokens_per_s']:.0f}",
-                    _fmt(row.get("throughput_multiplier")),
-                    _fmt(row.get("throughput_vs_rate1")),
-                    str(row["max_decode_batch"]),
-                    f"{row['mean_decode_batch']:.1f}",
-                    _fmt(row.get("max_batch_multiplier")),
-                    _fmt(row.get("preemptions"), "d"),
-                    f"{100 * share:.1f}" if share is not None else "-",
-                    _fmt(row.get("pages_freed"), "d"),
-                    f"{row['seconds']:.1f}",
-                ]
-            )
-            + " |"
-        )
+def _markdown(header: str, cell_rows: list[list[str]]) -> str:
+    """A markdown table: ``header`` (a ``| a | b |`` line), its rule, one line per row."""
+    lines = [header, "|" + "---|" * header.count(" | ") + "---|"]
+    lines += ["| " + " | ".join(cells) + " |" for cells in cell_rows]
     return "\n".join(lines)
+
+
+def _run_cells(row: dict[str, Any]) -> list[str]:
+    """input, engine, rate: the cells that name a run."""
+    return [str(row["input_len"]), row["engine"], f"{row['rate']:g}" if row["engine"] == KVC else "-"]
+
+
+def markdown_table(results: dict[str, Any]) -> str:
+    cell_rows = []
+    for row in results["rows"]:
+        share = row.get("compress_share_of_step_time")
+        cell_rows.append(_run_cells(row) + [
+            f"{row['requests_per_s']:.3f}",
+            f"{row['output_tokens_per_s']:.1f}",
+            f"{row['total_tokens_per_s']:.0f}",
+            _fmt(row.get("throughput_multiplier")),
+            _fmt(row.get("throughput_vs_rate1")),
+            str(row["max_decode_batch"]),
+            f"{row['mean_decode_batch']:.1f}",
+            _fmt(row.get("max_batch_multiplier")),
+            _fmt(row.get("preemptions"), "d"),
+            f"{100 * share:.1f}" if share is not None else "-",
+            _fmt(row.get("pages_freed"), "d"),
+            f"{row['seconds']:.1f}",
+        ])  # fmt: skip
+    return _markdown(TABLE_HEADER, cell_rows)
 
 
 SPLIT_HEADER = (
@@ -704,17 +706,14 @@ SPLIT_HEADER = (
 
 
 def split_table(results: dict[str, Any]) -> str:
-    """Time split into steps with prompt tokens and decode steps; the ideal multiplier."""
-    lines = [SPLIT_HEADER, "|" + "---|" * SPLIT_HEADER.count(" | ") + "---|"]
+    """Time split into steps with prompt tokens and decode steps; the ideal multiplier
+    ("" when no row has the split: results saved before it existed)."""
+    cell_rows = []
     for row in results["rows"]:
         if row.get("decode_step_seconds") is None:
             continue
-        is_kvc = row["engine"] == KVC
         share = row.get("share_of_ideal")
-        lines.append("| " + " | ".join([
-            str(row["input_len"]),
-            row["engine"],
-            f"{row['rate']:g}" if is_kvc else "-",
+        cell_rows.append(_run_cells(row) + [
             f"{row['prefill_step_seconds']:.1f}",
             f"{row['decode_step_seconds']:.1f}",
             str(row["decode_steps"]),
@@ -724,8 +723,8 @@ def split_table(results: dict[str, Any]) -> str:
             _fmt(row.get("throughput_multiplier")),
             _fmt(row.get("ideal_multiplier")),
             f"{100 * share:.0f}" if share is not None else "-",
-        ]) + " |")  # fmt: skip
-    return "\n".join(lines) if len(lines) > 2 else ""
+        ])  # fmt: skip
+    return _markdown(SPLIT_HEADER, cell_rows) if cell_rows else ""
 
 
 SPLIT_NOTES = (
