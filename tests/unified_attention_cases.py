@@ -28,51 +28,13 @@ def _hand_vllm_the_real_triton() -> None:
     triton_utils.triton, triton_utils.tl, triton_utils.HAS_TRITON = triton, tl, True
 
 
-def make_case(query_lens, num_kv_heads, group, head_dim, block_size, seed, max_context=70):
-    """A row-major ``[N, 2, b, D]`` pool and a batch whose older slots hold a random kept
-    subset of earlier positions (ragged heads, partial pages) and whose last ``q_len``
-    slots hold the step's tokens."""
-    from kvcompress.ops import KVPool, PagedBatch
-
-    gen = torch.Generator().manual_seed(seed)
-    num_seqs = len(query_lens)
-    contexts = torch.randint(0, max_context, (num_seqs,), generator=gen)
-    kept = [
-        [torch.randperm(int(c), generator=gen)[: int(torch.randint(0, int(c) + 1, (1,), generator=gen))].sort().values
-         for _ in range(num_kv_heads)]
-        for c in contexts
-    ]
-    head_lens = torch.tensor([[len(kept[s][h]) + query_lens[s] for h in range(num_kv_heads)] for s in range(num_seqs)])
-    pages = (head_lens + block_size - 1) // block_size
-    num_pages = int(pages.sum()) + 3
-    buffer = torch.randn((num_pages, 2, block_size, head_dim), generator=gen)
-    slot_positions = torch.full((num_pages, block_size), -1, dtype=torch.int32)
-    order = torch.randperm(num_pages, generator=gen)
-    tables = torch.zeros((num_seqs, num_kv_heads, int(pages.max()) + 1), dtype=torch.int64)
-    used = 0
-    for s in range(num_seqs):
-        new = torch.arange(int(contexts[s]), int(contexts[s]) + query_lens[s])
-        for h in range(num_kv_heads):
-            n = int(pages[s, h])
-            tables[s, h, :n] = order[used:used + n]
-            used += n
-            positions = torch.cat([kept[s][h], new]).to(torch.int32)
-            slots = (tables[s, h, :n, None] * block_size + torch.arange(block_size)).reshape(-1)
-            slot_positions.view(-1)[slots[: len(positions)]] = positions
-    pool = KVPool(buffer[:, 0], buffer[:, 1], slot_positions, torch.zeros((num_pages, block_size)))
-    starts = [0]
-    for q_len in query_lens:
-        starts.append(starts[-1] + q_len)
-    positions = torch.cat([torch.arange(int(contexts[s]), int(contexts[s]) + query_lens[s]) for s in range(num_seqs)])
-    query = torch.randn((starts[-1], num_kv_heads * group, head_dim), generator=gen)
-    return pool, PagedBatch(tables, head_lens, starts, positions), query
-
-
 def main() -> None:
     _hand_vllm_the_real_triton()
     from kvcompress.ops import KVPool, MetricSink, SlotBatch, unified_attention
     from kvcompress.ops.decode_by_slot import paged_decode_by_slot_reference
     from kvcompress.ops.paged_attention import paged_attention
+
+    from paged_cases import make_case
 
     reason = unified_attention.unavailable_reason()
     if reason is not None:
@@ -82,7 +44,7 @@ def main() -> None:
     shapes = [(2, 4, 64, 16), (1, 8, 128, 32), (4, 1, 80, 16), (2, 2, 96, 32), (3, 3, 64, 32)]
     for index, (num_kv_heads, group, head_dim, block_size) in enumerate(shapes):
         for kind, query_lens in kinds.items():
-            pool, batch, query = make_case(query_lens, num_kv_heads, group, head_dim, block_size, seed=index * 7 + len(kind))
+            pool, batch, query = make_case(query_lens, num_kv_heads, group, head_dim, block_size, torch.float32, index * 7 + len(kind), max_context=70, kernel_layout=False)
             scale = head_dim ** -0.5
             selected = torch.tensor([(s % 2 == 0) for s in range(len(query_lens))])
             want_pool = KVPool(pool.key_cache, pool.value_cache, pool.slot_positions, torch.zeros_like(pool.slot_metrics))
@@ -95,7 +57,7 @@ def main() -> None:
                 "metric_total": want_pool.slot_metrics.abs().sum().item(),
             }), flush=True)
         # Slot-indexed decode with a padding row on an empty slot.
-        pool, batch, query = make_case([1] * 4, num_kv_heads, group, head_dim, block_size, seed=100 + index)
+        pool, batch, query = make_case([1] * 4, num_kv_heads, group, head_dim, block_size, torch.float32, 100 + index, max_context=70, kernel_layout=False)
         tables = torch.cat([batch.block_tables, torch.zeros_like(batch.block_tables[:1])])
         lens = torch.cat([batch.head_lens, torch.zeros_like(batch.head_lens[:1])])
         seq_slots = torch.tensor([2, 0, 3, 1, 4], dtype=torch.int32)

@@ -1,0 +1,66 @@
+"""Ragged per-head paged caches for the attention tests (tests/test_cpu_attention.py,
+tests/unified_attention_cases.py): older slots hold a random kept subset of earlier
+positions, as compression leaves them; the last ``q_len`` slots hold the step's tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from kvcompress.ops import KVPool, PagedBatch
+from kvcompress.ops import cpu_attention
+
+
+def make_case(
+    query_lens, num_kv_heads, group, head_dim, block_size, dtype, seed, *, ragged=True,
+    max_context=300, kernel_layout=True,
+):
+    """A pool and a batch: sequence s has ``query_lens[s]`` new tokens at the end of each
+    head, after a random kept subset of its earlier positions (ragged heads, partial
+    pages). ``kernel_layout``: pages as vLLM's CPU kernel stores them (K ``[D, b]``),
+    else row-major ``[N, 2, b, D]`` halves."""
+    gen = torch.Generator().manual_seed(seed)
+    num_seqs = len(query_lens)
+    contexts = torch.randint(0, max_context, (num_seqs,), generator=gen)
+    kept = []  # [S][H] sorted kept earlier positions
+    for s in range(num_seqs):
+        row = []
+        for _ in range(num_kv_heads):
+            ctx = int(contexts[s])
+            keep = ctx if not ragged else int(torch.randint(0, ctx + 1, (1,), generator=gen))
+            row.append(torch.randperm(ctx, generator=gen)[:keep].sort().values)
+        kept.append(row)
+    head_lens = torch.tensor(
+        [[len(kept[s][h]) + query_lens[s] for h in range(num_kv_heads)] for s in range(num_seqs)]
+    )
+    pages_needed = (head_lens + block_size - 1) // block_size
+    max_pages = int(pages_needed.max())
+    num_pages = int(pages_needed.sum()) + 7
+    buffer = torch.randn((num_pages, 2, block_size, head_dim), generator=gen).to(dtype)
+    if kernel_layout:
+        key_cache, value_cache = cpu_attention.pool_views(buffer)
+    else:
+        key_cache, value_cache = buffer[:, 0], buffer[:, 1]
+    slot_positions = torch.full((num_pages, block_size), -1, dtype=torch.int32)
+    slot_metrics = torch.zeros((num_pages, block_size), dtype=torch.float32)
+    order = torch.randperm(num_pages, generator=gen)
+    tables = torch.zeros((num_seqs, num_kv_heads, max_pages + 2), dtype=torch.int64)
+    used = 0
+    for s in range(num_seqs):
+        new_positions = torch.arange(int(contexts[s]), int(contexts[s]) + query_lens[s])
+        for h in range(num_kv_heads):
+            n = int(pages_needed[s, h])
+            tables[s, h, :n] = order[used : used + n]
+            used += n
+            positions = torch.cat([kept[s][h], new_positions]).to(torch.int32)
+            slots = (tables[s, h, :n, None] * block_size + torch.arange(block_size)).reshape(-1)
+            slot_positions.view(-1)[slots[: len(positions)]] = positions
+    pool = KVPool(key_cache, value_cache, slot_positions, slot_metrics)
+    starts = [0]
+    for q_len in query_lens:
+        starts.append(starts[-1] + q_len)
+    query_positions = torch.cat(
+        [torch.arange(int(contexts[s]), int(contexts[s]) + query_lens[s]) for s in range(num_seqs)]
+    )
+    batch = PagedBatch(tables, head_lens, starts, query_positions)
+    query = torch.randn((starts[-1], num_kv_heads * group, head_dim), generator=gen).to(dtype)
+    return pool, batch, query
