@@ -198,13 +198,11 @@ def _triton_unavailable_reason(device: torch.device, op: str) -> str | None:
 
 
 def _vllm_triton_unavailable_reason(device: torch.device, op: str) -> str | None:
-    from kvcompress.ops import triton_attention, unified_attention
+    from kvcompress.ops import unified_attention
 
     if op != "paged_attention":
         return f"vLLM's Triton unified attention is attention only, not {op}"
-    if device.type != "cuda" and not triton_attention.interpreter_active():
-        return f"tensors are on {device}; Triton needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)"
-    return unified_attention.unavailable_reason()
+    return _triton_unavailable_reason(device, op) or unified_attention.unavailable_reason()
 
 
 def _vllm_cpu_unavailable_reason(device: torch.device, op: str) -> str | None:

@@ -189,16 +189,31 @@ class PerHeadPagedCache:
         starts = torch.cumsum(num_new_tokens, 0) - num_new_tokens
         token_index = torch.arange(token_seq.numel(), device=device) - starts[token_seq]
         head_index = old_lens[token_seq] + token_index.view(-1, 1, 1)  # [T, L, H]
+        return self._place(
+            seq_slots[token_seq], head_index // block_size, head_index % block_size, positions
+        )
+
+    def _place(
+        self, token_slots: torch.Tensor, page_column: torch.Tensor, write_offsets: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> AppendPlan:
+        """Where each new token's KVs go, its slots' positions recorded and metrics zeroed.
+
+        Args:
+            token_slots: ``[T]`` sequence slot of each new token.
+            page_column, write_offsets: ``[T, L, H]`` page index within the head and slot
+                within the page of each (token, layer, head).
+            positions: ``[T]`` the tokens' positions.
+        """
         # One page id per (token, layer, head), read in place: no [T, L, H, P] gather.
         write_pages = self.page_tables[
-            seq_slots[token_seq].view(-1, 1, 1),
-            torch.arange(self.num_layers, device=device).view(1, -1, 1),
-            torch.arange(self.num_kv_heads, device=device).view(1, 1, -1),
-            head_index // block_size,
+            token_slots.view(-1, 1, 1),
+            torch.arange(self.num_layers, device=self.device).view(1, -1, 1),
+            torch.arange(self.num_kv_heads, device=self.device).view(1, 1, -1),
+            page_column,
         ]
-        write_offsets = head_index % block_size
         self.slot_positions[write_pages, write_offsets] = (
-            positions.to(device, torch.int32).view(-1, 1, 1).expand_as(write_pages)
+            positions.to(self.device, torch.int32).view(-1, 1, 1).expand_as(write_pages)
         )
         self.slot_metrics[write_pages, write_offsets] = 0.0
         return AppendPlan(
@@ -230,18 +245,4 @@ class PerHeadPagedCache:
             rows, layers, heads = starts_page.nonzero(as_tuple=True)
             self.page_tables[seq_slots[rows], layers, heads, columns] = self.allocator.allocate(count)
         self.head_lens[seq_slots] = old_lens + 1
-        slots = seq_slots.view(-1, 1, 1)
-        write_pages = self.page_tables[
-            slots,
-            torch.arange(self.num_layers, device=self.device).view(1, -1, 1),
-            torch.arange(self.num_kv_heads, device=self.device).view(1, 1, -1),
-            page_column,
-        ]  # [S, L, H]
-        self.slot_positions[write_pages, write_offsets] = (
-            positions.to(self.device, torch.int32).view(-1, 1, 1).expand_as(write_pages)
-        )
-        self.slot_metrics[write_pages, write_offsets] = 0.0
-        return AppendPlan(
-            write_pages=write_pages.permute(1, 0, 2).contiguous(),
-            write_offsets=write_offsets.permute(1, 0, 2).contiguous(),
-        )
+        return self._place(seq_slots, page_column, write_offsets, positions)
