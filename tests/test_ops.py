@@ -88,13 +88,19 @@ def test_paged_cache_tables_match_a_brute_force_model(steps, release_mask, block
     assert cache.allocator.num_free == cache.num_pages
 
 
-def test_append_one_equals_the_general_append():
-    """The decode fast path places KVs, takes pages and updates tables exactly as the
+@pytest.mark.parametrize("host_views", [True, False], ids=["numpy", "torch"])
+def test_append_one_equals_the_general_append(host_views):
+    """The decode fast path (on a CPU cache through its numpy views, else torch ops, as
+    on a GPU) places KVs, takes pages, zeroes metrics and updates tables exactly as the
     general path does, page boundaries crossed included."""
     twins = [PerHeadPagedCache(500, 2, 3, 4, max_seqs=4, max_pages_per_head=32) for _ in range(2)]
+    assert twins[0].host is not None
+    if not host_views:
+        twins[0].host = None
     for cache in twins:
         slots = torch.tensor([cache.new_sequence() for _ in range(3)])
         cache.append(slots, torch.tensor([5, 8, 3]), torch.cat([torch.arange(5), torch.arange(8), torch.arange(3)]))
+        cache.slot_metrics.fill_(7.0)  # stale metrics of earlier occupants
     lengths = torch.tensor([5, 8, 3])
     for _ in range(11):
         one = twins[0].append_one(slots, lengths.clone())
@@ -102,8 +108,9 @@ def test_append_one_equals_the_general_append():
         assert torch.equal(one.write_pages, general.write_pages)
         assert torch.equal(one.write_offsets, general.write_offsets)
         lengths += 1
-    for name in ("page_tables", "head_lens", "slot_positions"):
+    for name in ("page_tables", "head_lens", "slot_positions", "slot_metrics"):
         assert torch.equal(getattr(twins[0], name), getattr(twins[1], name)), name
+    assert int((twins[0].slot_metrics == 0).sum()) == 11 * 3 * 2 * 3
     assert twins[0].allocator.num_free == twins[1].allocator.num_free
 
 
