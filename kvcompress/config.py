@@ -70,8 +70,10 @@ class KVCompressConfig(BaseModel):
     """Keep at most this many tokens' worth of KVs per sequence."""
     protected_window: int = Field(64, ge=0)
     """The last N tokens of a sequence are never evicted."""
-    block_size: Literal[SUPPORTED_BLOCK_SIZES] = 16
-    """Tokens per page; each page holds one (layer, KV head)."""
+    block_size: Literal[SUPPORTED_BLOCK_SIZES] | None = None
+    """Tokens per page; each page holds one (layer, KV head). Default: 64 on CPU (vLLM's
+    CPU attention kernel reads 64-token pages as fast as stock's 128-token blocks and
+    16-token ones 1.1-1.4x slower), 16 on GPUs."""
     min_cache_tokens: int = Field(128, ge=0)
     """Rate budgets never go below this many tokens per sequence."""
     sink_tokens: int | None = Field(None, ge=0)

@@ -13,7 +13,7 @@ from conftest import TINY_BYTES_PER_TOKEN, TINY_KV_HEADS, TINY_LAYERS, _shutdown
 pytestmark = pytest.mark.engine
 
 PROTECTED_WINDOW = 16
-BLOCK = 16
+BLOCK = 16  # the paper's page size (the CPU default is 64): the bounds below are exact in it
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +24,7 @@ def compress_llm(tiny_model):
     llm = kvcompress.LLM(
         tiny_model,
         kv_compress_protected_window=PROTECTED_WINDOW,
+        kv_compress_block_size=BLOCK,
         skip_tokenizer_init=True,
         dtype="float32",
         enforce_eager=True,

@@ -35,7 +35,8 @@ def test_invalid_values_name_the_flag(values, flag):
 
 def test_valid_settings_and_defaults():
     settings = KVCompressConfig.from_dict({"enabled": True, "rate": 8})
-    assert settings.compresses and settings.block_size == 16 and settings.protected_window == 64
+    assert settings.compresses and settings.protected_window == 64
+    assert settings.block_size is None  # chosen per platform when the engine is configured
     assert not KVCompressConfig.from_dict({"enabled": True}).compresses
 
 
@@ -67,8 +68,24 @@ def test_engine_config_selects_kvcompress_scheduler_and_worker(tmp_path):
     config = _engine_config(_write_config(tmp_path), **_kvc(rate=1))
     assert config.scheduler_config.scheduler_cls.endswith("KVCompressScheduler")
     assert config.parallel_config.worker_cls.endswith("KVCompressCPUWorker")
-    assert config.cache_config.block_size == 16
+    assert config.cache_config.block_size == 64  # the CPU default page size
     assert config.cache_config.enable_prefix_caching is False
+
+
+def test_page_size_defaults_per_platform_and_follows_a_lone_block_size(tmp_path):
+    from kvcompress.vllm_glue.engine_setup import default_block_size
+
+    class Cuda:
+        def is_cpu(self):
+            return False
+
+    assert default_block_size(Cuda()) == 16
+    config = _engine_config(_write_config(tmp_path), block_size=32, **_kvc(rate=1))
+    assert config.cache_config.block_size == 32
+    section = config.additional_config["kvcompress"]
+    assert section["block_size"] == 32
+    with pytest.raises(KVCompressConfigError, match="--block-size 8 .*--kv-compress-block-size"):
+        _engine_config(_write_config(tmp_path), block_size=8, **_kvc(rate=1))
 
 
 def test_stock_engine_config_is_untouched(tmp_path):

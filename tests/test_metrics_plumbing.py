@@ -77,7 +77,7 @@ def test_logger_publishes_gauges_and_adds_deltas():
     from kvcompress.vllm_glue.metrics import KVCompressPrometheusLogger, with_kvcompress_stats
     from vllm.v1.metrics.stats import SchedulerStats
 
-    settings = KVCompressConfig(enabled=True, rate=4, policy="kvc").to_additional_config()
+    settings = KVCompressConfig(enabled=True, rate=4, policy="kvc", block_size=16).to_additional_config()
     logger = KVCompressPrometheusLogger(_vllm_config(settings), [0])
     before = _samples()
     # Configured, nothing happened yet: the info gauge and zero series of the policy.

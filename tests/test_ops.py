@@ -81,6 +81,11 @@ def test_paged_cache_tables_match_a_brute_force_model(steps, release_mask, block
     expected = torch.tensor([math.ceil(n / block_size) for n in lengths]).view(3, 1, 1)
     assert torch.equal(held, expected.expand(3, layers, heads))
     assert cache.allocator.num_used == int(held.sum())
+    per_sequence = [math.ceil(n / block_size) * layers * heads for n in lengths]
+    assert cache.pages_held_per_sequence(slots.tolist()) == per_sequence
+    host, cache.host = cache.host, None  # the device (torch) path
+    assert cache.pages_held_per_sequence(slots.tolist()) == per_sequence
+    cache.host = host
     to_release = slots[torch.tensor(release_mask)]
     freed = cache.release(to_release)
     assert freed == int(held[torch.tensor(release_mask)].sum())

@@ -134,6 +134,14 @@ class PerHeadPagedCache:
         lens = self.head_lens if seq_slots is None else self.head_lens[seq_slots]
         return pages_for(lens, self.block_size)
 
+    def pages_held_per_sequence(self, seq_slots: list[int]) -> list[int]:
+        """Pages each of ``seq_slots`` holds over all its heads (host ints)."""
+        if self.host is not None:
+            lens = self.host.head_lens[seq_slots]
+            return ((lens + self.block_size - 1) // self.block_size).sum(axis=(1, 2)).tolist()
+        slots = torch.tensor(seq_slots, dtype=torch.int64, device=self.device)
+        return self.pages_held(slots).sum(dim=(1, 2)).tolist()
+
     def release(self, seq_slots: torch.Tensor) -> int:
         """Free every page of the given sequence slots and return the slots.
 

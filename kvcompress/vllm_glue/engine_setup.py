@@ -15,6 +15,7 @@ from kvcompress.config import (
     FLAGS,
     KVCompressConfig,
     KVCompressConfigError,
+    SUPPORTED_BLOCK_SIZES,
 )
 
 SCHEDULER_CLS = "kvcompress.vllm_glue.scheduler.KVCompressScheduler"
@@ -85,6 +86,14 @@ def worker_cls_for_platform(engine_args: Any, platform: Any) -> str:
     )
 
 
+def default_block_size(platform: Any) -> int:
+    """Tokens per page when ``--kv-compress-block-size`` is not given: 64 on CPU, where
+    vLLM's attention kernel runs at stock speed from 64-token pages on (its work per
+    page is fixed; measured in ``benchmarks/results/kernel-page-size-cpu.md``), else 16
+    (the paper's; finer pages free memory sooner under compression)."""
+    return 64 if platform.is_cpu() else 16
+
+
 def prepare_engine_args(engine_args: Any, platform: Any = None) -> KVCompressConfig:
     """Validate the kvcompress section and set the engine fields it implies.
 
@@ -97,6 +106,15 @@ def prepare_engine_args(engine_args: Any, platform: Any = None) -> KVCompressCon
     if platform is None:
         from vllm.platforms import current_platform as platform
 
+    if settings.block_size is None:
+        # vLLM's --block-size alone sets the page size (checked below like any value).
+        chosen = engine_args.block_size or default_block_size(platform)
+        if chosen not in SUPPORTED_BLOCK_SIZES:
+            raise KVCompressConfigError(
+                f"--block-size {chosen} is not a page size kvcompress supports "
+                f"({', '.join(map(str, SUPPORTED_BLOCK_SIZES))}; {FLAGS['block_size']} sets it)"
+            )
+        settings = settings.model_copy(update={"block_size": chosen})
     flag = FLAGS["enabled"]
     if engine_args.enable_prefix_caching:
         raise KVCompressConfigError(

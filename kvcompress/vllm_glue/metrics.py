@@ -179,7 +179,7 @@ class KVCompressPrometheusLogger(AggregateStatLoggerBase):
             "min_cache_tokens": str(settings.min_cache_tokens),
             "protected_window": str(settings.protected_window),
             "interval": str(settings.interval),
-            "block_size": str(settings.block_size),
+            "block_size": "" if settings.block_size is None else str(settings.block_size),
         }
         config_info = gauge(
             "config_info",

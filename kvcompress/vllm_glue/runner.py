@@ -312,9 +312,7 @@ class PerHeadRunnerMixin:
         )
         live = {r: w.seq_slot for r, w in self.kvc_requests.items() if w.seq_slot is not None}
         if live:
-            slots = torch.tensor(list(live.values()), device=cache.device)
-            per_request = cache.pages_held(slots).sum(dim=(1, 2)).tolist()
-            report.pages_held = dict(zip(live, per_request))
+            report.pages_held = dict(zip(live, cache.pages_held_per_sequence(list(live.values()))))
             for request_id in compressed:
                 if request_id in live:
                     report.head_lens[request_id] = cache.head_lens[live[request_id]].cpu().numpy().copy()

@@ -1,0 +1,158 @@
+"""vLLM's CPU attention kernel by page size: stock's cache against kvcompress's per-head pages.
+
+One decode step of one layer, timed as the engine runs it (``cpu_attention_with_kv_cache``
+with a prepared work split; no KV write):
+
+- ``stock b128``: stock vLLM's cache, ``[blocks, Hkv, 128, D]``, one kernel sequence per
+  request with all its KV heads (vLLM's CPU default block size);
+- ``per-head bN``: kvcompress's pool, one page per (layer, KV head) of N tokens, each
+  (request, KV head) one kernel sequence of one KV head and G query heads (head-as-sequence,
+  ``kvcompress/ops/cpu_attention.py``), pages scattered over the pool.
+
+Every request holds ``--context`` KVs in every head (rate 1: what stock holds). Variants
+are interleaved in a fresh random order each round, each after a cache flush; medians.
+This is what picks kvcompress's CPU default page size (``engine_setup.default_block_size``).
+
+    python benchmarks/bench_cpu_page_size.py --out benchmarks/results/kernel-page-size-cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+# (label, KV heads, query heads per KV head, head dim, dtype name)
+SHAPES = {
+    "tiny": (2, 4, 64, "float32"),
+    "smollm2": (3, 3, 64, "float32"),
+    "smollm2-bf16": (3, 3, 64, "bfloat16"),
+    "llama-8b": (8, 4, 128, "bfloat16"),
+}
+
+
+def _case(torch, kv_heads_per_seq, query_heads, head_dim, block, lens, dtype, generator):
+    """One kernel call's inputs: ``len(lens)`` sequences over a scattered page pool."""
+    from kvcompress.ops.cpu_attention import kernel_isa
+
+    num_seqs = len(lens)
+    pages_per_seq = -(-max(lens) // block)
+    num_pages = num_seqs * pages_per_seq + num_seqs  # slack: the pool is larger than the batch
+    key_cache = torch.randn(num_pages, kv_heads_per_seq, block, head_dim, generator=generator).to(dtype)
+    value_cache = torch.randn(num_pages, kv_heads_per_seq, block, head_dim, generator=generator).to(dtype)
+    order = torch.randperm(num_pages, generator=generator)[: num_seqs * pages_per_seq]
+    block_table = order.view(num_seqs, pages_per_seq).to(torch.int32)
+    query = torch.randn(num_seqs, query_heads, head_dim, generator=generator).to(dtype)
+    out = torch.empty_like(query)
+    starts = torch.arange(num_seqs + 1, dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    ops = torch.ops._C
+    metadata = ops.get_scheduler_metadata(
+        num_seqs, query_heads, kv_heads_per_seq, head_dim, seq_lens, dtype, starts, True, -1,
+        kernel_isa(block, head_dim), True, None, "auto",
+    )
+    scale = head_dim ** -0.5
+
+    def run():
+        ops.cpu_attention_with_kv_cache(
+            query, key_cache, value_cache, out, starts, seq_lens, scale, True, None, -1,
+            block_table, 0.0, metadata, None, None, 1.0, 1.0, "auto",
+        )
+
+    return run
+
+
+def measure(torch, shape: str, batch: int, context: int, blocks, rounds: int) -> dict[str, float]:
+    """Median ms per call of stock's cache and the per-head pool at each page size."""
+    kv_heads, group, head_dim, dtype_name = SHAPES[shape]
+    dtype = getattr(torch, dtype_name)
+    generator = torch.Generator().manual_seed(0)
+    variants = {"stock b128": _case(torch, kv_heads, kv_heads * group, head_dim, 128, [context] * batch, dtype, generator)}
+    for block in blocks:
+        variants[f"per-head b{block}"] = _case(
+            torch, 1, group, head_dim, block, [context] * (batch * kv_heads), dtype, generator
+        )
+    flush = torch.empty(64 * 2**20 // 4)
+    names = list(variants)
+    for name in names:
+        variants[name]()
+    times = {name: [] for name in names}
+    order = random.Random(0)
+    for _ in range(rounds):
+        order.shuffle(names)
+        for name in names:
+            flush.add_(1.0)
+            started = time.perf_counter()
+            variants[name]()
+            times[name].append(time.perf_counter() - started)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["tiny", "smollm2", "smollm2-bf16"])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 8, 32])
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--blocks", type=int, nargs="+", default=[16, 32, 64, 128])
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--out", default=None, help="write <OUT>.md")
+    args = parser.parse_args(argv)
+
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from kvcompress.ops import cpu_attention
+
+    reason = cpu_attention.unavailable_reason()
+    if reason is not None:
+        print(f"vLLM's CPU attention kernel is not available: {reason}", file=sys.stderr)
+        return 1
+    from machine import cpu_model_name, usable_cores  # benchmarks/machine.py
+
+    isa = "AVX-512" if torch.cpu._is_avx512_supported() else "AVX2 (no AVX-512)"
+    machine = f"{usable_cores()}-core CPU ({cpu_model_name()}), {isa}"
+
+    columns = ["stock b128"] + [f"per-head b{b}" for b in args.blocks]
+    lines = [
+        "# vLLM's CPU attention kernel: stock blocks vs per-head pages\n",
+        f"- machine: {machine}; {args.threads} threads; decode, one layer, "
+        f"context {args.context} KVs in every head; median of {args.rounds} interleaved rounds\n",
+        "| shape (KV heads x G, D, dtype) | batch | " + " | ".join(f"{c} ms" for c in columns)
+        + " | " + " | ".join(f"b{b} / stock" for b in args.blocks) + " |",
+        "|" + "---|" * (2 + 2 * len(args.blocks) + 1),
+    ]
+    print(lines[1])
+    for shape in args.shapes:
+        kv_heads, group, head_dim, dtype_name = SHAPES[shape]
+        for batch in args.batches:
+            ms = measure(torch, shape, batch, args.context, args.blocks, args.rounds)
+            stock = ms["stock b128"]
+            row = (
+                f"| {shape} ({kv_heads}x{group}, {head_dim}, {dtype_name}) | {batch} | "
+                + " | ".join(f"{ms[c]:.3f}" for c in columns) + " | "
+                + " | ".join(f"{ms[f'per-head b{b}'] / stock:.2f}" for b in args.blocks) + " |"
+            )
+            print(row, flush=True)
+            lines.append(row)
+    lines.append(
+        "\nper-head bN / stock: kvcompress's decode attention time at page size N over stock's at "
+        "its 128-token blocks, same KVs (the kernel's work per page is fixed, so small pages cost "
+        "more per KV)."
+    )
+    if args.out:
+        path = Path(args.out).with_suffix(".md")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join(lines) + "\n")
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.exit(main())
