@@ -208,6 +208,8 @@ def flag_help(setting: str) -> str:
         return f"{text}; default: the policy's ({default_summary(setting)})."
     if field.annotation is bool:
         return text + "."  # a switch
+    if setting == "block_size":
+        return text + "."  # the docstring says the per-platform default
     default = "none" if field.default is None else field.default
     return f"{text}. (default: {default})"
 
