@@ -547,6 +547,7 @@ class PerHeadRunnerMixin:
         held = self.kvc_cache.pages_held()
         return {
             "num_pages": self.kvc_cache.num_pages,
+            "block_size": self.kvc_cache.block_size,
             "num_free": self.kvc_cache.allocator.num_free,
             "held_by_live_requests": int(held.sum().item()),
             "live_requests": len(self.kvc_requests),
