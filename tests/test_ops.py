@@ -254,3 +254,21 @@ def test_page_accounting_counts_ceil_of_head_lengths():
     accounting.check_consistent()
     assert accounting.release("a") == 6 and accounting.release("b") == 6
     assert accounting.num_free_pages == 200
+
+
+@pytest.mark.parametrize("path", ["general", "decode-numpy", "decode-torch"])
+def test_a_head_past_its_page_table_is_refused(path):
+    """Growing a head past ``max_pages_per_head`` pages (longer than max_model_len) raises
+    before any page is taken, on the general append and both decode fast paths."""
+    cache = PerHeadPagedCache(100, 2, 2, 4, max_seqs=2, max_pages_per_head=3)
+    if path == "decode-torch":
+        cache.host = None
+    slots = torch.tensor([cache.new_sequence()])
+    cache.append(slots, torch.tensor([12]), torch.arange(12))  # 3 full pages per head
+    free = cache.allocator.num_free
+    with pytest.raises(RuntimeError, match="more than 3 pages"):
+        if path == "general":
+            cache.append(slots, torch.tensor([2]), torch.arange(12, 14))
+        else:
+            cache.append_one(slots, torch.tensor([12]))
+    assert cache.allocator.num_free == free

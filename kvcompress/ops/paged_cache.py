@@ -194,11 +194,7 @@ class PerHeadPagedCache:
         new_lens = old_lens + num_new_tokens.view(-1, 1, 1)
         old_pages = pages_for(old_lens, block_size)
         new_pages = pages_for(new_lens, block_size)
-        if int(new_pages.max().item() if new_pages.numel() else 0) > self.max_pages_per_head:
-            raise RuntimeError(
-                f"a head would need more than {self.max_pages_per_head} pages "
-                "(longer than max_model_len)"
-            )
+        self._check_pages_per_head(int(new_pages.max().item() if new_pages.numel() else 0))
         demand = (new_pages - old_pages).reshape(-1)  # [S*L*H]
         pages, offsets = self.allocator.allocate_for(demand)
         if pages.numel():
@@ -222,6 +218,13 @@ class PerHeadPagedCache:
         return self._place(
             seq_slots[token_seq], head_index // block_size, head_index % block_size, positions
         )
+
+    def _check_pages_per_head(self, pages: int) -> None:
+        if pages > self.max_pages_per_head:
+            raise RuntimeError(
+                f"a head would need more than {self.max_pages_per_head} pages "
+                "(longer than max_model_len)"
+            )
 
     def _place(
         self, token_slots: torch.Tensor, page_column: torch.Tensor, write_offsets: torch.Tensor,
@@ -269,11 +272,7 @@ class PerHeadPagedCache:
         count = int(starts_page.sum())
         if count:
             columns = page_column[starts_page]
-            if int(columns.max()) >= self.max_pages_per_head:
-                raise RuntimeError(
-                    f"a head would need more than {self.max_pages_per_head} pages "
-                    "(longer than max_model_len)"
-                )
+            self._check_pages_per_head(int(columns.max()) + 1)
             rows, layers, heads = starts_page.nonzero(as_tuple=True)
             self.page_tables[seq_slots[rows], layers, heads, columns] = self.allocator.allocate(count)
         self.head_lens[seq_slots] = old_lens + 1
@@ -289,11 +288,7 @@ class PerHeadPagedCache:
         count = int(np.count_nonzero(starts_page))
         if count:
             columns = page_column[starts_page]
-            if int(columns.max()) >= self.max_pages_per_head:
-                raise RuntimeError(
-                    f"a head would need more than {self.max_pages_per_head} pages "
-                    "(longer than max_model_len)"
-                )
+            self._check_pages_per_head(int(columns.max()) + 1)
             rows, layers, heads = np.nonzero(starts_page)
             host.page_tables[slots[rows], layers, heads, columns] = self.allocator.allocate(count).numpy()
         host.head_lens[slots] = old_lens + 1
