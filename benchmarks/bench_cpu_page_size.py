@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-# (label, KV heads, query heads per KV head, head dim, dtype name)
+# shape name -> (KV heads, query heads per KV head, head dim, dtype name)
 SHAPES = {
     "tiny": (2, 4, 64, "float32"),
     "smollm2": (3, 3, 64, "float32"),

@@ -58,12 +58,9 @@ def main(argv=None) -> int:
         shape = bench.kv_shape(path)
         prompts = bench.synthetic_prompts(args.input_len, args.batch, shape["vocab_size"], seed=0)
         kv_tokens = max(8192, (args.input_len + args.output_len + 300) * args.batch)
-        engine_args = dict(
-            skip_tokenizer_init=True, dtype=dtype, enforce_eager=True, enable_prefix_caching=False,
-            max_model_len=args.input_len + args.output_len + 16,
-            max_num_batched_tokens=max(2048, args.input_len),
-            kv_cache_memory_bytes=kv_tokens * bench.kv_bytes_per_token(shape, dtype),
-            disable_log_stats=True, seed=0,
+        engine_args = bench.token_prompt_engine_args(
+            shape, dtype, args.input_len, args.output_len, kv_tokens,
+            max_num_batched_tokens=max(2048, args.input_len), disable_log_stats=True,
         )
         engines = {
             "stock": (LLM(model=path, **engine_args), None),

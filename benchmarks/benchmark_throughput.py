@@ -186,6 +186,20 @@ def kv_bytes_per_token(shape: dict[str, Any], dtype: str, kv_cache_dtype: str = 
     return shape["num_layers"] * 2 * shape["num_kv_heads"] * shape["head_dim"] * element
 
 
+def token_prompt_engine_args(
+    shape: dict[str, Any], dtype: str, input_len: int, output_len: int, kv_tokens: int,
+    max_num_batched_tokens: int = 2048, disable_log_stats: bool = False,
+) -> dict[str, Any]:
+    """Engine arguments of the side scripts (profile, decode step) that feed token-id
+    prompts of ``input_len`` under ``kv_tokens`` uncompressed tokens of KV memory."""
+    return dict(
+        skip_tokenizer_init=True, dtype=dtype, enforce_eager=True, enable_prefix_caching=False,
+        max_model_len=input_len + output_len + 16, max_num_batched_tokens=max_num_batched_tokens,
+        kv_cache_memory_bytes=kv_tokens * kv_bytes_per_token(shape, dtype),
+        disable_log_stats=disable_log_stats, seed=0,
+    )
+
+
 def synthetic_prompts(input_len: int, num_prompts: int, vocab_size: int, seed: int) -> list[list[int]]:
     """Uniform random token ids in [3, min(vocab, 1000)) (0-2 are special in the tiny model)."""
     import numpy as np

@@ -123,12 +123,7 @@ def _profile(args) -> list[dict]:
     dtype = default_dtype or "auto"
     shape = bench.kv_shape(path)
     prompts = bench.synthetic_prompts(args.input_len, args.num_prompts, shape["vocab_size"], seed=0)
-    engine_args = dict(
-        skip_tokenizer_init=True, dtype=dtype, enforce_eager=True, enable_prefix_caching=False,
-        max_model_len=args.input_len + args.output_len + 16, max_num_batched_tokens=2048,
-        kv_cache_memory_bytes=args.kv_tokens * bench.kv_bytes_per_token(shape, dtype),
-        disable_log_stats=False, seed=0,
-    )
+    engine_args = bench.token_prompt_engine_args(shape, dtype, args.input_len, args.output_len, args.kv_tokens)
 
     def params(extra=None):
         return lambda: SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,

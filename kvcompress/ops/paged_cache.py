@@ -34,8 +34,9 @@ from kvcompress.ops.page_tables import fill_page_tables
 __all__ = ["AppendPlan", "PerHeadPagedCache", "fill_page_tables", "pages_for"]
 
 
-def pages_for(lengths: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Pages needed to hold ``lengths`` KVs per head: ``ceil(lengths / block_size)``."""
+def pages_for(lengths, block_size: int):
+    """Pages needed to hold ``lengths`` KVs per head: ``ceil(lengths / block_size)``
+    (a tensor or a numpy array, returned as the same)."""
     return (lengths + block_size - 1) // block_size
 
 
@@ -137,8 +138,7 @@ class PerHeadPagedCache:
     def pages_held_per_sequence(self, seq_slots: list[int]) -> list[int]:
         """Pages each of ``seq_slots`` holds over all its heads (host ints)."""
         if self.host is not None:
-            lens = self.host.head_lens[seq_slots]
-            return ((lens + self.block_size - 1) // self.block_size).sum(axis=(1, 2)).tolist()
+            return pages_for(self.host.head_lens[seq_slots], self.block_size).sum(axis=(1, 2)).tolist()
         slots = torch.tensor(seq_slots, dtype=torch.int64, device=self.device)
         return self.pages_held(slots).sum(dim=(1, 2)).tolist()
 
