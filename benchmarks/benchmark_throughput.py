@@ -8,6 +8,9 @@ a fixed input length and generates exactly ``--output-len`` tokens (``ignore_eos
 One stock ``vllm.LLM`` runs every input length, is shut down, then one
 ``kvcompress.LLM`` runs every (input length, rate): the rate is set per request
 (``SamplingParams(extra_args={"kv_compress_rate": r})``), so one engine serves all rates.
+``--repeats N`` does this N times, alternating which engine goes first, and reports each
+row as its median-time run (all runs in a repetitions table): machines here drift by
+10-20% between runs, so single runs compare poorly.
 ``max_model_len`` covers the longest input.
 
 Per (input length, engine, rate): requests/s, output tokens/s, total (prompt + output)
@@ -402,8 +405,10 @@ def _measure(
     seed: int = 0,
     progress: bool = True,
     engines=(STOCK, KVC),
+    repeats: int = 1,
 ) -> dict[str, Any]:
-    """Run stock vLLM (one engine) then kvcompress (one engine, every rate); the results."""
+    """Run stock vLLM (one engine) then kvcompress (one engine, every rate), ``repeats``
+    times alternating which goes first; the results (each row the median-time run)."""
     _setup_env()
     started_all = time.perf_counter()
     model_path, description, default_dtype = resolve_model(model)
@@ -487,81 +492,128 @@ def _measure(
     }
     rows = results["rows"]
 
-    if STOCK in engines:
-        t0 = time.perf_counter()
-        stock = LLM(model=model_path, **args)
-        results["engine_start_seconds"][STOCK] = time.perf_counter() - t0
-        cache = stock.llm_engine.vllm_config.cache_config
-        results["stock_block_size"] = cache.block_size
-        if cache.num_gpu_blocks:
-            results["stock_kv_capacity_tokens"] = cache.num_gpu_blocks * cache.block_size
-        if "kv_cache_memory_bytes" not in args:
-            # Memory-fraction budget: give kvcompress exactly the KV memory stock got.
-            args.pop("gpu_memory_utilization", None)
-            args["kv_cache_memory_bytes"] = cache.num_gpu_blocks * cache.block_size * bytes_per_token
-            results["kv_cache_memory_bytes"] = args["kv_cache_memory_bytes"]
-        _warmup(stock, params())
-        for n in input_lens:
-            run = run_batch(stock, prompts[n], [params() for _ in prompts[n]], f"stock L={n}", progress)
-            rows.append({"input_len": n, "engine": STOCK, "rate": 1.0, **run})
-            _print_row(rows[-1])
-        _shutdown(stock)
-        del stock
-    elif "kv_cache_memory_bytes" not in args:
+    phases = [phase for phase in (STOCK, KVC) if phase in engines]
+    if STOCK not in engines and "kv_cache_memory_bytes" not in args:
         raise ValueError("kvcompress alone needs a fixed KV budget (kv_tokens or kv_cache_memory_bytes)")
-    results["kv_cache_memory_bytes"] = args["kv_cache_memory_bytes"]
-    results["kv_budget_tokens_uncompressed"] = args["kv_cache_memory_bytes"] // bytes_per_token
-
-    kvc = None
-    if KVC in engines:
-        t0 = time.perf_counter()
-        try:
-            kvc = kvcompress.LLM(
-                model_path,
-                kv_compress_protected_window=protected_window,
-                kv_compress_min_cache_tokens=min_cache_tokens,
-                kv_compress_block_size=block_size,
-                **args,
-            )
-        except Exception as error:  # keep the stock results (e.g. a platform kvcompress lacks)
-            results["kvcompress_error"] = f"{type(error).__name__}: {error}"
-            print(f"error: the kvcompress engine did not start: {error}", file=sys.stderr)
-    if kvc is not None:
-        results["engine_start_seconds"][KVC] = time.perf_counter() - t0
-        stats = page_stats(kvc)
-        per_token_pages = stats["num_layers"] * stats["num_kv_heads"]
-        results["kvcompress_kv_capacity_tokens"] = stats["num_pages"] * stats["block_size"] // per_token_pages
-        results["kvcompress_block_size"] = stats["block_size"]
-        _warmup(kvc, params({"kv_compress_rate": 1}))
-        for n in input_lens:
-            for rate in rates:
-                extra = {"kv_compress_rate": rate}
-                sched_before = page_stats(kvc)
-                worker_before = kvc.collective_rpc("kvcompress_pages_used")[0]
-                run = run_batch(
-                    kvc, prompts[n], [params(extra) for _ in prompts[n]], f"kvcompress L={n} r={rate:g}", progress
+    runs: dict[tuple[int, str, float], list[dict[str, Any]]] = {}
+    for repeat in range(repeats):
+        # Alternate which engine goes first, so drift of the machine's speed over the run
+        # does not favour one of them.
+        for phase in phases if repeat % 2 == 0 else phases[::-1]:
+            if phase == STOCK:
+                phase_rows = _stock_phase(LLM, model_path, args, bytes_per_token, prompts, params, results, progress)
+            else:
+                phase_rows = _kvcompress_phase(
+                    kvcompress.LLM, model_path, args, rates, prompts, params, results, progress,
+                    protected_window=protected_window, min_cache_tokens=min_cache_tokens, block_size=block_size,
                 )
-                sched = page_stats(kvc)
-                worker = kvc.collective_rpc("kvcompress_pages_used")[0]
-                step_seconds = worker["step_seconds"] - worker_before["step_seconds"]
-                run.update(
-                    compress_share_of_step_time=(worker["compress_seconds"] - worker_before["compress_seconds"])
-                    / max(step_seconds, 1e-9),
-                    compressions=sched["compressions"] - sched_before["compressions"],
-                    pages_freed=sched["pages_freed"] - sched_before["pages_freed"],
-                    kvs_evicted=worker["kvs_evicted"] - worker_before["kvs_evicted"],
-                    mismatches=sched["mismatches"] - sched_before["mismatches"],
-                    scheduler_preemptions=sched["num_preemptions"] - sched_before["num_preemptions"],
-                )
-                rows.append({"input_len": n, "engine": KVC, "rate": rate, **run})
-                _print_row(rows[-1])
-        _shutdown(kvc)
-        del kvc
+            for row in phase_rows:
+                runs.setdefault((row["input_len"], row["engine"], row["rate"]), []).append(row)
+            if results.get("kvcompress_error"):
+                break
+        if results.get("kvcompress_error"):
+            break
+    for n in input_lens:
+        for key in [(n, STOCK, 1.0)] + [(n, KVC, rate) for rate in rates]:
+            if key in runs:
+                rows.append(median_run(runs[key]))
+    results["repeats"] = repeats
 
     add_multipliers(rows)
     results["wall_seconds"] = time.perf_counter() - started_all
     results["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     return results
+
+
+def _stock_phase(LLM, model_path, args, bytes_per_token, prompts, params, results, progress) -> list[dict]:
+    """Start stock vLLM, run every input length, shut it down; its rows. The first start
+    records stock's block size and KV capacity and, under a memory-fraction budget, fixes
+    ``args["kv_cache_memory_bytes"]`` to the KV memory stock got."""
+    t0 = time.perf_counter()
+    stock = LLM(model=model_path, **args)
+    results["engine_start_seconds"].setdefault(STOCK, time.perf_counter() - t0)
+    cache = stock.llm_engine.vllm_config.cache_config
+    results["stock_block_size"] = cache.block_size
+    if cache.num_gpu_blocks:
+        results["stock_kv_capacity_tokens"] = cache.num_gpu_blocks * cache.block_size
+    if "kv_cache_memory_bytes" not in args:
+        # Memory-fraction budget: give kvcompress exactly the KV memory stock got.
+        args.pop("gpu_memory_utilization", None)
+        args["kv_cache_memory_bytes"] = cache.num_gpu_blocks * cache.block_size * bytes_per_token
+    results["kv_cache_memory_bytes"] = args["kv_cache_memory_bytes"]
+    results["kv_budget_tokens_uncompressed"] = args["kv_cache_memory_bytes"] // bytes_per_token
+    _warmup(stock, params())
+    rows = []
+    for n, batch in prompts.items():
+        run = run_batch(stock, batch, [params() for _ in batch], f"stock L={n}", progress)
+        rows.append({"input_len": n, "engine": STOCK, "rate": 1.0, **run})
+        _print_row(rows[-1])
+    _shutdown(stock)
+    return rows
+
+
+def _kvcompress_phase(
+    LLM, model_path, args, rates, prompts, params, results, progress, *,
+    protected_window: int, min_cache_tokens: int, block_size: int | None,
+) -> list[dict]:
+    """Start kvcompress, run every (input length, rate), shut it down; its rows (none,
+    with ``results["kvcompress_error"]`` set, when the engine does not start)."""
+    t0 = time.perf_counter()
+    try:
+        kvc = LLM(
+            model_path,
+            kv_compress_protected_window=protected_window,
+            kv_compress_min_cache_tokens=min_cache_tokens,
+            kv_compress_block_size=block_size,
+            **args,
+        )
+    except Exception as error:  # keep the stock results (e.g. a platform kvcompress lacks)
+        results["kvcompress_error"] = f"{type(error).__name__}: {error}"
+        print(f"error: the kvcompress engine did not start: {error}", file=sys.stderr)
+        return []
+    results["engine_start_seconds"].setdefault(KVC, time.perf_counter() - t0)
+    results["kv_cache_memory_bytes"] = args["kv_cache_memory_bytes"]
+    results["kv_budget_tokens_uncompressed"] = args["kv_cache_memory_bytes"] // results["kv_bytes_per_token"]
+    stats = page_stats(kvc)
+    per_token_pages = stats["num_layers"] * stats["num_kv_heads"]
+    results["kvcompress_kv_capacity_tokens"] = stats["num_pages"] * stats["block_size"] // per_token_pages
+    results["kvcompress_block_size"] = stats["block_size"]
+    _warmup(kvc, params({"kv_compress_rate": 1}))
+    rows = []
+    for n, batch in prompts.items():
+        for rate in rates:
+            extra = {"kv_compress_rate": rate}
+            sched_before = page_stats(kvc)
+            worker_before = kvc.collective_rpc("kvcompress_pages_used")[0]
+            run = run_batch(kvc, batch, [params(extra) for _ in batch], f"kvcompress L={n} r={rate:g}", progress)
+            sched = page_stats(kvc)
+            worker = kvc.collective_rpc("kvcompress_pages_used")[0]
+            step_seconds = worker["step_seconds"] - worker_before["step_seconds"]
+            run.update(
+                compress_share_of_step_time=(worker["compress_seconds"] - worker_before["compress_seconds"])
+                / max(step_seconds, 1e-9),
+                compressions=sched["compressions"] - sched_before["compressions"],
+                pages_freed=sched["pages_freed"] - sched_before["pages_freed"],
+                kvs_evicted=worker["kvs_evicted"] - worker_before["kvs_evicted"],
+                mismatches=sched["mismatches"] - sched_before["mismatches"],
+                scheduler_preemptions=sched["num_preemptions"] - sched_before["num_preemptions"],
+            )
+            rows.append({"input_len": n, "engine": KVC, "rate": rate, **run})
+            _print_row(rows[-1])
+    _shutdown(kvc)
+    return rows
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median wall time among repetitions of one (input, engine, rate) (the
+    lower middle one for an even count), with every repetition's seconds and total
+    tokens/s beside it."""
+    ordered = sorted(runs, key=lambda run: run["seconds"])
+    row = dict(ordered[(len(ordered) - 1) // 2])
+    if len(runs) > 1:
+        row["repeat_seconds"] = [run["seconds"] for run in runs]
+        row["repeat_total_tokens_per_s"] = [run["total_tokens_per_s"] for run in runs]
+    return row
 
 
 def add_multipliers(rows: list[dict[str, Any]]) -> None:
@@ -667,6 +719,11 @@ def header_lines(results: dict[str, Any]) -> list[str]:
             f"1-min load average after each run: {min(loads):.1f} to {max(loads):.1f} "
             f"(timings are only comparable on an otherwise idle machine)"
         )
+    if results.get("repeats", 1) > 1:
+        lines.append(
+            f"{results['repeats']} repetitions, stock and kvcompress alternating which runs first; "
+            "each row is the run of median wall time (every run in the repetitions table)"
+        )
     if results.get("note"):
         lines.append(f"note: {results['note']}")
     if results.get("kvcompress_error"):
@@ -741,6 +798,24 @@ def split_table(results: dict[str, Any]) -> str:
     return _markdown(SPLIT_HEADER, cell_rows) if cell_rows else ""
 
 
+def repeats_table(results: dict[str, Any]) -> str:
+    """Every repetition's total tokens/s and its ratio to stock's run of the same
+    repetition ("" for a single run)."""
+    stock = {row["input_len"]: row for row in results["rows"] if row["engine"] == STOCK}
+    cell_rows = []
+    for row in results["rows"]:
+        each = row.get("repeat_total_tokens_per_s")
+        if not each:
+            continue
+        base = stock.get(row["input_len"], {}).get("repeat_total_tokens_per_s")
+        ratios = "-"
+        if row["engine"] == KVC and base and len(base) == len(each):
+            ratios = ", ".join(f"{mine / theirs:.2f}" for mine, theirs in zip(each, base))
+        cell_rows.append(_run_cells(row) + [", ".join(f"{x:.0f}" for x in each), ratios])
+    header = "| input | engine | rate | total tok/s of each run | x stock of each run |"
+    return _markdown(header, cell_rows) if cell_rows else ""
+
+
 SPLIT_NOTES = (
     "Steps split by what the scheduler scheduled: a prompt step has prompt tokens (chunks, "
     "or recomputation after a preemption), a decode step only generated tokens. ideal x: "
@@ -779,6 +854,9 @@ def write_outputs(results: dict[str, Any], prefix: str | Path, plots: bool = Tru
     split = split_table(results)
     if split:
         body += ["## Prompt steps and decode steps", "", split, "", SPLIT_NOTES, ""]
+    repeats = repeats_table(results)
+    if repeats:
+        body += ["## Repetitions", "", repeats, ""]
     path.write_text("\n".join(body))
     written.append(path)
     if plots:
@@ -880,6 +958,9 @@ def print_report(results: dict[str, Any]) -> None:
     if split:
         print(split)
         print(SPLIT_NOTES)
+    repeats = repeats_table(results)
+    if repeats:
+        print(repeats)
 
 
 # --------------------------------------------------------------------------------------
@@ -915,6 +996,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--engines", nargs="+", choices=(STOCK.split()[0], KVC), default=["stock", KVC],
                         help="run only some engines (multipliers need stock)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run every engine this many times, alternating which goes first; "
+                             "each row is the median-time run (odd counts recommended)")
     parser.add_argument("--output-prefix", default=None,
                         help="write <prefix>.json/.csv/.md/-*.png (default benchmarks/results/throughput-<cpu|gpu>)")
     parser.add_argument("--no-plots", action="store_true")
@@ -959,6 +1043,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         seed=args.seed,
         progress=not args.no_progress,
         engines=tuple(STOCK if name == "stock" else KVC for name in args.engines),
+        repeats=args.repeats,
     )
     if args.note:
         results["note"] = args.note

@@ -115,7 +115,8 @@ def test_decode_by_slot_with_padding_rows():
 def test_planned_decode_step_equals_the_reference_per_layer(shape, layers_alike):
     """``plan_decode_step`` (every layer's kernel tables, once per step) + ``decode_planned``
     against the reference slot-indexed decode of each layer: outputs and the metrics of
-    the selected rows. Equal layers share one work split (as at rate 1)."""
+    the selected rows (added once, after the last layer, for all layers). Equal layers
+    share one work split (as at rate 1)."""
     num_kv_heads, group, head_dim, block_size = shape
     num_slots, num_layers = 5, 3
     pool, batch, query = make_case([1] * (num_slots * num_layers), num_kv_heads, group, head_dim, block_size, torch.float32, seed=head_dim + layers_alike)
@@ -134,6 +135,7 @@ def test_planned_decode_step_equals_the_reference_per_layer(shape, layers_alike)
     assert (plan[0].scheduler_metadata is plan[1].scheduler_metadata) == layers_alike
     reference_pool = KVPool(pool.key_cache, pool.value_cache, pool.slot_positions, torch.zeros_like(pool.slot_metrics))
     rows_query = query.view(num_slots, num_layers, -1, head_dim)
+    metrics_before = pool.slot_metrics.clone()
     for layer in range(num_layers):
         layer_query = rows_query[seq_slots.long(), layer]
         positions = torch.full((4,), 10_000, dtype=torch.int64)  # a decode query sees every held KV
@@ -141,6 +143,8 @@ def test_planned_decode_step_equals_the_reference_per_layer(shape, layers_alike)
         want = paged_decode_by_slot_reference(layer_query, reference_pool, slot_batch, 0.1, metrics=MetricSink(selected))
         got = cpu_attention.decode_planned(layer_query, pool, plan[layer], 0.1, torch.empty_like(layer_query), metric_power=2)
         assert (got - want).abs().max().item() < TOLERANCE[torch.float32]
+        if layer < num_layers - 1:  # the metric pass waits for the step's last layer
+            assert torch.equal(pool.slot_metrics, metrics_before)
     assert reference_pool.slot_metrics.abs().sum() > 0
     assert torch.allclose(pool.slot_metrics, reference_pool.slot_metrics, atol=1e-6)
 

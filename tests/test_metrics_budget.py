@@ -20,7 +20,13 @@ from kvcompress.budget import (
 )
 from kvcompress.config import KVCompressConfig
 from kvcompress.ops import MetricSink, PagedBatch, PerHeadPagedCache, paged_attention, write_kv
-from kvcompress.ops.metrics import accumulate_metrics, attention_metrics, max_pool_metrics
+from kvcompress.ops.kv_pool import KVPool
+from kvcompress.ops.metrics import (
+    accumulate_metrics,
+    attention_metrics,
+    decode_metrics_by_head,
+    max_pool_metrics,
+)
 
 LAYERS, KV_HEADS, GROUP, DIM, BLOCK = 1, 2, 3, 8, 4
 
@@ -109,6 +115,42 @@ def test_decode_attention_adds_squared_probabilities_to_slot_metrics():
     # Only held slots change (no zeroing or writing of the rest of the pool).
     touched = (cache.slot_metrics != before).sum().item()
     assert touched <= KV_HEADS * length
+
+
+@pytest.mark.parametrize("power", [2, 1])
+@pytest.mark.parametrize("max_pages_per_pass", [4096, 3], ids=["one-pass", "passes-of-3-pages"])
+@pytest.mark.parametrize("kernel_layout", [True, False], ids=["k-as-d-by-b", "k-row-major"])
+def test_decode_metrics_by_head_match_float64_oracle(power, max_pages_per_pass, kernel_layout):
+    """Ragged head-sequences (1 KV, exact page multiples, partial last pages, pages in
+    any pool order) scored in one pass or many: each head's query group adds
+    ``softmax(q . K) ** power`` to exactly its held slots."""
+    torch.manual_seed(power + max_pages_per_pass)
+    num_pages, block, dim, group = 40, 4, 8, 3
+    stored = torch.randn(num_pages, dim, block) if kernel_layout else torch.randn(num_pages, block, dim)
+    key_cache = stored.transpose(1, 2) if kernel_layout else stored
+    pool = KVPool(key_cache, torch.zeros_like(key_cache), torch.zeros(num_pages, block, dtype=torch.int64),
+                  torch.rand(num_pages, block))
+    before = pool.slot_metrics.clone()
+    head_lens = torch.tensor([1, 8, 5, 13, 4, 2])
+    width = 4
+    page_ids = torch.randperm(num_pages)[: len(head_lens) * width].view(len(head_lens), width)
+    query = torch.randn(len(head_lens), group, dim)
+    decode_metrics_by_head(query, pool, page_ids.to(torch.int32), head_lens, 0.4, power,
+                           max_pages_per_pass=max_pages_per_pass)
+    expected = before.double().clone()
+    for head, length in enumerate(head_lens.tolist()):
+        slots = [(int(page_ids[head, k // block]), k % block) for k in range(length)]
+        keys = torch.stack([key_cache[page, offset] for page, offset in slots]).double()
+        probs = torch.softmax(query[head].double() @ keys.T * 0.4, dim=-1)  # [G, len]
+        for k, (page, offset) in enumerate(slots):
+            expected[page, offset] += (probs[:, k] ** power).sum()
+    assert torch.allclose(pool.slot_metrics.double(), expected, atol=1e-6)
+
+
+def test_decode_metrics_by_head_refuses_a_head_past_its_table():
+    pool = KVPool(torch.zeros(4, 4, 8), torch.zeros(4, 4, 8), torch.zeros(4, 4, dtype=torch.int64), torch.zeros(4, 4))
+    with pytest.raises(ValueError, match="more KVs than its page table"):
+        decode_metrics_by_head(torch.zeros(1, 2, 8), pool, torch.zeros(1, 2, dtype=torch.int64), torch.tensor([9]), 1.0)
 
 
 # ----------------------------------------------------------------------------- budgets

@@ -198,28 +198,78 @@ def paged_attention_cpu(
     return paged_attention_flat(_attend, query, pool, batch, scale, out, metrics)
 
 
+class DecodeStepMetrics:
+    """The decode queries of a step's metric rows, kept layer by layer during the forward;
+    the metric pass then runs once for every layer, after the last one
+    (:func:`kvcompress.ops.metrics.decode_metrics_by_head` over ``L * M * H``
+    head-sequences: one pass instead of ``L``, reading only the pages each head holds).
+    Deferring it changes nothing: a decode step writes no KV after its layer's own, and
+    metrics are read only by a later compression.
+
+    Args:
+        rows: ``[M]`` int64 batch rows whose query adds to the eviction metrics.
+        block_tables: ``[L, B * H, P]`` int32 the step's kernel tables (every layer).
+        seq_lens: ``[L, B * H]`` int32 KVs held per kernel sequence.
+        num_kv_heads: ``H``; num_q_heads, head_dim, dtype: the queries' shape and type.
+    """
+
+    def __init__(self, rows: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                 num_kv_heads: int, num_q_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        self.rows = rows
+        self.block_tables = block_tables
+        self.seq_lens = seq_lens
+        self.num_kv_heads = num_kv_heads
+        self.num_layers = block_tables.shape[0]
+        self.queries = torch.empty((self.num_layers, rows.shape[0], num_q_heads, head_dim), dtype=dtype)
+        self.layers_recorded = 0
+
+    def record(self, layer: int, query: torch.Tensor) -> bool:
+        """Keep layer ``layer``'s metric-row queries (``query [B, Hq, D]``); True once
+        every layer has recorded (then :meth:`run`)."""
+        torch.index_select(query, 0, self.rows, out=self.queries[layer])
+        self.layers_recorded += 1
+        return self.layers_recorded == self.num_layers
+
+    def run(self, pool: KVPool, scale: float, power: int) -> None:
+        """Add every layer's metric-row attention to ``pool.slot_metrics``."""
+        from kvcompress.ops.metrics import decode_metrics_by_head
+
+        num_layers, num_seqs, num_pages = self.block_tables.shape
+        heads = self.num_kv_heads
+        num_rows = num_seqs // heads
+        tables = self.block_tables.view(num_layers, num_rows, heads, num_pages)[:, self.rows]
+        lens = self.seq_lens.view(num_layers, num_rows, heads)[:, self.rows]
+        group = self.queries.shape[2] // heads
+        decode_metrics_by_head(
+            self.queries.view(-1, group, self.queries.shape[3]), pool,
+            tables.reshape(-1, num_pages), lens.reshape(-1), scale, power,
+        )
+
+
 @dataclass(frozen=True, eq=False)
 class KernelDecodeLayer:
     """One layer of a decode step in the kernel's terms: kernel sequence ``r`` is batch
     row ``r // H``'s KV head ``r % H`` (``H`` KV heads, ``R = B * H`` sequences).
 
     Attributes:
+        layer: the layer's index in the step.
         block_table: ``[R, P]`` int32 page ids (a contiguous slice of the step's tables).
         seq_lens: ``[R]`` int32 KVs held per head (every decode head holds >= 1: its new KV).
         query_start_loc: ``[R + 1]`` int32 ``arange`` (one query row of G heads each).
         scheduler_metadata: the kernel's work split for these lengths.
         key_cache, value_cache: the kernel's ``[N, 1, b, D]`` views of the pool.
-        metric_rows: ``[M]`` int64 batch rows whose query adds to the eviction metrics
-            (None: none).
+        metrics: the step's metric rows and their queries, shared by every layer (None:
+            no row adds to the metrics this step).
     """
 
+    layer: int
     block_table: torch.Tensor
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
     scheduler_metadata: torch.Tensor
     key_cache: torch.Tensor
     value_cache: torch.Tensor
-    metric_rows: torch.Tensor | None
+    metrics: DecodeStepMetrics | None
 
 
 def plan_decode_step(
@@ -263,8 +313,14 @@ def plan_decode_step(
         _scheduler_metadata(num_seqs, group, head_dim, seq_lens[0], dtype, starts, pool.block_size)
         if uniform else None
     )
+    metrics = None
+    if metric_rows is not None and metric_rows.numel():
+        metrics = DecodeStepMetrics(
+            metric_rows.to(torch.int64), tables, seq_lens, num_kv_heads, num_q_heads, head_dim, dtype,
+        )
     return [
         KernelDecodeLayer(
+            layer=layer,
             block_table=tables[layer],
             seq_lens=seq_lens[layer],
             query_start_loc=starts,
@@ -273,7 +329,7 @@ def plan_decode_step(
             ),
             key_cache=key4,
             value_cache=value4,
-            metric_rows=metric_rows,
+            metrics=metrics,
         )
         for layer in range(num_layers)
     ]
@@ -284,10 +340,9 @@ def decode_planned(
     out: torch.Tensor, metric_power: int | None = None,
 ) -> torch.Tensor:
     """Decode rows ``query [B, Hq, D]`` of one layer into ``out [B, Hq, D]`` with the
-    step's prepared :class:`KernelDecodeLayer`: one kernel call; then, when
-    ``metric_power`` is given, the metric pass over ``tables.metric_rows``."""
-    from kvcompress.ops.metrics import decode_metrics
-
+    step's prepared :class:`KernelDecodeLayer`: one kernel call; when ``metric_power``
+    is given, the metric rows' queries are kept, and after the step's last layer the
+    metric pass runs for all layers (:class:`DecodeStepMetrics`)."""
     num_rows, num_q_heads, head_dim = query.shape
     num_seqs = tables.seq_lens.shape[0]
     group = num_rows * num_q_heads // num_seqs
@@ -300,15 +355,9 @@ def decode_planned(
     )
     if flat_out.data_ptr() != out.data_ptr():
         out.copy_(flat_out.view(num_rows, num_q_heads, head_dim))
-    if metric_power is not None and tables.metric_rows is not None and tables.metric_rows.numel():
-        num_kv_heads = num_seqs // num_rows
-        rows = tables.metric_rows
-        decode_metrics(
-            query[rows], pool,
-            tables.block_table.view(num_rows, num_kv_heads, -1)[rows].long(),
-            tables.seq_lens.view(num_rows, num_kv_heads)[rows].long(),
-            scale, metric_power,
-        )
+    if metric_power is not None and tables.metrics is not None:
+        if tables.metrics.record(tables.layer, query):
+            tables.metrics.run(pool, scale, metric_power)
     return out
 
 

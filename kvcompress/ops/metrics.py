@@ -182,3 +182,81 @@ def decode_metrics(
     slots = _logical_slots(block_tables.reshape(rows * num_kv_heads, num_pages), block_size)
     slots = slots.view(rows, num_kv_heads, -1)
     pool.slot_metrics.view(-1).index_add_(0, slots[held], gained[held].to(pool.slot_metrics.dtype))
+
+
+def decode_metrics_by_head(
+    query: torch.Tensor,
+    pool,
+    block_tables: torch.Tensor,
+    head_lens: torch.Tensor,
+    scale: float,
+    power: int = 2,
+    max_pages_per_pass: int = 4096,
+) -> None:
+    """``decode_metrics`` over head-sequences of any layers at once, reading only the
+    pages each head holds (no padding to the longest head).
+
+    Head-sequence ``s`` is one (layer, row, KV head) of a decode step: its query group
+    sees every KV the head holds (a decode query is the newest token) and adds
+    ``softmax(q . K * scale) ** power``, summed over the group, into
+    ``pool.slot_metrics`` at those slots. The softmax runs per page and is joined per
+    head (segment max and sum), so one pass serves every layer of a step.
+
+    Args:
+        query: ``[S, G, D]`` the query group of each head-sequence.
+        pool: a :class:`~kvcompress.ops.kv_pool.KVPool` (K ``[num_pages, b, D]``, any
+            strides; ``slot_metrics [num_pages, b]`` float32, added to in place).
+        block_tables: ``[S, P]`` page ids (int32 or int64) of each head-sequence.
+        head_lens: ``[S]`` KVs held per head-sequence.
+        scale: softmax scale; power: 2 (L2) or 1 (L1).
+        max_pages_per_pass: pages gathered at once (bounds the key copy to
+            ``max_pages_per_pass * b * D`` float32; whole heads per pass, at least one).
+    """
+    num_heads, num_pages = block_tables.shape
+    if num_heads == 0:
+        return
+    block_size = pool.key_cache.shape[1]
+    pages_held = (head_lens.long() + block_size - 1) // block_size  # [S]
+    if int(pages_held.max()) > num_pages:
+        raise ValueError("decode_metrics_by_head: a head holds more KVs than its page table row")
+    ends = torch.cumsum(pages_held, 0).tolist()
+    if ends[-1] <= max_pages_per_pass:
+        _decode_metrics_heads(query, pool, block_tables, head_lens, pages_held, scale, power)
+        return
+    start_head, start_page = 0, 0
+    for head, end_page in enumerate(ends):
+        last = head == num_heads - 1
+        if last or ends[head + 1] - start_page > max_pages_per_pass:
+            _decode_metrics_heads(
+                query[start_head : head + 1], pool, block_tables[start_head : head + 1],
+                head_lens[start_head : head + 1], pages_held[start_head : head + 1], scale, power,
+            )
+            start_head, start_page = head + 1, end_page
+
+
+def _decode_metrics_heads(query, pool, block_tables, head_lens, pages_held, scale, power) -> None:
+    """One pass of :func:`decode_metrics_by_head` over whole heads."""
+    num_heads, num_pages = block_tables.shape
+    group = query.shape[1]
+    key_cache = pool.key_cache
+    block_size = key_cache.shape[1]
+    device = block_tables.device
+    held = torch.arange(num_pages, device=device) < pages_held.unsqueeze(-1)  # [S, P]
+    head_of_page, page_index = held.nonzero(as_tuple=True)  # [N]
+    if head_of_page.numel() == 0:
+        return
+    page_ids = block_tables[head_of_page, page_index].long()
+    # K as [D, b] per page: vLLM's CPU layout stores it so (a copy of whole pages).
+    keys = key_cache.transpose(1, 2)[page_ids].float()  # [N, D, b]
+    scores = torch.bmm(query[head_of_page].float(), keys).mul_(scale)  # [N, G, b]
+    slot = page_index.unsqueeze(-1) * block_size + torch.arange(block_size, device=device)
+    past_end = slot >= head_lens.long()[head_of_page].unsqueeze(-1)  # [N, b]
+    scores.masked_fill_(past_end.unsqueeze(1), float("-inf"))
+    head_max = torch.full((num_heads, group), float("-inf"), device=device).scatter_reduce_(
+        0, head_of_page.unsqueeze(-1).expand(-1, group), scores.amax(dim=2), "amax",
+    )
+    probs = torch.exp_(scores.sub_(head_max[head_of_page].unsqueeze(-1)))
+    totals = torch.zeros((num_heads, group), device=device).index_add_(0, head_of_page, probs.sum(dim=2))
+    probs.div_(totals[head_of_page].unsqueeze(-1))
+    gained = probs.pow_(power).sum(dim=1) if power != 1 else probs.sum(dim=1)  # [N, b]
+    pool.slot_metrics.index_add_(0, page_ids, gained.to(pool.slot_metrics.dtype))
