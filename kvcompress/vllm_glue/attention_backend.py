@@ -71,6 +71,17 @@ def cudagraph_support(platform) -> AttentionCGSupport:
     return AttentionCGSupport.NEVER
 
 
+def batch_matches_step(step: PerHeadStep, num_reqs: int) -> bool:
+    """Whether vLLM's batch of ``num_reqs`` rows is the one the runner planned. Under full
+    CUDA graphs vLLM pads a decode-only batch to a captured size (its cudagraph
+    dispatcher sets the row count from the padded token count); a decode step over the
+    ``DecodeBuffers`` takes that: rows past the step point at the padding slot and write
+    into the scratch page. Every other step must match row for row."""
+    if step.num_reqs == num_reqs:
+        return True
+    return step.decode_only and step.kernel_decode is None and num_reqs > step.num_reqs
+
+
 class PerHeadAttentionMetadataBuilder(AttentionMetadataBuilder[PerHeadAttentionMetadata]):
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -96,7 +107,7 @@ class PerHeadAttentionMetadataBuilder(AttentionMetadataBuilder[PerHeadAttentionM
         fast_build: bool = False,
     ) -> PerHeadAttentionMetadata:
         step = step_state.current_step()
-        if step is not None and step.num_reqs != common_attn_metadata.num_reqs:
+        if step is not None and not batch_matches_step(step, common_attn_metadata.num_reqs):
             raise RuntimeError(
                 f"kvcompress step plan covers {step.num_reqs} requests but vLLM "
                 f"built a batch of {common_attn_metadata.num_reqs}"
