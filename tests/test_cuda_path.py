@@ -34,7 +34,7 @@ def _decode_step(num_reqs: int, decode_only: bool, kernel_decode=None):
     plan = cache.append(slots, torch.ones(num_reqs, dtype=torch.int64), torch.full((num_reqs,), 39))
     return PerHeadStep(
         num_reqs=num_reqs, num_tokens=num_reqs, query_start_loc=list(range(num_reqs + 1)),
-        query_positions=torch.full((num_reqs,), 39), block_tables=None, head_lens=None,
+        query_positions=torch.full((num_reqs,), 39), tables=None, head_lens=None,
         max_head_len=40, plan=plan, decode_only=decode_only, kernel_decode=kernel_decode,
     )
 
@@ -78,3 +78,54 @@ def test_other_batch_mismatches_are_still_refused(builder, case):
             builder.build(0, _common_metadata(num_reqs=rows, num_tokens=rows))
     finally:
         step_state.set_current_step(None)
+
+
+def _largest_allocation(run) -> int:
+    """Bytes of the largest single CPU allocation made by ``run()`` (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    return max((event.cpu_memory_usage for event in prof.events() if event.cpu_memory_usage > 0), default=0)
+
+
+def test_mixed_step_tables_are_gathered_one_layer_at_a_time():
+    """Item 2: a mixed step read the rows' page tables for every layer at once
+    (``page_tables[seq_slots, :, :, :P]``, [S, L, H, P] int64: 4.3 GB for 256 rows of an
+    8B model at 128K) after a host read of the longest head. Now each layer gathers its
+    own [S, H, P] when it runs, equal to the slice of the old gather."""
+    from kvcompress.vllm_glue.step import StepTables
+
+    layers, heads, pages, block = 16, 4, 32, 16
+    cache = PerHeadPagedCache(50_000, layers, heads, block, max_seqs=32, max_pages_per_head=pages)
+    slots = [cache.new_sequence() for _ in range(24)]
+    lens = torch.randint(1, pages * block, (24,))
+    for slot, length in zip(slots, lens.tolist()):
+        cache.append(torch.tensor([slot]), torch.tensor([length]), torch.arange(length))
+    token_counts = lens.numpy()
+    tables, max_head_len = StepTables.for_rows(cache, slots, token_counts)
+    assert max_head_len == int(lens.max())
+    all_layers = cache.page_tables[torch.tensor(slots), :, :, : tables.num_pages]
+    for layer in range(layers):
+        assert torch.equal(tables.layer(layer), all_layers[:, layer])
+
+    one_layer_bytes = 24 * heads * tables.num_pages * 8
+    peak = _largest_allocation(lambda: [tables.layer(layer) for layer in range(layers)])
+    assert one_layer_bytes <= peak < 2 * one_layer_bytes < all_layers.numel() * 8 / 4
+
+
+def test_mixed_step_head_bound_needs_no_device_read():
+    """Item 2: off the CPU the longest head is bounded by the requests' token counts on
+    the host (eviction only shortens heads) instead of ``head_lens.max().item()``."""
+    from kvcompress.vllm_glue.step import StepTables
+
+    cache = PerHeadPagedCache(256, 2, 2, 16, max_seqs=4, max_pages_per_head=16)
+    slots = [cache.new_sequence(), cache.new_sequence()]
+    cache.append(torch.tensor(slots), torch.tensor([40, 70]), torch.cat([torch.arange(40), torch.arange(70)]))
+    cache.head_lens[slots[1]] = 33  # evicted down from 70
+    exact, exact_len = StepTables.for_rows(cache, slots, torch.tensor([40, 70]).numpy())
+    assert exact_len == 40 and exact.num_pages == 3
+    cache.host = None  # as on a GPU: no host view of the tables
+    bound, bound_len = StepTables.for_rows(cache, slots, torch.tensor([40, 70]).numpy())
+    assert bound_len == 70 and bound.num_pages == 5
+    assert torch.equal(bound.layer(1)[:, :, :3], exact.layer(1))

@@ -215,7 +215,7 @@ class PerHeadAttentionImpl(AttentionImpl):
         query = query[:num_tokens].view(num_tokens, self.num_heads, self.head_size)
         metrics = step.metrics
         batch = PagedBatch(
-            step.block_tables[:, layer_index], step.head_lens[:, layer_index],
+            step.tables.layer(layer_index), step.head_lens[:, layer_index],
             step.query_start_loc, step.query_positions, max_head_len=step.max_head_len,
         )
         decode_metrics = None

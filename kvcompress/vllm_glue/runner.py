@@ -47,6 +47,7 @@ from kvcompress.vllm_glue.step import (
     MetricQueries,
     PromptMetricRows,
     PerHeadStep,
+    StepTables,
     WorkerCacheState,
     current_step,
     get_worker_state,
@@ -360,17 +361,15 @@ class PerHeadRunnerMixin:
         if self._kvc_is_decode_only(req_ids, computed, num_new):
             self._kvc_plan_decode_step(req_ids, computed, seq_slots, positions_t, plan, query_start)
             return
-        head_lens = cache.head_lens[seq_slots]
-        max_head_len = int(head_lens.max().item())
-        max_pages = -(-max_head_len // cache.block_size)
+        tables, max_head_len = StepTables.for_rows(cache, slots, computed + num_new)
         set_current_step(
             PerHeadStep(
                 num_reqs=num_reqs,
                 num_tokens=int(query_start[-1]),
                 query_start_loc=query_start.tolist(),
                 query_positions=positions_t,
-                block_tables=cache.page_tables[seq_slots, :, :, : max(1, max_pages)],
-                head_lens=head_lens,
+                tables=tables,
+                head_lens=cache.head_lens[seq_slots],
                 max_head_len=max_head_len,
                 plan=plan,
                 metrics=self._kvc_metric_queries(req_ids, computed, num_new, query_start),
@@ -440,7 +439,7 @@ class PerHeadRunnerMixin:
                 num_tokens=len(req_ids),
                 query_start_loc=query_start.tolist(),
                 query_positions=positions_t,
-                block_tables=None,
+                tables=None,
                 head_lens=None,
                 max_head_len=buffers.max_head_len,
                 plan=plan,

@@ -16,6 +16,7 @@ import torch
 from kvcompress.ops import AppendPlan, KernelOps, KVPool, PerHeadPagedCache, resolve_ops
 from kvcompress.ops.cpu_attention import KernelDecodeLayer
 from kvcompress.ops.decode_by_slot import graph_partition_size
+from kvcompress.ops.paged_cache import pages_for
 from kvcompress.policies import MetricSpec
 
 
@@ -187,6 +188,42 @@ class MetricQueries:
     prompt_weight: float = 1.0
 
 
+@dataclass(frozen=True)
+class StepTables:
+    """A step's per-head page tables, read in place from the cache: each layer gathers
+    its own ``[S, H, P]`` rows when it runs (one layer's worth alive at a time), never
+    ``[S, L, H, P]`` for every layer at once (4.3 GB for 256 rows of Llama-3.1-8B at
+    128K context, int64).
+
+    Attributes:
+        page_tables: the cache's ``[max_seqs, L, H, P_max]`` tables (not a copy).
+        seq_slots: ``[S]`` int64 sequence slot of each batch row.
+        num_pages: a host bound of the pages any row's head holds (from the requests'
+            token counts: eviction only shortens heads), so no device read.
+    """
+
+    page_tables: torch.Tensor
+    seq_slots: torch.Tensor
+    num_pages: int
+
+    @classmethod
+    def for_rows(cls, cache: PerHeadPagedCache, slots: list[int], token_counts) -> tuple["StepTables", int]:
+        """The tables of batch rows in sequence slots ``slots`` whose requests hold
+        ``token_counts`` tokens each (numpy, after this step), and the longest head:
+        exact on a CPU cache (read in place), else the host bound ``max(token_counts)``."""
+        if cache.host is not None:
+            max_head_len = int(cache.host.head_lens[slots].max())
+        else:
+            max_head_len = int(token_counts.max())
+        seq_slots = torch.tensor(slots, dtype=torch.int64, device=cache.device)
+        num_pages = max(1, pages_for(max_head_len, cache.block_size))
+        return cls(cache.page_tables, seq_slots, num_pages), max_head_len
+
+    def layer(self, layer: int) -> torch.Tensor:
+        """``[S, H, num_pages]`` page ids of layer ``layer``'s heads, batch order."""
+        return self.page_tables[self.seq_slots, layer, :, : self.num_pages]
+
+
 @dataclass
 class PerHeadStep:
     """One forward step, planned by the runner.
@@ -196,11 +233,12 @@ class PerHeadStep:
         num_tokens: new tokens in the batch.
         query_start_loc: ``num_reqs + 1`` Python ints.
         query_positions: ``[num_tokens]`` int64 token positions.
-        block_tables: ``[num_reqs, num_layers, num_kv_heads, max_pages]`` int64
-            (None for a decode-only step).
+        tables: the rows' page tables, gathered layer by layer (None for a decode-only
+            step).
         head_lens: ``[num_reqs, num_layers, num_kv_heads]`` int64 (after this step's
             KVs; None for a decode-only step).
-        max_head_len: ``head_lens.max()`` on the host (sizes GPU decode grids without a sync).
+        max_head_len: a host upper bound of ``head_lens`` (sizes GPU decode grids
+            without a sync).
         plan: where each new KV is written.
         metrics: which queries add to the eviction metrics (None: none).
         decode_only: every row is one generated token: attention reads the
@@ -216,7 +254,7 @@ class PerHeadStep:
     num_tokens: int
     query_start_loc: list[int]
     query_positions: torch.Tensor
-    block_tables: torch.Tensor | None
+    tables: StepTables | None
     head_lens: torch.Tensor | None
     max_head_len: int
     plan: AppendPlan
