@@ -129,3 +129,18 @@ def test_mixed_step_head_bound_needs_no_device_read():
     bound, bound_len = StepTables.for_rows(cache, slots, torch.tensor([40, 70]).numpy())
     assert bound_len == 70 and bound.num_pages == 5
     assert torch.equal(bound.layer(1)[:, :, :3], exact.layer(1))
+
+
+def test_cuda_ops_see_as_many_kv_pages_as_slot_positions():
+    """Item 4: the engine's K / V views have one more page than ``slot_positions`` /
+    ``slot_metrics`` (the scratch page that padding rows write), and the CUDA bindings
+    require equal page counts. The ops' tensors are narrowed to the real pages: same
+    memory, equal rows."""
+    cache = PerHeadPagedCache(12, 2, 2, 16, max_seqs=3, max_pages_per_head=4)
+    buffer = torch.randn(cache.num_pages + 1, 2, 16, 64)  # + the scratch page
+    pool = cache.kv_pool(buffer[:, 0], buffer[:, 1])
+    assert pool.key_cache.shape[0] == cache.slot_positions.shape[0] + 1
+    tensors = pool.tensors()
+    assert {name: t.shape[0] for name, t in tensors.items()} == dict.fromkeys(tensors, cache.num_pages)
+    assert tensors["key_cache"].data_ptr() == buffer[:, 0].data_ptr()
+    assert tensors["value_cache"].stride() == buffer[:, 1].stride()

@@ -16,7 +16,7 @@ tensors under those schema argument names. Plain holders: nothing is copied or c
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -44,8 +44,16 @@ class KVPool:
     slot_metrics: torch.Tensor
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The four tensors by field name (the CUDA ops' schema argument names)."""
-        return {field.name: getattr(self, field.name) for field in fields(self)}
+        """The four tensors by field name (the CUDA ops' schema argument names), K / V
+        narrowed to the pages that have slot positions: the CUDA bindings require equal
+        page counts, and the scratch page past them is never read or moved by an op."""
+        pages = self.slot_positions.shape[0]
+        return {
+            "key_cache": self.key_cache.narrow(0, 0, pages),
+            "value_cache": self.value_cache.narrow(0, 0, pages),
+            "slot_positions": self.slot_positions,
+            "slot_metrics": self.slot_metrics,
+        }
 
     @property
     def block_size(self) -> int:
