@@ -144,3 +144,30 @@ def test_cuda_ops_see_as_many_kv_pages_as_slot_positions():
     assert {name: t.shape[0] for name, t in tensors.items()} == dict.fromkeys(tensors, cache.num_pages)
     assert tensors["key_cache"].data_ptr() == buffer[:, 0].data_ptr()
     assert tensors["value_cache"].stride() == buffer[:, 1].stride()
+
+
+def test_prompt_metric_workspace_is_bounded():
+    """Item 6: prompt metrics scored 1024 queries at a time against every key, float32
+    ``[Hq, 1024, K]`` temporaries (4.3 GB each at 32 heads x 32K keys). The query chunk
+    now shrinks so that they fit a workspace bound; the metrics are the same."""
+    from kvcompress.ops.metrics import SCORE_COPIES, attention_metrics
+
+    torch.manual_seed(0)
+    heads, group, dim, block, length = 2, 4, 16, 16, 2048
+    cache = PerHeadPagedCache(600, 1, heads, block, max_seqs=1, max_pages_per_head=128)
+    slot = cache.new_sequence()
+    cache.append(torch.tensor([slot]), torch.tensor([length]), torch.arange(length))
+    key_cache = torch.randn(600, block, dim)
+    query = torch.randn(512, heads * group, dim)
+    args = (query, torch.arange(length - 512, length), key_cache, cache.slot_positions,
+            cache.page_tables[slot, 0], cache.head_lens[slot, 0], 0.25)
+    one_chunk_bytes = heads * group * 512 * length * 4  # [Hq, 512, K] float32: 32 MiB
+    unbounded = _largest_allocation(lambda: attention_metrics(*args, workspace_bytes=1 << 40))
+    workspace = 2 << 20
+    bounded = _largest_allocation(lambda: attention_metrics(*args, workspace_bytes=workspace))
+    assert unbounded >= one_chunk_bytes
+    assert bounded <= workspace / SCORE_COPIES * 2
+    torch.testing.assert_close(
+        attention_metrics(*args, workspace_bytes=workspace), attention_metrics(*args, workspace_bytes=1 << 40),
+        rtol=1e-5, atol=1e-7,
+    )

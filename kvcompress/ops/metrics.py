@@ -26,6 +26,17 @@ def _logical_slots(block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
     return (block_tables.unsqueeze(-1) * block_size + offsets).reshape(block_tables.shape[0], -1)
 
 
+SCORE_COPIES = 4  # score-sized float32 temporaries alive at once in attention_metrics
+
+
+def metric_query_chunk(query_chunk: int, num_q_heads: int, num_keys: int, workspace_bytes: int) -> int:
+    """Queries per chunk of :func:`attention_metrics`: at most ``query_chunk``, and few
+    enough that ``SCORE_COPIES`` float32 ``[num_q_heads, chunk, num_keys]`` fit in
+    ``workspace_bytes`` (at least 1)."""
+    per_query = SCORE_COPIES * 4 * num_q_heads * max(1, num_keys)
+    return max(1, min(query_chunk, workspace_bytes // per_query))
+
+
 def attention_metrics(
     query: torch.Tensor,
     query_positions: torch.Tensor,
@@ -37,6 +48,7 @@ def attention_metrics(
     power: int = 2,
     skip_nearest: int = 0,
     query_chunk: int = 1024,
+    workspace_bytes: int = 256 << 20,
 ) -> torch.Tensor:
     """Metric contribution of some queries of ONE sequence and ONE layer.
 
@@ -52,6 +64,10 @@ def attention_metrics(
         skip_nearest: a query adds nothing to keys fewer than this many positions
             before it (KVC-full's ``v``; 0 for KVC-w). Softmax still sees them.
         query_chunk: queries attended at a time (bounds memory to chunk x keys).
+        workspace_bytes: bound of one chunk's score-sized temporaries (scores,
+            probabilities, masks: ~``SCORE_COPIES`` float32 ``[Hq, chunk, K]``); the
+            chunk shrinks to fit (at least one query). 1024 queries x 32 heads x 32K
+            keys would be 4.3 GB per temporary.
 
     Returns:
         ``[num_kv_heads, P * block_size]`` float32 in logical slot order; slots at
@@ -64,6 +80,7 @@ def attention_metrics(
     key_pos = slot_positions[block_tables].reshape(num_kv_heads, -1).long()
     held = torch.arange(key_pos.shape[1], device=key_pos.device) < head_lens.unsqueeze(-1)
     metric = torch.zeros(key_pos.shape, dtype=torch.float32, device=key_pos.device)
+    query_chunk = metric_query_chunk(query_chunk, query.shape[1], key_pos.shape[1], workspace_bytes)
     for start in range(0, query.shape[0], query_chunk):
         q = query[start : start + query_chunk].float()
         q_pos = query_positions[start : start + query_chunk].long()
