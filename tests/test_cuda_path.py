@@ -171,3 +171,60 @@ def test_prompt_metric_workspace_is_bounded():
         attention_metrics(*args, workspace_bytes=workspace), attention_metrics(*args, workspace_bytes=1 << 40),
         rtol=1e-5, atol=1e-7,
     )
+
+
+def _impl():
+    from kvcompress.vllm_glue.attention_backend import PerHeadAttentionImpl
+
+    return PerHeadAttentionImpl(4, 64, 0.125, 2, None, None, "auto")
+
+
+@pytest.mark.parametrize("metadata", ["profile-run", "warm-up-without-plan"])
+def test_runs_without_a_plan_leave_a_defined_output(metadata):
+    """Item 9: vLLM's profile run passes no metadata and reads the output; it was left
+    uninitialised. Now it is zeros, as vLLM's own backends give."""
+    from kvcompress.vllm_glue.attention_backend import PerHeadAttentionMetadata
+
+    attn_metadata = None if metadata == "profile-run" else PerHeadAttentionMetadata(5, None, False)
+    output = torch.full((5, 4 * 64), float("nan"))
+    query, kv = torch.randn(5, 4, 64), torch.randn(5, 2, 64)
+    result = _impl().forward(None, query, kv, kv, None, attn_metadata, output)
+    assert result is output and torch.equal(output, torch.zeros_like(output))
+
+
+def test_warm_up_runs_the_capturable_decode_before_graph_capture(builder):
+    """Item 9: warm-up batches (no step plan) ran no attention, so the graph-captured
+    decode kernels compiled inside the capture. A uniform single-token warm-up batch now
+    takes the decode path over the buffers' padding rows where that decode is a
+    capturable kernel (CUDA); prefill-shaped batches and CPU engines stay no-ops."""
+    from kvcompress.ops.dispatch import KernelOps
+    from kvcompress.vllm_glue import step as step_state
+    from kvcompress.vllm_glue.step import DecodeBuffers, WorkerCacheState
+
+    cache = PerHeadPagedCache(32, 2, 2, 16, max_seqs=5, max_pages_per_head=4)
+    buffers = DecodeBuffers.allocate(
+        num_layers=2, num_kv_heads=2, max_rows=4, num_slots=5, pad_slot=cache.new_sequence(),
+        scratch_page=32, max_head_len=64, block_size=16, metric_power=2, device=torch.device("cpu"),
+    )
+    buffer = torch.zeros(33, 2, 16, 64)
+
+    def state(device: str, backend: str) -> WorkerCacheState:
+        ops = KernelOps(torch.device(device), {"paged_attention": backend, "paged_decode_by_slot": backend})
+        return WorkerCacheState(cache=cache, layer_index={}, decode_buffers=buffers,
+                                key_cache=buffer[:, 0], value_cache=buffer[:, 1], ops=ops)
+
+    def decode_only(num_reqs: int, num_tokens: int) -> bool:
+        common = _common_metadata(num_reqs, num_tokens)
+        common.max_query_len = num_tokens // num_reqs
+        return builder.build(0, common).decode_only
+
+    step_state.set_current_step(None)
+    try:
+        step_state.set_worker_state(state("cuda", "triton"))
+        assert decode_only(4, 4)
+        assert not decode_only(2, 64)  # a prefill-shaped warm-up batch
+        assert not decode_only(8, 8)  # more rows than the buffers hold
+        step_state.set_worker_state(state("cpu", "vllm_cpu"))
+        assert not decode_only(4, 4)
+    finally:
+        step_state.set_worker_state(None)

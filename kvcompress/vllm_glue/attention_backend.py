@@ -82,6 +82,19 @@ def batch_matches_step(step: PerHeadStep, num_reqs: int) -> bool:
     return step.decode_only and step.kernel_decode is None and num_reqs > step.num_reqs
 
 
+def warms_up_decode(common_attn_metadata: CommonAttentionMetadata) -> bool:
+    """Whether a batch with no step plan (a warm-up run) should run the decode path over
+    the ``DecodeBuffers``' padding rows: one token per row, rows within the buffers, and
+    a graph-capturable decode (CUDA) whose kernels must compile before capture."""
+    state = step_state.get_worker_state()
+    if state is None or state.decode_buffers is None or not state.ops.decode_by_slot_capturable:
+        return False
+    return (
+        common_attn_metadata.max_query_len == 1
+        and common_attn_metadata.num_reqs <= state.decode_buffers.max_rows
+    )
+
+
 class PerHeadAttentionMetadataBuilder(AttentionMetadataBuilder[PerHeadAttentionMetadata]):
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -112,10 +125,19 @@ class PerHeadAttentionMetadataBuilder(AttentionMetadataBuilder[PerHeadAttentionM
                 f"kvcompress step plan covers {step.num_reqs} requests but vLLM "
                 f"built a batch of {common_attn_metadata.num_reqs}"
             )
+        if step is None:
+            # Warm-up and profiling runs: nothing real is read or written; a uniform
+            # single-token batch runs the graph-captured decode over padding rows, so
+            # its kernels compile here rather than inside the graph capture.
+            return PerHeadAttentionMetadata(
+                num_actual_tokens=common_attn_metadata.num_actual_tokens,
+                step=None,
+                decode_only=warms_up_decode(common_attn_metadata),
+            )
         return PerHeadAttentionMetadata(
             num_actual_tokens=common_attn_metadata.num_actual_tokens,
             step=step,
-            decode_only=step is not None and step.decode_only,
+            decode_only=step.decode_only,
         )
 
     def build_for_cudagraph_capture(
@@ -194,15 +216,15 @@ class PerHeadAttentionImpl(AttentionImpl):
         output ``[T, num_heads * D]`` (written in place)."""
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("fused output quantization is not supported")
-        if attn_metadata is None:
-            return output
+        if attn_metadata is None:  # profiling run: defined output, as vLLM's backends give
+            return output.fill_(0)
         if attn_metadata.decode_only:
             step = attn_metadata.step
             if step is not None and step.kernel_decode is not None:
                 return self._decode_planned(layer, query, key, value, output, step)
             return self._decode_from_buffers(layer, query, key, value, output)
         if attn_metadata.step is None:
-            return output
+            return output.fill_(0)
         step = attn_metadata.step
         state = step_state.get_worker_state()
         assert state is not None, "kvcompress worker state not initialised"

@@ -9,13 +9,16 @@ sets to ``CUSTOM`` and registers as ``PerHeadAttentionBackend``
 ``kvcompress.ops.dispatch``: the ``kvcompress._C`` decode kernel when built, Triton
 for prefill / chunked-prefill batches, the PyTorch reference otherwise.
 
-CUDA graphs: the backend declares no full-graph support, so vLLM's default
-``FULL_AND_PIECEWISE`` mode becomes ``PIECEWISE`` (vLLM logs the downgrade): the
-layers between attention calls replay as graphs, attention and compression run
-eagerly on the step's plan.
+CUDA graphs: the backend declares ``UNIFORM_SINGLE_TOKEN_DECODE`` where the Triton
+slot-indexed decode is capturable, so decode-only batches replay as full graphs over the
+fixed-address ``DecodeBuffers`` (vLLM pads them to a captured size; padding rows read an
+empty slot and write the scratch page), and mixed batches run piecewise graphs with
+attention and compression eager on the step's plan. Warm-up runs take the decode path
+over padding rows, so its kernels compile before capture.
 
-Not yet run: the GPU machines lent to this project have no vLLM, so this module is
-import- and configuration-checked on CPU (``tests/test_cuda_engine_setup.py``) only.
+Not yet run on a GPU (no GPU machine is lent to this project): this module is import-
+and configuration-checked on CPU (``tests/test_cuda_engine_setup.py``,
+``tests/test_cuda_path.py``).
 """
 
 from __future__ import annotations
