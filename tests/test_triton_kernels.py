@@ -179,6 +179,29 @@ def test_decode_head_sizes_block_sizes_dtypes(head_dim, block_size, dtype):
     _assert_close(out, expected, dtype)
 
 
+def test_decode_partitions_stay_few_whatever_the_head_bound():
+    """Issue 15 item 5: decode rows of a mixed step sized their split-softmax workspace
+    ``[rows, Hq, parts, D]`` by the host bound of the longest head in 512-token
+    partitions (256 partitions, ~1 GB per layer call at 128K). Partitions now number at
+    most MAX_GRAPH_PARTITIONS; programs past a head return at once. Same result."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvcompress.ops.decode_by_slot import MAX_GRAPH_PARTITIONS
+
+    block_size, head_dim, kv_heads, group = 16, 64, 2, 2
+    lengths = torch.tensor([[37, 5], [1, 70]])
+    pool, tables, top = _random_cache(21, lengths, block_size, head_dim, torch.float32)
+    query = torch.randn(2, kv_heads * group, head_dim).to(DEVICE)
+    bound = 131072  # a host bound far above every head, as off the CPU
+    batch = PagedBatch(tables, lengths.to(DEVICE), [0, 1, 2], torch.tensor(top, device=DEVICE), max_head_len=bound)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        expected, out, _, _ = _run_both(query, pool, batch, partition_size=512)
+    _assert_close(out, expected, torch.float32)
+    largest = max(event.cpu_memory_usage for event in prof.events() if event.cpu_memory_usage > 0)
+    workspace_cap = 2 * kv_heads * group * MAX_GRAPH_PARTITIONS * head_dim * 4
+    assert largest <= workspace_cap < 2 * kv_heads * group * (bound // 512) * head_dim * 4
+
+
 # -- decode metrics -------------------------------------------------------------------------
 
 

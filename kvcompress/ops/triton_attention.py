@@ -39,6 +39,7 @@ import os
 
 import torch
 
+from kvcompress.ops.decode_by_slot import MAX_GRAPH_PARTITIONS
 from kvcompress.ops.kv_pool import KVPool, MetricSink, PagedBatch, SlotBatch
 
 try:  # pragma: no cover - exercised where triton exists
@@ -109,6 +110,8 @@ if HAS_TRITON:
         tok = tl.load(dec_tok_ptr + b).to(tl.int64)
         head_len = tl.load(lens_ptr + seq * stride_ls + h * stride_lh).to(tl.int64)
         part_start = part.to(tl.int64) * PART_TOKENS
+        if (part > 0) & (part_start >= head_len):
+            return  # a partition past the head (most of a fixed grid): no loads at all
         part_end = tl.minimum(head_len, part_start + PART_TOKENS)
 
         rows = tl.arange(0, GROUP_PAD)
@@ -250,10 +253,10 @@ if HAS_TRITON:
         flag = tl.load(flag_ptr + seq)
         head_len = tl.load(lens_ptr + seq * stride_ls + h * stride_lh).to(tl.int64)
         part_start = part.to(tl.int64) * PART_TOKENS
+        if (flag == 0) | (part_start >= head_len):
+            return  # unflagged row or a partition past the head: no work, no loads
         part_end = tl.minimum(head_len, part_start + PART_TOKENS)
-        part_end = tl.where(flag != 0, part_end, part_start)  # unflagged: no work
         used = (head_len + PART_TOKENS - 1) // PART_TOKENS
-        used = tl.where(part_end > part_start, used, 0)
 
         rows = tl.arange(0, GROUP_PAD)
         row_ok = rows < GROUP
@@ -567,7 +570,11 @@ def _launch_decode(
     dot_dtype, emulate, precision = _dot_config(query, key_cache)
     wide = head_pad * (4 if dot_dtype == tl.float32 else 2) > 512
     max_head_len = max(1, int(max_head_len))
-    pages_per_part = max(1, -(-int(partition_size) // block_size))
+    # At most MAX_GRAPH_PARTITIONS per head whatever the context: the split-softmax
+    # workspace is [rows, Hq, parts, D] float32 (1 GB per layer call at 128K with
+    # 512-token partitions otherwise).
+    partition_size = max(int(partition_size), -(-max_head_len // MAX_GRAPH_PARTITIONS))
+    pages_per_part = max(1, -(-partition_size // block_size))
     pages_per_tile = math.gcd(pages_per_part, max(1, (32 if wide else 64) // block_size))
     tile = block_size * pages_per_tile
     part_tokens = pages_per_part * block_size
