@@ -228,3 +228,34 @@ def test_warm_up_runs_the_capturable_decode_before_graph_capture(builder):
         assert not decode_only(4, 4)
     finally:
         step_state.set_worker_state(None)
+
+
+def test_a_second_kv_cache_initialisation_drops_the_first_pool_first():
+    """Item 3 (part): vLLM's CUDA-graph memory profiling initialises a minimal KV cache,
+    then the real one. The first pool's tables and worker state must be gone when vLLM
+    allocates the second buffer (inside ``super().initialize_kv_cache``)."""
+    from kvcompress.vllm_glue import step as step_state
+    from kvcompress.vllm_glue.runner import PerHeadRunnerMixin
+
+    seen = []
+
+    class VllmRunner:  # stands in for vLLM's runner: records what is alive when it allocates
+        def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
+            seen.append((step_state.get_worker_state(), step_state.current_step(), self.kvc_cache))
+            self.kv_cache_config = kv_cache_config
+
+    class Runner(PerHeadRunnerMixin, VllmRunner):
+        def _kvc_build_pool(self, kv_cache_config):  # the pool a real build leaves behind
+            self.kvc_cache = PerHeadPagedCache(8, 1, 1, 16, max_seqs=2, max_pages_per_head=2)
+            step_state.set_worker_state(object())
+            step_state.set_current_step(object())
+
+    runner = Runner()
+    try:
+        runner.initialize_kv_cache("profiling config", is_profiling=True)
+        runner.initialize_kv_cache("real config")
+        assert seen == [(None, None, None), (None, None, None)]
+        assert runner.kvc_cache is not None and runner.kv_cache_config == "real config"
+    finally:
+        step_state.set_worker_state(None)
+        step_state.set_current_step(None)

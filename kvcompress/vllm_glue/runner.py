@@ -110,8 +110,17 @@ class PerHeadRunnerMixin:
     kvc_cache: PerHeadPagedCache | None = None
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig, *args, **kwargs) -> None:
+        # vLLM's CUDA-graph memory profiling builds a minimal KV cache first
+        # (is_profiling=True), then the real one: the previous pool's tables go before
+        # the next buffer is allocated, not after (two table sets alive at once).
+        self._kvc_drop_pool()
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
         self._kvc_build_pool(self.kv_cache_config)
+
+    def _kvc_drop_pool(self) -> None:
+        set_current_step(None)
+        set_worker_state(None)
+        self.kvc_cache = None
 
     def _kvc_build_pool(self, kv_cache_config: KVCacheConfig) -> None:
         group = single_full_attention_group(kv_cache_config)
