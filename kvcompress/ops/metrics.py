@@ -179,26 +179,11 @@ def decode_metrics(
     rows, num_kv_heads, num_pages = block_tables.shape
     if rows == 0:
         return
-    block_size, head_dim = pool.key_cache.shape[1], pool.key_cache.shape[2]
     group = query.shape[1] // num_kv_heads
-    q = query.reshape(rows, num_kv_heads, group, head_dim).float()
-    key_cache = pool.key_cache
-    if key_cache.stride(1) == 1:
-        # Pages store K as [D, b] (vLLM's CPU kernel layout): gather whole pages as
-        # stored, which is a copy of contiguous pages, not a strided walk.
-        pages = key_cache.transpose(1, 2)[block_tables].float()  # [B, H, P, D, b]
-        scores = torch.matmul(q.unsqueeze(2), pages)  # [B, H, P, G, b]
-        scores = scores.transpose(2, 3).reshape(rows, num_kv_heads, group, -1) * scale
-    else:
-        keys = key_cache[block_tables].reshape(rows, num_kv_heads, num_pages * block_size, head_dim)
-        scores = torch.einsum("bhgd,bhkd->bhgk", q, keys.float()) * scale
-    held = torch.arange(num_pages * block_size, device=head_lens.device) < head_lens.unsqueeze(-1)
-    scores = scores.masked_fill(~held.unsqueeze(2), float("-inf"))
-    probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
-    gained = probs.pow(power).sum(dim=2) if power != 1 else probs.sum(dim=2)  # [B, H, K]
-    slots = _logical_slots(block_tables.reshape(rows * num_kv_heads, num_pages), block_size)
-    slots = slots.view(rows, num_kv_heads, -1)
-    pool.slot_metrics.view(-1).index_add_(0, slots[held], gained[held].to(pool.slot_metrics.dtype))
+    decode_metrics_by_head(
+        query.reshape(rows * num_kv_heads, group, query.shape[2]), pool,
+        block_tables.reshape(rows * num_kv_heads, num_pages), head_lens.reshape(-1), scale, power,
+    )
 
 
 def decode_metrics_by_head(
