@@ -6,6 +6,8 @@ triton first)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -259,3 +261,76 @@ def test_a_second_kv_cache_initialisation_drops_the_first_pool_first():
     finally:
         step_state.set_worker_state(None)
         step_state.set_current_step(None)
+
+
+def test_metadata_formulas_count_every_byte_the_cache_allocates():
+    """Item 3: the per-head metadata taken out of the KV budget is computed by formulas
+    that must match the tensors actually allocated (page tables, head lengths, slot
+    positions and metrics, free stack, decode buffers)."""
+    from kvcompress.vllm_glue.step import DecodeBuffers
+
+    cache = PerHeadPagedCache(123, 3, 2, 32, max_seqs=7, max_pages_per_head=9)
+    tensors = [cache.page_tables, cache.head_lens, cache.slot_positions, cache.slot_metrics,
+               cache.allocator.free_stack]
+    assert PerHeadPagedCache.metadata_bytes(123, 3, 2, 32, 7, 9) == sum(t.nbytes for t in tensors)
+    buffers = DecodeBuffers.allocate(
+        num_layers=3, num_kv_heads=2, max_rows=5, num_slots=7, pad_slot=0, scratch_page=123,
+        max_head_len=288, block_size=32, metric_power=2, device=torch.device("cpu"),
+    )
+    owned = [buffers.seq_slots, buffers.query_positions, buffers.write_pages, buffers.write_offsets,
+             buffers.metric_slots, buffers.row_index]
+    assert DecodeBuffers.nbytes_for(3, 2, 5, 7) == sum(t.nbytes for t in owned)
+
+
+def test_pages_and_metadata_fit_the_kv_memory_or_the_flags_are_named():
+    from kvcompress.vllm_glue.memory import PerHeadLayout
+
+    layout = PerHeadLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype_bytes=2, block_size=16,
+                           max_num_seqs=1024, max_model_len=131072, max_rows=1024)
+    available = 50 << 30
+    for_pages = layout.page_bytes_for(available)
+    num_pages = for_pages // layout.page_bytes
+    assert for_pages + layout.metadata_bytes(num_pages) <= available
+    # Llama-3.1-8B's tables at 128K x 1024 sequences (int64) take 16 GiB of the 50.
+    assert 16 << 30 < available - for_pages < 18 << 30
+    with pytest.raises(ValueError, match="--max-num-seqs 1024 x --max-model-len 131072"):
+        layout.page_bytes_for(8 << 30)
+
+
+PROBE = """
+import json, os, sys
+sys.path.insert(0, {benchmarks!r})
+import benchmark_throughput as bench
+bench._setup_env()
+os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
+with bench.engine_core_in_process():
+    from vllm import LLM
+    import kvcompress
+    args = dict(skip_tokenizer_init=True, dtype="float32", enforce_eager=True, enable_prefix_caching=False,
+                max_model_len={max_len}, max_num_seqs={seqs}, kv_cache_memory_bytes={budget},
+                max_num_batched_tokens=8192)
+    llm = kvcompress.LLM({model!r}, **args) if {kvc} else LLM(model={model!r}, **args)
+    rss = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS"))
+    print("PROBE " + json.dumps({{"rss_kib": rss}}))
+"""
+
+
+@pytest.mark.engine
+def test_process_memory_stays_within_the_kv_budget_at_long_context(tiny_model):
+    """Item 3: with ``kv_cache_memory_bytes=B`` a kvcompress engine's process may hold
+    only a few % of B more than stock vLLM's, at a long max_model_len and many sequences
+    (before: +87 MiB of B = 1 GiB at 128K x 512, the page tables outside the budget)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    budget = 1 << 30
+    rss = {}
+    for kvc in (False, True):
+        code = PROBE.format(benchmarks=str(Path(__file__).resolve().parents[1] / "benchmarks"),
+                            max_len=131072, seqs=512, budget=budget, model=tiny_model, kvc=kvc)
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+        line = [l for l in done.stdout.splitlines() if l.startswith("PROBE ")]
+        assert done.returncode == 0 and line, done.stderr[-3000:]
+        rss[kvc] = json.loads(line[0][6:])["rss_kib"] * 1024
+    assert rss[True] - rss[False] < 0.03 * budget, (rss, budget)

@@ -118,6 +118,18 @@ class PerHeadPagedCache:
     def num_pages(self) -> int:
         return self.allocator.num_pages
 
+    @staticmethod
+    def metadata_bytes(
+        num_pages: int, num_layers: int, num_kv_heads: int, block_size: int, max_seqs: int,
+        max_pages_per_head: int,
+    ) -> int:
+        """Bytes of the tensors a cache of these dimensions allocates: page tables and
+        head lengths (int64, per sequence slot and head), slot positions and metrics
+        (int32 + float32 per slot) and the allocator's free stack (int64 per page). The
+        engine takes them out of the KV memory budget."""
+        heads = max_seqs * num_layers * num_kv_heads
+        return heads * max_pages_per_head * 8 + heads * 8 + num_pages * (block_size * (4 + 4) + 8)
+
     def kv_pool(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> KVPool:
         """The pool the ops take: ``key_cache`` / ``value_cache`` ``[num_buffer_pages,
         block_size, head_dim]`` (views of the KV buffer) with this cache's slot

@@ -27,6 +27,7 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
 
 from kvcompress.patches.shutdown import WorkerProcessGuard
+from kvcompress.vllm_glue.memory import PerHeadMemoryBudget
 from kvcompress.vllm_glue.runner import PerHeadRunnerMixin
 
 
@@ -34,8 +35,9 @@ class KVCompressGPUModelRunner(PerHeadRunnerMixin, GPUModelRunner):
     """vLLM's V1 GPU model runner over the per-(layer, KV head) page pool."""
 
 
-class KVCompressGPUWorker(WorkerProcessGuard, Worker):
-    """vLLM's worker building the per-head runner; bounded exit (patches/shutdown.py)."""
+class KVCompressGPUWorker(WorkerProcessGuard, PerHeadMemoryBudget, Worker):
+    """vLLM's worker building the per-head runner; bounded exit (patches/shutdown.py);
+    the per-head metadata inside the KV memory (``memory.py``)."""
 
     def _make_model_runner(self) -> KVCompressGPUModelRunner:
         if self.use_v2_model_runner:

@@ -83,6 +83,11 @@ class DecodeBuffers:
     def max_rows(self) -> int:
         return self.seq_slots.shape[0]
 
+    @staticmethod
+    def nbytes_for(num_layers: int, num_kv_heads: int, max_rows: int, num_slots: int) -> int:
+        """Bytes that :meth:`allocate` takes for these dimensions."""
+        return max_rows * (4 + 8 + 4) + 2 * num_layers * max_rows * num_kv_heads * 8 + num_slots
+
     def fill(
         self,
         num_rows: int,

@@ -13,6 +13,7 @@ from kvcompress.patches.attention_registry import per_head_attention_backend
 from kvcompress.patches.cpu_sampling import CPUSeededChunkRewind
 from kvcompress.patches.shutdown import WorkerProcessGuard
 from kvcompress.patches.util import swapped_attribute
+from kvcompress.vllm_glue.memory import PerHeadMemoryBudget
 from kvcompress.vllm_glue.runner import PerHeadRunnerMixin
 
 
@@ -21,8 +22,9 @@ class KVCompressCPUModelRunner(CPUSeededChunkRewind, PerHeadRunnerMixin, CPUMode
     for seeded sampling under chunked prefill, ``patches/cpu_sampling.py``)."""
 
 
-class KVCompressCPUWorker(WorkerProcessGuard, CPUWorker):
-    """vLLM's worker building the per-head runner; bounded exit (patches/shutdown.py)."""
+class KVCompressCPUWorker(WorkerProcessGuard, PerHeadMemoryBudget, CPUWorker):
+    """vLLM's worker building the per-head runner; bounded exit (patches/shutdown.py);
+    the per-head metadata inside the KV memory (``memory.py``)."""
 
     def init_device(self) -> None:
         if self.vllm_config.use_v2_model_runner:

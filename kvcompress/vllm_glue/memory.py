@@ -1,0 +1,121 @@
+"""The per-head metadata inside the KV memory budget.
+
+Besides the pages, a kvcompress engine keeps per-head page tables and lengths (per
+sequence slot), a position and a metric per KV slot, the allocator's free stack and the
+decode buffers. All of it is sized from the engine's limits and taken out of the KV
+memory vLLM reports (``kv_cache_memory_bytes`` or the profiled free memory) BEFORE vLLM
+counts its blocks, so ``--kv-cache-memory-bytes`` / ``--gpu-memory-utilization`` bound
+everything the per-head cache holds. The formulas live next to the allocations
+(``PerHeadPagedCache.metadata_bytes``, ``DecodeBuffers.nbytes_for``); docs/ARCHITECTURE.md
+keeps the table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm.logger import init_logger
+
+from kvcompress.ops.paged_cache import PerHeadPagedCache
+from kvcompress.vllm_glue.step import DecodeBuffers
+
+logger = init_logger(f"vllm.{__name__}")
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class PerHeadLayout:
+    """The dimensions that size a kvcompress engine's pool and metadata.
+
+    Attributes:
+        num_layers, num_kv_heads, head_dim: the model's attention shape (this rank).
+        dtype_bytes: bytes per K or V element.
+        block_size: tokens per page.
+        max_num_seqs: the scheduler's limit (the cache has one more sequence slot: the
+            padding rows' empty one).
+        max_model_len: the longest sequence (sizes each head's page table).
+        max_rows: rows of the decode buffers (max_num_seqs or the largest CUDA graph).
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+    block_size: int
+    max_num_seqs: int
+    max_model_len: int
+    max_rows: int
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config) -> "PerHeadLayout":
+        model, parallel = vllm_config.model_config, vllm_config.parallel_config
+        max_num_seqs = vllm_config.scheduler_config.max_num_seqs
+        capture = vllm_config.compilation_config.max_cudagraph_capture_size or 0
+        return cls(
+            num_layers=model.get_num_layers(parallel),
+            num_kv_heads=model.get_num_kv_heads(parallel),
+            head_dim=model.get_head_size(),
+            dtype_bytes=model.dtype.itemsize,
+            block_size=vllm_config.cache_config.block_size,
+            max_num_seqs=max_num_seqs,
+            max_model_len=model.max_model_len,
+            max_rows=max(max_num_seqs, capture),
+        )
+
+    @property
+    def page_bytes(self) -> int:
+        """K and V of one page (one layer, one KV head, ``block_size`` tokens)."""
+        return 2 * self.block_size * self.head_dim * self.dtype_bytes
+
+    @property
+    def max_seqs(self) -> int:
+        return self.max_num_seqs + 1
+
+    @property
+    def max_pages_per_head(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+    def metadata_bytes(self, num_pages: int) -> int:
+        """Everything but the pages, for a pool of ``num_pages`` allocatable pages."""
+        cache = PerHeadPagedCache.metadata_bytes(
+            num_pages, self.num_layers, self.num_kv_heads, self.block_size, self.max_seqs,
+            self.max_pages_per_head,
+        )
+        buffers = DecodeBuffers.nbytes_for(self.num_layers, self.num_kv_heads, self.max_rows, self.max_seqs)
+        return cache + buffers
+
+    def page_bytes_for(self, available: int) -> int:
+        """Of ``available`` bytes of KV memory, what may go to pages so that the pages'
+        own metadata fits in the rest; raises naming the flags when the fixed part (the
+        page tables) does not fit at all."""
+        fixed = self.metadata_bytes(0)
+        per_page = self.metadata_bytes(1) - fixed
+        room = available - fixed
+        # At least one page per (layer, KV head) and the scratch page.
+        least = (self.num_layers * self.num_kv_heads + 1) * (self.page_bytes + per_page)
+        if room < least:
+            raise ValueError(
+                f"--kv-compress: the per-head page tables for --max-num-seqs {self.max_num_seqs} x "
+                f"--max-model-len {self.max_model_len} take {fixed / GIB:.2f} GiB, and the KV memory "
+                f"is {available / GIB:.2f} GiB: lower --max-num-seqs or --max-model-len, or give "
+                "more KV memory (--kv-cache-memory-bytes / --gpu-memory-utilization)"
+            )
+        return room * self.page_bytes // (self.page_bytes + per_page)
+
+
+class PerHeadMemoryBudget:
+    """Worker mixin: the KV memory vLLM counts blocks in is what is left for pages after
+    the per-head metadata (``PerHeadLayout.page_bytes_for``)."""
+
+    def determine_available_memory(self) -> int:
+        available = super().determine_available_memory()
+        layout = PerHeadLayout.from_vllm_config(self.vllm_config)
+        for_pages = layout.page_bytes_for(available)
+        logger.info(
+            "kvcompress: %.3f GiB of the %.3f GiB KV memory hold per-head metadata (page tables "
+            "for %d sequences x %d tokens, slot positions and metrics); %.3f GiB go to pages",
+            (available - for_pages) / GIB, available / GIB, layout.max_num_seqs, layout.max_model_len,
+            for_pages / GIB,
+        )
+        return for_pages
