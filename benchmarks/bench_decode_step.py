@@ -9,6 +9,8 @@ on kvcompress; the difference over ``output-len - 1`` is the time per decode ste
 
     python benchmarks/bench_decode_step.py --model tiny --batch 1
     python benchmarks/bench_decode_step.py --model smollm2 --batch 1 --reps 5
+    # host bookkeeping at many sequences (issue 15 item 7): short contexts, 256 rows
+    python benchmarks/bench_decode_step.py --model tiny --batch 256 --input-len 32 --output-len 65 --reps 3
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ def main(argv=None) -> int:
             shape, dtype, args.input_len, args.output_len, kv_tokens,
             max_num_batched_tokens=max(2048, args.input_len), disable_log_stats=True,
         )
+        engine_args["max_num_seqs"] = max(256, args.batch)  # the whole batch decodes at once
         engines = {
             "stock": (LLM(model=path, **engine_args), None),
             "kvcompress": (

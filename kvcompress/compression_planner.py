@@ -179,12 +179,13 @@ class CompressionPlanner:
     def compressible(self, request: PlannableRequest) -> bool:
         # Caught up: the prompt (or, after a preemption, the recomputed prompt and
         # outputs) is in the cache; only the last sampled token is not.
+        # (the budget first: most requests at rate 1 stop there, every step)
         accounting = self.accounting
         return (
-            request.num_computed_tokens >= max(request.num_prompt_tokens, request.num_tokens - 1)
+            self.budget(request).compresses
+            and request.num_computed_tokens >= max(request.num_prompt_tokens, request.num_tokens - 1)
             and accounting.logical_len(request.request_id) > 0
             and not accounting.is_pending(request.request_id)
-            and self.budget(request).compresses
         )
 
     def candidates(self, requests: Iterable[PlannableRequest]) -> list[PlannableRequest]:

@@ -19,6 +19,9 @@ class PageAccounting:
     Attributes:
         head_lens: ``[max_requests, num_layers, num_kv_heads]`` int64 KVs per head.
         logical_lens: ``[max_requests]`` int64 tokens the request has slots for.
+        room: ``[max_requests]`` int64 tokens every head of the request can still take
+            without a new page (0 while a compression is pending): a decode step's
+            growth by one token is then two integer compares, no array op.
     """
 
     def __init__(
@@ -37,6 +40,7 @@ class PageAccounting:
         self.head_lens = np.zeros((max_requests, num_layers, num_kv_heads), np.int64)
         self.logical_lens = np.zeros(max_requests, np.int64)
         self.pages_held_per_row = np.zeros(max_requests, np.int64)
+        self.room = np.zeros(max_requests, np.int64)
         self.pending = np.zeros(max_requests, bool)
         self._row_of: dict[str, int] = {}
         self._free_rows = list(range(max_requests - 1, -1, -1))
@@ -66,11 +70,16 @@ class PageAccounting:
         self.pages_held_per_row = np.concatenate(
             [self.pages_held_per_row, np.zeros(old, np.int64)]
         )
+        self.room = np.concatenate([self.room, np.zeros(old, np.int64)])
         self.pending = np.concatenate([self.pending, np.zeros(old, bool)])
         self._free_rows.extend(range(2 * old - 1, old - 1, -1))
 
     def _pages(self, lens: np.ndarray) -> np.ndarray:
         return (lens + self.block_size - 1) // self.block_size
+
+    def _room(self, lens: np.ndarray) -> int:
+        """Tokens every head of ``lens`` can take before one of them needs a page."""
+        return int((self._pages(lens) * self.block_size - lens).min())
 
     def logical_len(self, request_id: str) -> int:
         row = self._row_of.get(request_id)
@@ -94,7 +103,7 @@ class PageAccounting:
             per_head = -(-max(target_tokens, 0) // self.block_size)
             return per_head * self.pages_per_token_block
         growth = target_tokens - int(self.logical_lens[row])
-        if growth <= 0:
+        if growth <= int(self.room[row]):  # also growth <= 0
             return 0
         if self.pending[row]:
             return self._pending_growth_bound(growth)
@@ -111,6 +120,11 @@ class PageAccounting:
         growth = target_tokens - int(self.logical_lens[row])
         if growth <= 0:
             return 0
+        if growth <= int(self.room[row]):  # every head fits in the pages it holds
+            self.head_lens[row] += growth
+            self.logical_lens[row] = target_tokens
+            self.room[row] -= growth
+            return 0
         new_lens = self.head_lens[row] + growth
         if self.pending[row]:
             held = int(self.pages_held_per_row[row]) + self._pending_growth_bound(growth)
@@ -125,6 +139,7 @@ class PageAccounting:
         self.head_lens[row] = new_lens
         self.logical_lens[row] = target_tokens
         self.pages_held_per_row[row] = held
+        self.room[row] = 0 if self.pending[row] else self._room(new_lens)
         self.num_free_pages -= taken
         return taken
 
@@ -142,6 +157,7 @@ class PageAccounting:
         self.pages_held_per_row[row] -= evict_blocks
         self.num_free_pages += evict_blocks
         self.pending[row] = True
+        self.room[row] = 0
 
     def adopt(self, request_id: str, head_lens: np.ndarray) -> int:
         """Take the worker's per-head lengths after a compression; returns the pages
@@ -154,6 +170,7 @@ class PageAccounting:
         self.head_lens[row] = head_lens
         self.pages_held_per_row[row] = held
         self.pending[row] = False
+        self.room[row] = self._room(self.head_lens[row])
         self.num_free_pages += surplus
         return surplus
 
@@ -169,6 +186,7 @@ class PageAccounting:
         freed = int(self.pages_held_per_row[row]) - held
         self.head_lens[row] = head_lens
         self.pages_held_per_row[row] = held
+        self.room[row] = 0 if self.pending[row] else self._room(self.head_lens[row])
         self.num_free_pages += freed
         return freed
 
@@ -181,6 +199,7 @@ class PageAccounting:
         self.head_lens[row] = 0
         self.logical_lens[row] = 0
         self.pages_held_per_row[row] = 0
+        self.room[row] = 0
         self.pending[row] = False
         self._free_rows.append(row)
         self.num_free_pages += freed
@@ -196,6 +215,10 @@ class PageAccounting:
         exact = ~self.pending[rows]
         if not np.array_equal(recount[exact], self.pages_held_per_row[rows][exact]):
             raise AssertionError("per-request page counts drifted from head lengths")
+        lens = self.head_lens[rows]
+        room = (self._pages(lens) * self.block_size - lens).min(axis=(1, 2))
+        if not np.array_equal(np.where(exact, room, 0), self.room[rows]):
+            raise AssertionError("per-request room drifted from head lengths")
         held = int(self.pages_held_per_row[rows].sum())
         if self.num_pages - held != self.num_free_pages:
             raise AssertionError(

@@ -256,6 +256,37 @@ def test_page_accounting_counts_ceil_of_head_lengths():
     assert accounting.num_free_pages == 200
 
 
+def test_page_accounting_decode_growth_matches_a_brute_force_recount():
+    """Decode steps grow a request a token at a time through the 'room' fast path (no
+    array op while every head has space in its last page). Against a recount of
+    ceil(len / b) after every operation: growth by 1-3 tokens, evictions that shorten
+    heads unevenly, compressions pending and adopted."""
+    rng = np.random.default_rng(0)
+    block, layers, heads = 4, 2, 3
+    accounting = PageAccounting(num_pages=10_000, num_layers=layers, num_kv_heads=heads, block_size=block)
+    lens = np.zeros((layers, heads), np.int64)
+    logical = 0
+    for step in range(400):
+        op = rng.random()
+        if op < 0.85 or logical == 0:
+            growth = int(rng.integers(1, 4))
+            want = int(np.ceil((lens + growth) / block).sum() - np.ceil(lens / block).sum())
+            assert accounting.pages_to_grow("r", logical + growth) == want, step
+            assert accounting.grow("r", logical + growth) == want
+            lens += growth
+            logical += growth
+        elif op < 0.93:
+            lens = np.minimum(lens, rng.integers(1, logical + 1, lens.shape))
+            accounting.set_head_lens("r", lens.copy())
+        else:  # a compression: pages charged up front, exact lengths adopted later
+            accounting.mark_compressed("r", 0)
+            assert accounting.pages_to_grow("r", logical + 1) == layers * heads  # upper bound while pending
+            lens = np.minimum(lens, rng.integers(1, logical + 1, lens.shape))
+            accounting.adopt("r", lens.copy())
+        accounting.check_consistent()
+        assert accounting.pages_held("r") == int(np.ceil(lens / block).sum())
+
+
 @pytest.mark.parametrize("path", ["general", "decode-numpy", "decode-torch"])
 def test_a_head_past_its_page_table_is_refused(path):
     """Growing a head past ``max_pages_per_head`` pages (longer than max_model_len) raises
