@@ -40,6 +40,20 @@ TINY_ENGINE_ARGS = dict(
 )
 
 
+def tiny_kv_budget(tokens: int, *, block_size: int, max_num_seqs: int, max_model_len: int) -> int:
+    """KV memory bytes that leave a tiny-model kvcompress engine pages for ``tokens``
+    uncompressed tokens after its per-head metadata (``vllm_glue/memory.py``): tests
+    whose bounds are exact in the pool's size keep that size."""
+    from kvcompress.vllm_glue.memory import PerHeadLayout
+
+    layout = PerHeadLayout(TINY_LAYERS, TINY_KV_HEADS, TINY_HEAD_DIM, 4, block_size, max_num_seqs,
+                           max_model_len, max_num_seqs)
+    fixed = layout.metadata_bytes(0)
+    per_page = layout.metadata_bytes(1) - fixed
+    pages_bytes = tokens * TINY_BYTES_PER_TOKEN + layout.page_bytes  # + a page: no rounding short
+    return fixed + -(-pages_bytes * (layout.page_bytes + per_page) // layout.page_bytes)
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
     from offline_assets import tiny_llama_checkpoint

@@ -8,7 +8,15 @@ import math
 
 import numpy as np
 import pytest
-from conftest import TINY_BYTES_PER_TOKEN, TINY_KV_HEADS, TINY_LAYERS, _shutdown, page_stats, worker_page_stats
+from conftest import (
+    TINY_BYTES_PER_TOKEN,
+    TINY_KV_HEADS,
+    TINY_LAYERS,
+    _shutdown,
+    page_stats,
+    tiny_kv_budget,
+    worker_page_stats,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -31,7 +39,8 @@ def compress_llm(tiny_model):
         max_model_len=2048,
         max_num_seqs=64,
         max_num_batched_tokens=512,
-        kv_cache_memory_bytes=4096 * TINY_BYTES_PER_TOKEN,
+        # 4096 tokens of pages, the per-head metadata on top (the bounds below need them)
+        kv_cache_memory_bytes=tiny_kv_budget(4096, block_size=BLOCK, max_num_seqs=64, max_model_len=2048),
         seed=0,
     )
     yield llm
