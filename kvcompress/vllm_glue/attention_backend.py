@@ -89,9 +89,11 @@ def warms_up_decode(common_attn_metadata: CommonAttentionMetadata) -> bool:
     state = step_state.get_worker_state()
     if state is None or state.decode_buffers is None or not state.ops.decode_by_slot_capturable:
         return False
+    rows = state.decode_buffers.max_rows
     return (
         common_attn_metadata.max_query_len == 1
-        and common_attn_metadata.num_reqs <= state.decode_buffers.max_rows
+        and common_attn_metadata.num_reqs <= rows
+        and common_attn_metadata.num_actual_tokens <= rows
     )
 
 
