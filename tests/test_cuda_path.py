@@ -105,7 +105,7 @@ def test_mixed_step_tables_are_gathered_one_layer_at_a_time():
     for slot, length in zip(slots, lens.tolist()):
         cache.append(torch.tensor([slot]), torch.tensor([length]), torch.arange(length))
     token_counts = lens.numpy()
-    tables, max_head_len = StepTables.for_rows(cache, slots, token_counts)
+    tables, max_head_len = StepTables.for_rows(cache, torch.tensor(slots), token_counts)
     assert max_head_len == int(lens.max())
     all_layers = cache.page_tables[torch.tensor(slots), :, :, : tables.num_pages]
     for layer in range(layers):
@@ -125,10 +125,10 @@ def test_mixed_step_head_bound_needs_no_device_read():
     slots = [cache.new_sequence(), cache.new_sequence()]
     cache.append(torch.tensor(slots), torch.tensor([40, 70]), torch.cat([torch.arange(40), torch.arange(70)]))
     cache.head_lens[slots[1]] = 33  # evicted down from 70
-    exact, exact_len = StepTables.for_rows(cache, slots, torch.tensor([40, 70]).numpy())
+    exact, exact_len = StepTables.for_rows(cache, torch.tensor(slots), torch.tensor([40, 70]).numpy())
     assert exact_len == 40 and exact.num_pages == 3
     cache.host = None  # as on a GPU: no host view of the tables
-    bound, bound_len = StepTables.for_rows(cache, slots, torch.tensor([40, 70]).numpy())
+    bound, bound_len = StepTables.for_rows(cache, torch.tensor(slots), torch.tensor([40, 70]).numpy())
     assert bound_len == 70 and bound.num_pages == 5
     assert torch.equal(bound.layer(1)[:, :, :3], exact.layer(1))
 

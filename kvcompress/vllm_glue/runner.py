@@ -370,7 +370,7 @@ class PerHeadRunnerMixin:
         if self._kvc_is_decode_only(req_ids, computed, num_new):
             self._kvc_plan_decode_step(req_ids, computed, seq_slots, positions_t, plan, query_start)
             return
-        tables, max_head_len = StepTables.for_rows(cache, slots, computed + num_new)
+        tables, max_head_len = StepTables.for_rows(cache, seq_slots, computed + num_new)
         set_current_step(
             PerHeadStep(
                 num_reqs=num_reqs,

@@ -212,15 +212,15 @@ class StepTables:
     num_pages: int
 
     @classmethod
-    def for_rows(cls, cache: PerHeadPagedCache, slots: list[int], token_counts) -> tuple["StepTables", int]:
-        """The tables of batch rows in sequence slots ``slots`` whose requests hold
-        ``token_counts`` tokens each (numpy, after this step), and the longest head:
-        exact on a CPU cache (read in place), else the host bound ``max(token_counts)``."""
+    def for_rows(cls, cache: PerHeadPagedCache, seq_slots: torch.Tensor, token_counts) -> tuple["StepTables", int]:
+        """The tables of batch rows in sequence slots ``seq_slots`` (``[S]`` int64 on the
+        cache's device) whose requests hold ``token_counts`` tokens each (numpy, after
+        this step), and the longest head: exact on a CPU cache (read in place), else the
+        host bound ``max(token_counts)``."""
         if cache.host is not None:
-            max_head_len = int(cache.host.head_lens[slots].max())
+            max_head_len = int(cache.host.head_lens[seq_slots.numpy()].max())
         else:
             max_head_len = int(token_counts.max())
-        seq_slots = torch.tensor(slots, dtype=torch.int64, device=cache.device)
         num_pages = max(1, pages_for(max_head_len, cache.block_size))
         return cls(cache.page_tables, seq_slots, num_pages), max_head_len
 
