@@ -542,7 +542,7 @@ def page_fill_inputs(num_seqs, num_layers, num_kv_heads, max_pages, demand_high,
     stack_start = num_pages - total
     to = dict(device=device)
     return dict(
-        page_tables=torch.full((max_seqs, num_layers, num_kv_heads, max_pages), -1, dtype=torch.int64, **to),
+        page_tables=torch.full((max_seqs, num_layers, num_kv_heads, max_pages), -1, dtype=torch.int32, **to),
         free_stack=free_stack.to(**to), stack_start=stack_start, offsets=offsets.to(**to),
         first_column=first_column.to(**to), rows=rows.to(**to), demand=demand.to(**to), total=total,
     )
@@ -556,7 +556,8 @@ def reference_page_fill(page_tables, free_stack, stack_start, offsets, first_col
     requester = torch.repeat_interleave(torch.arange(demand.numel(), device=device), demand)
     within = torch.arange(total, device=device) - offsets[requester]
     pages = free_stack[stack_start : stack_start + total]
-    page_tables.view(-1, page_tables.shape[-1])[rows[requester], first_column[requester] + within] = pages
+    page_tables.view(-1, page_tables.shape[-1])[rows[requester], first_column[requester] + within] = (
+        pages.to(page_tables.dtype))
 
 
 def check_allocate_pages(device, ops, seed: int) -> dict:
@@ -866,8 +867,7 @@ def bench_allocator(device, timer, num_seqs, num_layers, num_kv_heads, tokens, b
     pages, offsets = cache.allocator.allocate_for(demand)
     heads = num_layers * num_kv_heads
     rows = (seq_slots.repeat_interleave(heads) * heads + torch.arange(heads, device=device).repeat(num_seqs))
-    reference_page_fill(cache.page_tables, pages, 0, offsets, torch.zeros_like(demand), rows, demand,
-                        pages.numel())
+    cache.tables.assign(rows, torch.zeros_like(demand), pages, offsets)
     cache.head_lens[seq_slots] = lens
     ones = torch.ones(num_seqs, dtype=torch.int64, device=device)
     lens = lens.amax(dim=(1, 2)).cpu()
@@ -893,9 +893,11 @@ def build_compress_state(device, num_seqs, num_layers, num_kv_heads, tokens, blo
                               device)
     seq_slots = torch.tensor([cache.new_sequence() for _ in range(num_seqs)], dtype=torch.int64,
                              device=device)
-    pages, _ = cache.allocator.allocate_for(
-        torch.full((num_seqs * num_layers * num_kv_heads,), pages_per_head, dtype=torch.int64, device=device))
-    cache.page_tables[seq_slots] = pages.view(num_seqs, num_layers, num_kv_heads, pages_per_head)
+    heads = num_layers * num_kv_heads
+    demand = torch.full((num_seqs * heads,), pages_per_head, dtype=torch.int64, device=device)
+    pages, offsets = cache.allocator.allocate_for(demand)
+    rows = seq_slots.repeat_interleave(heads) * heads + torch.arange(heads, device=device).repeat(num_seqs)
+    cache.tables.assign(rows, torch.zeros_like(demand), pages, offsets)
     cache.head_lens[seq_slots] = tokens
     offsets = torch.arange(block_size, device=device, dtype=torch.int32)
     column = torch.arange(pages_per_head, device=device, dtype=torch.int32)
@@ -936,12 +938,18 @@ def bench_eviction(device, timer, num_seqs, num_layers, num_kv_heads, tokens, bl
             lambda: schedule_evictions(metrics, head_lens, protected, evict, block_size, cost), iters=iters)
     del metrics, positions, protected
 
-    saved = dict(page_tables=cache.page_tables.clone(), head_lens=cache.head_lens.clone(),
+    tables = cache.tables
+    saved = dict(chunk_tables=tables.chunk_tables.clone(), chunks=tables.chunks.clone(),
+                 chunk_stack=tables.chunk_allocator.free_stack.clone(),
+                 chunks_free=tables.chunk_allocator.num_free, head_lens=cache.head_lens.clone(),
                  slot_metrics=cache.slot_metrics.clone(), slot_positions=cache.slot_positions.clone(),
                  free_stack=cache.allocator.free_stack.clone(), num_free=cache.allocator.num_free)
 
     def restore():
-        cache.page_tables.copy_(saved["page_tables"])
+        tables.chunk_tables.copy_(saved["chunk_tables"])
+        tables.chunks.copy_(saved["chunks"])
+        tables.chunk_allocator.free_stack.copy_(saved["chunk_stack"])
+        tables.chunk_allocator.num_free = saved["chunks_free"]
         cache.head_lens.copy_(saved["head_lens"])
         cache.slot_metrics.copy_(saved["slot_metrics"])
         cache.slot_positions.copy_(saved["slot_positions"])

@@ -278,9 +278,9 @@ void move_cache(Tensor& key_cache, Tensor& value_cache, Tensor& slot_metrics, Te
 //     Tensor first_column, Tensor rows) -> ()
 void allocate_pages(Tensor& page_tables, const Tensor& free_stack, int64_t stack_start,
                     const Tensor& offsets, const Tensor& first_column, const Tensor& rows) {
-  TORCH_CHECK(page_tables.scalar_type() == at::kLong && page_tables.dim() >= 1 &&
+  TORCH_CHECK(page_tables.scalar_type() == at::kInt && page_tables.dim() >= 1 &&
                   page_tables.is_contiguous(),
-              "kvcompress: page_tables must be a contiguous int64 tensor [..., max_pages]");
+              "kvcompress: page_tables must be a contiguous int32 tensor [..., max_columns]");
   TORCH_CHECK(free_stack.scalar_type() == at::kLong && free_stack.dim() == 1 && free_stack.is_contiguous(),
               "kvcompress: free_stack must be a contiguous int64 [num_pages]");
   const int64_t num_requesters = rows.numel();
@@ -298,7 +298,7 @@ void allocate_pages(Tensor& page_tables, const Tensor& free_stack, int64_t stack
   const Tensor row = as_int64(rows).reshape({-1}).contiguous();
 
   kvcompress::AllocatePagesParams p;
-  p.page_tables = page_tables.data_ptr<int64_t>();
+  p.page_tables = page_tables.data_ptr<int32_t>();
   p.row_stride = page_tables.size(-1);
   p.free_stack = free_stack.data_ptr<int64_t>();
   p.stack_start = stack_start;

@@ -205,13 +205,13 @@ def test_slot_order_invariant_and_kernel_on_a_compressed_cache():
                 for head in range(num_kv_heads):
                     length = int(cache.head_lens[slots[s], layer, head])
                     index = torch.arange(length)
-                    pages = cache.page_tables[slots[s], layer, head, index // block_size]
+                    pages = cache.flat_page_tables()[slots[s], layer, head, index // block_size]
                     held = cache.slot_positions[pages, index % block_size].long()
                     assert torch.equal(held[length - n:], torch.arange(context[s], context[s] + n))
                     assert bool((held[: length - n] < context[s]).all())
         for layer in range(num_layers):
             batch = PagedBatch(
-                cache.page_tables[slots, layer], cache.head_lens[slots, layer], starts, positions
+                cache.flat_page_tables()[slots, layer], cache.head_lens[slots, layer], starts, positions
             )
             query = torch.randn(len(positions), num_kv_heads * group, head_dim, generator=gen)
             want = paged_attention(query, pool, batch, 0.125)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvcompress.ops import PerHeadPagedCache
+from kvcompress.ops.page_tables import ChunkedPageTables
 
 
 def _common_metadata(num_reqs: int, num_tokens: int):
@@ -107,11 +108,11 @@ def test_mixed_step_tables_are_gathered_one_layer_at_a_time():
     token_counts = lens.numpy()
     tables, max_head_len = StepTables.for_rows(cache, torch.tensor(slots), token_counts)
     assert max_head_len == int(lens.max())
-    all_layers = cache.page_tables[torch.tensor(slots), :, :, : tables.num_pages]
+    all_layers = cache.flat_page_tables()[torch.tensor(slots), :, :, : tables.num_pages]
     for layer in range(layers):
         assert torch.equal(tables.layer(layer), all_layers[:, layer])
 
-    one_layer_bytes = 24 * heads * tables.num_pages * 8
+    one_layer_bytes = 24 * heads * tables.num_pages * 4  # int32
     peak = _largest_allocation(lambda: [tables.layer(layer) for layer in range(layers)])
     assert one_layer_bytes <= peak < 2 * one_layer_bytes < all_layers.numel() * 8 / 4
 
@@ -162,7 +163,7 @@ def test_prompt_metric_workspace_is_bounded():
     key_cache = torch.randn(600, block, dim)
     query = torch.randn(512, heads * group, dim)
     args = (query, torch.arange(length - 512, length), key_cache, cache.slot_positions,
-            cache.page_tables[slot, 0], cache.head_lens[slot, 0], 0.25)
+            cache.flat_page_tables()[slot, 0], cache.head_lens[slot, 0], 0.25)
     one_chunk_bytes = heads * group * 512 * length * 4  # [Hq, 512, K] float32: 32 MiB
     unbounded = _largest_allocation(lambda: attention_metrics(*args, workspace_bytes=1 << 40))
     workspace = 2 << 20
@@ -270,8 +271,9 @@ def test_metadata_formulas_count_every_byte_the_cache_allocates():
     from kvcompress.vllm_glue.step import DecodeBuffers
 
     cache = PerHeadPagedCache(123, 3, 2, 32, max_seqs=7, max_pages_per_head=9)
-    tensors = [cache.page_tables, cache.head_lens, cache.slot_positions, cache.slot_metrics,
-               cache.allocator.free_stack]
+    tables = cache.tables
+    tensors = [tables.chunk_tables, tables.chunks, tables.chunk_allocator.free_stack, cache.head_lens,
+               cache.slot_positions, cache.slot_metrics, cache.allocator.free_stack]
     assert PerHeadPagedCache.metadata_bytes(123, 3, 2, 32, 7, 9) == sum(t.nbytes for t in tensors)
     buffers = DecodeBuffers.allocate(
         num_layers=3, num_kv_heads=2, max_rows=5, num_slots=7, pad_slot=0, scratch_page=123,
@@ -291,10 +293,17 @@ def test_pages_and_metadata_fit_the_kv_memory_or_the_flags_are_named():
     for_pages = layout.page_bytes_for(available)
     num_pages = for_pages // layout.page_bytes
     assert for_pages + layout.metadata_bytes(num_pages) <= available
-    # Llama-3.1-8B's tables at 128K x 1024 sequences (int64) take 16 GiB of the 50.
-    assert 16 << 30 < available - for_pages < 18 << 30
+    # Llama-3.1-8B at 128K x 1024 sequences: flat int64 tables took 16 GiB of the 50. Two
+    # levels of int32 ids sized by the pool: < 0.25 GiB; with slot positions and metrics
+    # (8 bytes per KV slot, as in the paper) about 1 GiB, 2% of the KV memory.
+    assert ChunkedPageTables.nbytes_for(num_pages, 1025, 32, 8, 8192) < 1 << 28
+    assert available - for_pages < (21 << 30) // 20
+    # The part fixed by the flags (first-level tables, head lengths, decode buffers) is
+    # what can refuse a configuration.
+    fixed = layout.metadata_bytes(0)
+    assert fixed < 1 << 28
     with pytest.raises(ValueError, match="--max-num-seqs 1024 x --max-model-len 131072"):
-        layout.page_bytes_for(8 << 30)
+        layout.page_bytes_for(fixed)
 
 
 PROBE = """

@@ -69,7 +69,7 @@ def test_decode_buffers_match_the_eager_step(power):
         eager_pool, eager_metrics = pool.clone(), cache.slot_metrics.clone()
         write_kv(eager_pool[:, 0], eager_pool[:, 1], key[:num_rows], value[:num_rows],
                  plan.write_pages[layer], plan.write_offsets[layer])
-        tables = cache.page_tables[batch, layer]
+        tables = cache.flat_page_tables()[batch, layer]
         lens = cache.head_lens[batch, layer]
         expected = paged_attention(
             query[:num_rows], KVPool(eager_pool[:, 0], eager_pool[:, 1], cache.slot_positions, eager_metrics),
@@ -81,10 +81,11 @@ def test_decode_buffers_match_the_eager_step(power):
         write_kv(buffer_pool[:, 0], buffer_pool[:, 1], key, value,
                  buffers.write_pages[layer, :padded], buffers.write_offsets[layer, :padded])
         out = torch.full_like(query, float("nan"))
+        # The engine's two-level tables, as the attention backend passes them.
         slot_batch = SlotBatch(
-            cache.page_tables[:, layer], cache.head_lens[:, layer], buffers.seq_slots[:padded],
+            cache.tables.chunk_tables[:, layer], cache.head_lens[:, layer], buffers.seq_slots[:padded],
             buffers.query_positions[:padded], max_head_len=buffers.max_head_len,
-            row_index=buffers.row_index[:padded],
+            row_index=buffers.row_index[:padded], chunks=cache.tables.chunks,
         )
         paged_decode_by_slot(
             query, KVPool(buffer_pool[:, 0], buffer_pool[:, 1], cache.slot_positions, buffer_metrics),

@@ -358,7 +358,7 @@ class _Model:
         length = int(cache.head_lens[slot, l, h]) if length is None else length
         out = {}
         for i in range(length):
-            page, offset = int(cache.page_tables[slot, l, h, i // b]), i % b
+            page, offset = int(cache.flat_page_tables()[slot, l, h, i // b]), i % b
             position = int(cache.slot_positions[page, offset])
             assert position not in out, "a position appears twice in one head"
             out[position] = (
@@ -375,7 +375,7 @@ class _Model:
         metrics = torch.zeros(num_slots)
         positions = torch.zeros(num_slots, dtype=torch.int64)
         for i in range(int(cache.head_lens[slot, l, h])):
-            page, offset = int(cache.page_tables[slot, l, h, i // b]), i % b
+            page, offset = int(cache.flat_page_tables()[slot, l, h, i // b]), i % b
             metrics[i] = cache.slot_metrics[page, offset]
             positions[i] = int(cache.slot_positions[page, offset])
         return metrics, positions
@@ -385,7 +385,7 @@ class _Model:
         held = cache.pages_held(self.slots)
         pages = []
         for s, l, h in itertools.product(*map(range, self.shape)):
-            pages += cache.page_tables[int(self.slots[s]), l, h, : int(held[s, l, h])].tolist()
+            pages += cache.flat_page_tables()[int(self.slots[s]), l, h, : int(held[s, l, h])].tolist()
         assert len(pages) == len(set(pages)), "a page appears in two tables"
         assert cache.allocator.num_free + len(pages) == cache.num_pages
         free = cache.allocator.free_stack[: cache.allocator.num_free].tolist()

@@ -71,7 +71,7 @@ def test_attention_metrics_match_float64_oracle(power, skip, chunk):
     q_pos = torch.arange(length)[rows]
     metric = attention_metrics(
         query[rows], q_pos, key_cache, cache.slot_positions,
-        cache.page_tables[slot[0], 0], cache.head_lens[slot[0], 0], 0.3,
+        cache.flat_page_tables()[slot[0], 0], cache.head_lens[slot[0], 0], 0.3,
         power=power, skip_nearest=skip, query_chunk=chunk,
     )
     expected = _oracle_metric(query[rows], q_pos, keys, 0.3, power, skip)
@@ -82,7 +82,7 @@ def test_attention_metrics_match_float64_oracle(power, skip, chunk):
 def test_accumulate_and_max_pool_follow_logical_slots():
     length = 13
     cache, *_ , slot, _, _ = _filled_cache(length)
-    tables, lens = cache.page_tables[slot[0], 0], cache.head_lens[slot[0], 0]
+    tables, lens = cache.flat_page_tables()[slot[0], 0], cache.head_lens[slot[0], 0]
     metric = torch.rand(KV_HEADS, tables.shape[1] * BLOCK)
     accumulate_metrics(cache.slot_metrics, tables, lens, metric)
     accumulate_metrics(cache.slot_metrics, tables, lens, metric)
@@ -102,13 +102,13 @@ def test_decode_attention_adds_squared_probabilities_to_slot_metrics():
     cache, key_cache, value_cache, slot, keys, _ = _filled_cache(length)
     query = torch.randn(1, KV_HEADS * GROUP, DIM)
     before = cache.slot_metrics.clone()
-    batch = PagedBatch(cache.page_tables[slot, 0], cache.head_lens[slot, 0], [0, 1], torch.tensor([length - 1]))
+    batch = PagedBatch(cache.flat_page_tables()[slot, 0], cache.head_lens[slot, 0], [0, 1], torch.tensor([length - 1]))
     paged_attention(
         query, cache.kv_pool(key_cache, value_cache), batch, 0.25,
         metrics=MetricSink(torch.tensor([True]), power=2),
     )
     expected = _oracle_metric(query, torch.tensor([length - 1]), keys, 0.25, 2)
-    tables = cache.page_tables[slot[0], 0]
+    tables = cache.flat_page_tables()[slot[0], 0]
     slots = (tables.unsqueeze(-1) * BLOCK + torch.arange(BLOCK)).reshape(KV_HEADS, -1)
     gained = (cache.slot_metrics - before).view(-1)[slots][:, :length]
     assert torch.allclose(gained.double(), expected, atol=1e-5)

@@ -18,6 +18,7 @@ from kvcompress.ops import (
     write_kv,
 )
 from kvcompress.ops.paged_attention import dense_causal_attention
+from kvcompress.ops.paged_cache import pages_for
 from kvcompress.page_accounting import PageAccounting
 
 
@@ -75,7 +76,7 @@ def test_paged_cache_tables_match_a_brute_force_model(steps, release_mask, block
     for (seq, layer, head, position), (page, offset) in seen.items():
         assert int(cache.slot_positions[page, offset]) == position
         # The page table reaches the same slot through the logical index.
-        assert int(cache.page_tables[slots[seq], layer, head, position // block_size]) == page
+        assert int(cache.flat_page_tables()[slots[seq], layer, head, position // block_size]) == page
         assert offset == position % block_size
     held = cache.pages_held(slots)
     expected = torch.tensor([math.ceil(n / block_size) for n in lengths]).view(3, 1, 1)
@@ -113,8 +114,11 @@ def test_append_one_equals_the_general_append(host_views):
         assert torch.equal(one.write_pages, general.write_pages)
         assert torch.equal(one.write_offsets, general.write_offsets)
         lengths += 1
-    for name in ("page_tables", "head_lens", "slot_positions", "slot_metrics"):
+    for name in ("head_lens", "slot_positions", "slot_metrics"):
         assert torch.equal(getattr(twins[0], name), getattr(twins[1], name)), name
+    held = pages_for(twins[0].head_lens, 4).unsqueeze(-1) > torch.arange(32)  # [S, L, H, P]
+    assert torch.equal(twins[0].flat_page_tables()[held], twins[1].flat_page_tables()[held])
+    assert twins[0].tables.chunk_allocator.num_free == twins[1].tables.chunk_allocator.num_free
     assert int((twins[0].slot_metrics == 0).sum()) == 11 * 3 * 2 * 3
     assert twins[0].allocator.num_free == twins[1].allocator.num_free
 
@@ -231,7 +235,7 @@ def test_write_then_attend_equals_dense_causal_attention():
         plan = cache.append(seq, torch.tensor([end - start]), torch.arange(start, end))
         write_kv(key_cache, value_cache, keys[start:end], values[start:end],
                  plan.write_pages[0], plan.write_offsets[0])
-        batch = PagedBatch(cache.page_tables[seq, 0], cache.head_lens[seq, 0], [0, end - start],
+        batch = PagedBatch(cache.flat_page_tables()[seq, 0], cache.head_lens[seq, 0], [0, end - start],
                            torch.arange(start, end))
         paged_attention(queries[start:end], pool, batch, head_dim**-0.5, out=outputs[start:end])
     expected = dense_causal_attention(queries, keys, values, head_dim**-0.5)

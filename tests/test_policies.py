@@ -245,7 +245,7 @@ def test_avg_pool_matches_brute_force():
     seq = cache.new_sequence()
     n = 23
     cache.append(torch.tensor([seq]), torch.tensor([n]), torch.arange(n))
-    tables = cache.page_tables[seq, 0, :, :6]
+    tables = cache.flat_page_tables()[seq, 0, :, :6]
     lens = cache.head_lens[seq, 0]
     values = torch.rand(2, 24, dtype=torch.float32)
     slots = (tables.unsqueeze(-1) * 4 + torch.arange(4)).reshape(2, -1)

@@ -339,7 +339,7 @@ def test_write_then_attend_through_the_paged_cache_in_chunks():
         plan = cache.append(seq, torch.tensor([end - start]), torch.arange(start, end))
         write_kv(key_cache, value_cache, keys[start:end], values[start:end],
                  plan.write_pages[0], plan.write_offsets[0])
-        batch = PagedBatch(cache.page_tables[seq, 0], cache.head_lens[seq, 0], [0, end - start],
+        batch = PagedBatch(cache.flat_page_tables()[seq, 0], cache.head_lens[seq, 0], [0, end - start],
                            torch.arange(start, end, device=DEVICE))
         args = (queries[start:end], pool, batch, head_dim**-0.5)
         expected = reference_attention(*args)

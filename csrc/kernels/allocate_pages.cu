@@ -20,9 +20,10 @@ __global__ void __launch_bounds__(kAllocThreads) allocate_pages_kernel(const All
     const int64_t begin = p.offsets[r];
     const int64_t end = p.offsets[r + 1];
     if (begin >= end) continue;
-    int64_t* row = p.page_tables + p.rows[r] * p.row_stride + p.first_column[r];
+    int32_t* row = p.page_tables + p.rows[r] * p.row_stride + p.first_column[r];
     const int64_t* pages = p.free_stack + p.stack_start + begin;
-    for (int64_t j = lane; j < end - begin; j += kWarpSize) row[j] = pages[j];
+    // Ids are < 2^31: the pool's chunk / page counts are checked when it is built.
+    for (int64_t j = lane; j < end - begin; j += kWarpSize) row[j] = static_cast<int32_t>(pages[j]);
   }
 }
 

@@ -165,7 +165,7 @@ cudaError_t launch_move_cache(const MoveCacheParams& params, cudaStream_t stream
 // the popped slice is free_stack[stack_start : num_free]. No bounds are checked.
 // ---------------------------------------------------------------------------------
 struct AllocatePagesParams {
-  int64_t* page_tables = nullptr;  // [num_rows, row_stride] (flattened [S, L, H, P])
+  int32_t* page_tables = nullptr;  // [num_rows, row_stride] (the chunk tables [S, L, H, P / C])
   int64_t row_stride = 0;
   const int64_t* free_stack = nullptr;
   int64_t stack_start = 0;

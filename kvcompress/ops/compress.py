@@ -59,7 +59,7 @@ def gather_logical(
 
     Returns:
         ``(metrics [S, L, H, K] float32, positions [S, L, H, K] int32, tables
-        [S, L, H, K / b] int64)``; entries past a head's length are garbage.
+        [S, L, H, K / b] int32)``; entries past a head's length are garbage.
     """
     block_size = cache.block_size
     seq_slots = seq_slots.to(cache.device, torch.int64)
@@ -68,7 +68,7 @@ def gather_logical(
         max_pages = int(pages_for(lens, block_size).max().item()) if lens.numel() else 0
         num_slots = max(1, max_pages) * block_size
     num_pages = num_slots // block_size
-    tables = cache.page_tables[seq_slots][..., :num_pages]  # [S, L, H, P]
+    tables = cache.tables.gather(seq_slots, num_pages)  # [S, L, H, P]
     # Logical slot k lives at (tables[..., k // b], k % b).
     pages = tables.repeat_interleave(block_size, dim=-1)  # [S, L, H, K]
     offsets = torch.arange(num_slots, device=cache.device) % block_size
@@ -92,7 +92,7 @@ def compress_sequences(
     """Evict, compact and free pages for a batch of sequences (one compression step).
 
     Gathers each sequence's per-head metrics and positions in logical order through
-    ``cache.page_tables`` (padded to the longest head among them), schedules the
+    ``cache.tables`` (padded to the longest head among them), schedules the
     evictions over all layers and heads of each sequence
     (:func:`~kvcompress.ops.eviction.schedule_evictions`), moves the kept KVs of each
     head's eviction range into its evicted slots (:func:`plan_moves`, then MoveCache
@@ -156,19 +156,13 @@ def compress_sequences(
     )
 
     # Free pages [ceil(new_len / b), ceil(len / b)) of every head.
-    page_index = torch.arange(tables.shape[-1], device=device)
-    freed = (page_index >= pages_for(plan.new_head_lens, block_size).unsqueeze(-1)) & (
-        page_index < pages_for(head_lens, block_size).unsqueeze(-1)
-    )
-    freed_pages = tables[freed]
-    cache.allocator.free(freed_pages)
-    cache.head_lens[seq_slots] = plan.new_head_lens
+    pages_freed = cache.free_tail_pages(seq_slots, tables, plan.new_head_lens)
     # protected_slots() marks held KVs only, and the schedule never evicts them.
     kept_unprotected = plan.new_head_lens - protected.sum(dim=-1)
     return CompressResult(
         new_head_lens=plan.new_head_lens,
         evict_blocks=plan.evict_blocks,
-        pages_freed=int(freed_pages.numel()),
+        pages_freed=pages_freed,
         kvs_evicted=int((head_lens - plan.new_head_lens).sum().item()),
         kept_unprotected_by_layer=kept_unprotected.clamp(min=0).sum(dim=(0, 2)),
     )

@@ -48,6 +48,7 @@ import torch
 
 from kvcompress.ops.flattened import decode_by_slot_flat, paged_attention_flat
 from kvcompress.ops.kv_pool import KVPool, MetricSink, PagedBatch, SlotBatch
+from kvcompress.ops.page_tables import ChunkedPageTables
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # vLLM 0.32's CPU attention head sizes (``CPUAttentionBackend.get_supported_head_sizes``).
@@ -273,7 +274,7 @@ class KernelDecodeLayer:
 
 
 def plan_decode_step(
-    pool: KVPool, page_tables: torch.Tensor, head_lens: torch.Tensor, seq_slots: torch.Tensor,
+    pool: KVPool, page_tables: ChunkedPageTables | torch.Tensor, head_lens: torch.Tensor, seq_slots: torch.Tensor,
     num_q_heads: int, metric_rows: torch.Tensor | None = None,
 ) -> list[KernelDecodeLayer]:
     """Every layer's :class:`KernelDecodeLayer` for a decode step, built once per step
@@ -282,7 +283,8 @@ def plan_decode_step(
 
     Args:
         pool: the kernel-layout pool (:func:`supports_pool`).
-        page_tables: ``[num_slots, L, H, P_max]`` page ids of every sequence slot.
+        page_tables: the cache's :class:`~kvcompress.ops.page_tables.ChunkedPageTables`
+            (or flat ``[num_slots, L, H, P_max]`` page ids of every sequence slot).
         head_lens: ``[num_slots, L, H]`` KVs held per head (after this step's KVs).
         seq_slots: ``[B]`` the batch rows' sequence slots.
         num_q_heads: query heads of the model (a multiple of ``H``).
@@ -291,7 +293,7 @@ def plan_decode_step(
     # numpy over the CPU tables: a dozen tiny ops, ~1 us each (torch: ~5-10 us each).
     rows = seq_slots.to(torch.int64).numpy()
     num_rows = rows.shape[0]
-    _, num_layers, num_kv_heads, _ = page_tables.shape
+    _, num_layers, num_kv_heads = head_lens.shape
     if num_rows == 0:
         raise ValueError("plan_decode_step: a decode step has at least one row")
     lens = head_lens.numpy()[rows]  # [B, L, H]
@@ -300,8 +302,12 @@ def plan_decode_step(
     num_pages = -(-int(lens.max()) // pool.block_size)
     num_seqs = num_rows * num_kv_heads
     # [L, B, H, P] int32 in C order: layer l's kernel sequences are rows l of [L, B*H, P].
+    if isinstance(page_tables, torch.Tensor):
+        row_tables = page_tables.numpy()[rows, :, :, :num_pages]
+    else:
+        row_tables = page_tables.gather_host(rows, num_pages)
     tables = torch.from_numpy(np.ascontiguousarray(
-        page_tables.numpy()[rows, :, :, :num_pages].transpose(1, 0, 2, 3), dtype=np.int32,
+        row_tables.transpose(1, 0, 2, 3), dtype=np.int32,
     )).view(num_layers, num_seqs, num_pages)
     lens_by_layer = np.ascontiguousarray(lens.transpose(1, 0, 2), dtype=np.int32).reshape(num_layers, num_seqs)
     seq_lens = torch.from_numpy(lens_by_layer)

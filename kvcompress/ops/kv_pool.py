@@ -106,7 +106,8 @@ class SlotBatch:
 
     Attributes:
         block_tables: ``[num_slots, num_kv_heads, P]`` page ids of one layer for every
-            sequence slot (e.g. ``PerHeadPagedCache.page_tables[:, layer]``).
+            sequence slot; with ``chunks``, ``[num_slots, num_kv_heads, ceil(P / C)]``
+            chunk ids (e.g. ``PerHeadPagedCache.tables.chunk_tables[:, layer]``).
         head_lens: ``[num_slots, num_kv_heads]`` KVs held per head.
         seq_slots: ``[B]`` int32, query row ``b`` is the decode query of slot
             ``seq_slots[b]`` (distinct for real rows; padding rows may share an empty slot).
@@ -115,6 +116,10 @@ class SlotBatch:
             (None: the tables' width ``P * block_size``; the reference ignores it).
         row_index: optional ``[B]`` int32 ``arange`` (kernel row -> query row), kept at a
             fixed address for graph capture (made per call when None).
+        chunks: optional ``[num_chunks, C]`` page ids of the second level
+            (:class:`~kvcompress.ops.page_tables.ChunkedPageTables`): column ``i`` of a head
+            is ``chunks[block_tables[s, h, i // C], i % C]``. None: ``block_tables`` holds
+            page ids.
     """
 
     block_tables: torch.Tensor
@@ -123,6 +128,13 @@ class SlotBatch:
     query_positions: torch.Tensor
     max_head_len: int | None = None
     row_index: torch.Tensor | None = None
+    chunks: torch.Tensor | None = None
+
+    @property
+    def max_pages(self) -> int:
+        """Columns (pages) a head's table can address."""
+        width = self.block_tables.shape[2]
+        return width if self.chunks is None else width * self.chunks.shape[1]
 
     def gathered(self, block_size: int) -> PagedBatch:
         """The rows as a :class:`PagedBatch` of one-query sequences: their tables gathered
@@ -131,10 +143,13 @@ class SlotBatch:
         rows = self.seq_slots.to(torch.int64)
         lens = self.head_lens[rows]  # [B, H]
         num_pages = max(1, -(-int(lens.max()) // block_size)) if rows.numel() else 1
-        return PagedBatch(
-            self.block_tables[rows, :, :num_pages], lens, list(range(rows.numel() + 1)),
-            self.query_positions[: rows.numel()],
-        )
+        if self.chunks is None:
+            tables = self.block_tables[rows, :, :num_pages]
+        else:
+            chunk_pages = self.chunks.shape[1]
+            ids = self.block_tables[rows, :, : -(-num_pages // chunk_pages)].to(torch.int64)
+            tables = self.chunks[ids].flatten(-2)[..., :num_pages]
+        return PagedBatch(tables, lens, list(range(rows.numel() + 1)), self.query_positions[: rows.numel()])
 
 
 @dataclass(frozen=True, eq=False)

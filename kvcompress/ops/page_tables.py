@@ -1,4 +1,5 @@
-"""The allocator's page-table scatter, PyTorch reference (the CUDA op is
+"""The cache's page tables: two levels sized by the pool (:class:`ChunkedPageTables`)
+and the allocator's table scatter, PyTorch reference (the CUDA op is
 ``torch.ops.kvcompress.allocate_pages``; :mod:`kvcompress.ops.dispatch` picks).
 
 Its own module so that both :mod:`kvcompress.ops.paged_cache` (the caller) and
@@ -8,7 +9,13 @@ other both ways.
 
 from __future__ import annotations
 
+import math
+from typing import Callable
+
+import numpy as np
 import torch
+
+from kvcompress.ops.allocator import PageAllocator
 
 
 def fill_page_tables(
@@ -18,9 +25,10 @@ def fill_page_tables(
     """Hand freshly allocated pages to their requesters' page tables (reference).
 
     Args:
-        page_tables: contiguous int64 ``[..., P]``, addressed as ``[num_rows, P]``
-            (the cache's ``[max_seqs, L, H, P]``: ``row = seq_slot * L * H + layer * H + head``).
-        pages: ``[offsets[-1]]`` int64 page ids, requester ``r`` owns
+        page_tables: contiguous int32 or int64 ``[..., P]``, addressed as ``[num_rows, P]``
+            (the cache's first-level ``[max_seqs, L, H, P / C]`` chunk tables:
+            ``row = seq_slot * L * H + layer * H + head``).
+        pages: ``[offsets[-1]]`` int64 page (chunk) ids, requester ``r`` owns
             ``pages[offsets[r]:offsets[r + 1]]``.
         offsets: ``[R + 1]`` int64 exclusive prefix sum of the demands.
         first_column: ``[R]`` int64 first new column of each requester (its old page count).
@@ -32,4 +40,170 @@ def fill_page_tables(
     requester = torch.repeat_interleave(torch.arange(rows.numel(), device=rows.device), demand)
     within = torch.arange(pages.numel(), device=pages.device) - offsets[requester]
     table = page_tables.view(-1, page_tables.shape[-1])
-    table[rows[requester], first_column[requester] + within] = pages
+    table[rows[requester], first_column[requester] + within] = pages.to(table.dtype)
+
+
+def chunk_pages_for(max_pages_per_head: int) -> int:
+    """Pages per chunk for heads of up to ``max_pages_per_head`` pages: the power of two
+    nearest ``sqrt(P)``, which makes the two levels about equal at the longest heads."""
+    if max_pages_per_head <= 1:
+        return 1
+    return 1 << round(math.log2(math.sqrt(max_pages_per_head)))
+
+
+class ChunkedPageTables:
+    """Page ids of every (sequence slot, layer, KV head), in two levels sized by the pool.
+
+    A flat ``[max_seqs, L, H, P_max]`` table would take ``max_num_seqs x max_model_len``
+    entries per head whatever the pool holds (8.6 GB int32 for Llama-3.1-8B at 128K and
+    1024 sequences). Here a head's page ids live in chunks of ``C`` (``chunk_pages``):
+
+    - ``chunk_tables``: ``[max_seqs, L, H, ceil(P_max / C)]`` int32 chunk ids;
+    - ``chunks``: ``[num_chunks, C]`` int32 page ids. Column ``i`` of head ``(s, l, h)``
+      is ``chunks[chunk_tables[s, l, h, i // C], i % C]``.
+
+    A head holding ``p`` pages holds ``ceil(p / C)`` chunks, so all heads together hold
+    at most ``ceil(num_pages / C) + max_seqs * L * H`` chunks: the second level is sized
+    by the pool. Chunk 0 is never handed out (unused entries read it; every entry is
+    always a valid page id). Entries past a head's pages are garbage that no kernel
+    reads (``head_lens`` bounds every read).
+    """
+
+    def __init__(
+        self, num_pages: int, max_seqs: int, num_layers: int, num_kv_heads: int,
+        max_pages_per_head: int, device: torch.device,
+    ) -> None:
+        self.chunk_pages = chunk_pages_for(max_pages_per_head)
+        self.max_pages_per_head = max_pages_per_head
+        self.shape = (max_seqs, num_layers, num_kv_heads)
+        columns = -(-max_pages_per_head // self.chunk_pages)
+        self.chunk_tables = torch.zeros((*self.shape, columns), dtype=torch.int32, device=device)
+        num_chunks = self.num_chunks_for(num_pages, max_seqs * num_layers * num_kv_heads, self.chunk_pages)
+        if max(num_pages, num_chunks) >= 2**31:
+            raise ValueError(f"{num_pages} pages / {num_chunks} chunks: page tables hold int32 ids")
+        self.chunks = torch.zeros((num_chunks, self.chunk_pages), dtype=torch.int32, device=device)
+        # Chunk ids 1..num_chunks-1 (the allocator hands out 0..n-1; +1 on the way out).
+        self.chunk_allocator = PageAllocator(num_chunks - 1, device)
+
+    @staticmethod
+    def num_chunks_for(num_pages: int, num_heads: int, chunk_pages: int) -> int:
+        """Chunks for a pool of ``num_pages`` pages and ``num_heads`` (slot, layer, head)
+        rows: one partial chunk per head plus the pool's pages in full chunks, and the
+        null chunk."""
+        return 2 + num_heads + num_pages // chunk_pages
+
+    @classmethod
+    def nbytes_for(
+        cls, num_pages: int, max_seqs: int, num_layers: int, num_kv_heads: int, max_pages_per_head: int,
+    ) -> int:
+        """Bytes :meth:`__init__` allocates for these dimensions (both levels and the
+        chunk allocator's int64 free stack)."""
+        chunk_pages = chunk_pages_for(max_pages_per_head)
+        heads = max_seqs * num_layers * num_kv_heads
+        num_chunks = cls.num_chunks_for(num_pages, heads, chunk_pages)
+        return heads * -(-max_pages_per_head // chunk_pages) * 4 + num_chunks * (chunk_pages * 4 + 8) - 8
+
+    @property
+    def flat_chunk_tables(self) -> torch.Tensor:
+        """``[max_seqs * L * H, columns]``: row ``(s * L + l) * H + h``."""
+        return self.chunk_tables.view(-1, self.chunk_tables.shape[-1])
+
+    def gather(self, seq_slots: torch.Tensor, num_pages: int, layer: int | None = None) -> torch.Tensor:
+        """Page ids of the first ``num_pages`` columns of the heads of ``seq_slots``
+        (``[S]`` int64): ``[S, L, H, num_pages]`` int32, or ``[S, H, num_pages]`` of
+        one ``layer``. Columns past a head's pages are garbage (valid page ids)."""
+        columns = max(1, -(-num_pages // self.chunk_pages))
+        if layer is None:
+            ids = self.chunk_tables[seq_slots, :, :, :columns]
+        else:
+            ids = self.chunk_tables[seq_slots, layer, :, :columns]
+        pages = self.chunks[ids.to(torch.int64)]  # [..., columns, C]
+        return pages.flatten(-2)[..., :num_pages]
+
+    def gather_host(self, rows: np.ndarray, num_pages: int) -> np.ndarray:
+        """:meth:`gather` of all layers on a CPU table through numpy (``rows`` int64)."""
+        columns = max(1, -(-num_pages // self.chunk_pages))
+        ids = self.chunk_tables.numpy()[rows, :, :, :columns]
+        pages = self.chunks.numpy()[ids]
+        return pages.reshape(*pages.shape[:-2], -1)[..., :num_pages]
+
+    def lookup(self, slots, layers, heads, columns) -> torch.Tensor:
+        """int64 page ids at broadcast index tensors ``(slots, layers, heads, columns)``."""
+        chunk = self.chunk_tables[slots, layers, heads, columns // self.chunk_pages].to(torch.int64)
+        return self.chunks[chunk, columns % self.chunk_pages].to(torch.int64)
+
+    def assign(
+        self, rows: torch.Tensor, first_column: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor,
+        fill: Callable[..., None] = fill_page_tables,
+    ) -> None:
+        """Give head row ``rows[r]`` (of :attr:`flat_chunk_tables`) the pages
+        ``pages[offsets[r]:offsets[r + 1]]`` at columns ``first_column[r]...`` (its old
+        page count onwards), taking new chunks where a head's pages cross into one.
+
+        ``fill``: the first-level fill (:func:`fill_page_tables` or the engine's op).
+        """
+        chunk_pages = self.chunk_pages
+        demand = offsets[1:] - offsets[:-1]
+        old_chunks = (first_column + chunk_pages - 1) // chunk_pages
+        new_chunks = (first_column + demand + chunk_pages - 1) // chunk_pages
+        chunk_ids, chunk_offsets = self.chunk_allocator.allocate_for(new_chunks - old_chunks)
+        if chunk_ids.numel():
+            fill(self.flat_chunk_tables, chunk_ids + 1, chunk_offsets, old_chunks, rows)
+        total = pages.numel()
+        if total == 0:
+            return
+        requester = torch.repeat_interleave(
+            torch.arange(rows.numel(), device=rows.device), demand, output_size=total
+        )
+        column = first_column[requester] + torch.arange(total, device=rows.device) - offsets[requester]
+        chunk = self.flat_chunk_tables[rows[requester], column // chunk_pages].to(torch.int64)
+        self.chunks.view(-1)[chunk * chunk_pages + column % chunk_pages] = pages.to(torch.int32)
+
+    def assign_one(self, slots, layers, heads, columns, pages: torch.Tensor) -> None:
+        """One new page per listed head (``[K]`` index tensors; ``columns`` = the head's
+        old page count), a new chunk where the page starts one."""
+        chunk_pages = self.chunk_pages
+        starts_chunk = columns % chunk_pages == 0
+        count = int(starts_chunk.sum())
+        if count:
+            ids = (self.chunk_allocator.allocate(count) + 1).to(torch.int32)
+            self.chunk_tables[
+                slots[starts_chunk], layers[starts_chunk], heads[starts_chunk],
+                columns[starts_chunk] // chunk_pages,
+            ] = ids
+        chunk = self.chunk_tables[slots, layers, heads, columns // chunk_pages].to(torch.int64)
+        self.chunks[chunk, columns % chunk_pages] = pages.to(torch.int32)
+
+    def assign_one_host(self, slots, layers, heads, columns, pages: np.ndarray) -> None:
+        """:meth:`assign_one` on a CPU table through numpy (``[K]`` int64 arrays)."""
+        chunk_pages = self.chunk_pages
+        chunk_tables, chunks = self.chunk_tables.numpy(), self.chunks.numpy()
+        starts_chunk = columns % chunk_pages == 0
+        count = int(np.count_nonzero(starts_chunk))
+        if count:
+            chunk_tables[
+                slots[starts_chunk], layers[starts_chunk], heads[starts_chunk],
+                columns[starts_chunk] // chunk_pages,
+            ] = self.chunk_allocator.allocate(count).numpy() + 1
+        chunk = chunk_tables[slots, layers, heads, columns // chunk_pages]
+        chunks[chunk, columns % chunk_pages] = pages
+
+    def truncate(self, seq_slots: torch.Tensor, old_pages: torch.Tensor, new_pages: torch.Tensor) -> None:
+        """Return the chunks of heads shrunk from ``old_pages`` to ``new_pages`` pages
+        (``[S, L, H]`` each, for ``seq_slots`` ``[S]``) that no longer hold a page."""
+        chunk_pages = self.chunk_pages
+        old_chunks = (old_pages + chunk_pages - 1) // chunk_pages
+        new_chunks = (new_pages + chunk_pages - 1) // chunk_pages
+        if not bool((new_chunks < old_chunks).any()):
+            return
+        columns = int(old_chunks.max())
+        index = torch.arange(columns, device=old_pages.device)
+        freed = (index >= new_chunks.unsqueeze(-1)) & (index < old_chunks.unsqueeze(-1))
+        ids = self.chunk_tables[seq_slots, :, :, :columns][freed]
+        self.chunk_allocator.free(ids.to(torch.int64) - 1)
+
+    def lookup_host(self, slots, layers, heads, columns) -> np.ndarray:
+        """:meth:`lookup` on a CPU table through numpy (broadcast int64 arrays)."""
+        chunk_pages = self.chunk_pages
+        chunk = self.chunk_tables.numpy()[slots, layers, heads, columns // chunk_pages]
+        return self.chunks.numpy()[chunk, columns % chunk_pages]

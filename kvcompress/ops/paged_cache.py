@@ -2,9 +2,10 @@
 
 The state every other op reads:
 
-- ``page_tables``: ``[max_seqs, num_layers, num_kv_heads, max_pages_per_head]``
-  int64 physical page ids; entry ``[s, l, h, i]`` holds KVs ``[i*b, (i+1)*b)`` of
-  head ``(l, h)`` of sequence slot ``s`` (``b`` = ``block_size``).
+- ``tables``: a :class:`~kvcompress.ops.page_tables.ChunkedPageTables`, the physical
+  page ids of every head in two levels sized by the pool; column ``i`` of head
+  ``(s, l, h)`` holds KVs ``[i*b, (i+1)*b)`` of that head of sequence slot ``s``
+  (``b`` = ``block_size``). ``tables.gather`` gives flat int32 ``[S, (L,) H, P]`` rows.
 - ``head_lens``: ``[max_seqs, num_layers, num_kv_heads]`` int64, KVs held per head.
   Heads may differ once KVs are evicted; a head holds ``ceil(len / b)`` pages.
 - ``slot_positions``: ``[num_pages, block_size]`` int32, the token position of the KV
@@ -29,9 +30,9 @@ from kvcompress.ops import dispatch
 from kvcompress.ops.allocator import PageAllocator
 from kvcompress.ops.dispatch import KernelOps
 from kvcompress.ops.kv_pool import KVPool
-from kvcompress.ops.page_tables import fill_page_tables
+from kvcompress.ops.page_tables import ChunkedPageTables, fill_page_tables
 
-__all__ = ["AppendPlan", "PerHeadPagedCache", "fill_page_tables", "pages_for"]
+__all__ = ["AppendPlan", "ChunkedPageTables", "PerHeadPagedCache", "fill_page_tables", "pages_for"]
 
 
 def pages_for(lengths, block_size: int):
@@ -45,17 +46,13 @@ class HostViews:
     """numpy views of a CPU cache's tables (same memory; tensors are only ever updated in
     place, never rebound)."""
 
-    page_tables: np.ndarray
     head_lens: np.ndarray
     slot_positions: np.ndarray
     slot_metrics: np.ndarray
 
     @classmethod
     def of(cls, cache: "PerHeadPagedCache") -> "HostViews":
-        return cls(
-            cache.page_tables.numpy(), cache.head_lens.numpy(), cache.slot_positions.numpy(),
-            cache.slot_metrics.numpy(),
-        )
+        return cls(cache.head_lens.numpy(), cache.slot_positions.numpy(), cache.slot_metrics.numpy())
 
 
 @dataclass
@@ -95,10 +92,8 @@ class PerHeadPagedCache:
         self.device = torch.device(device)
         self.ops = ops
         self.allocator = PageAllocator(num_pages, self.device)
-        self.page_tables = torch.zeros(
-            (max_seqs, num_layers, num_kv_heads, max_pages_per_head),
-            dtype=torch.int64,
-            device=self.device,
+        self.tables = ChunkedPageTables(
+            num_pages, max_seqs, num_layers, num_kv_heads, max_pages_per_head, self.device
         )
         self.head_lens = torch.zeros(
             (max_seqs, num_layers, num_kv_heads), dtype=torch.int64, device=self.device
@@ -123,12 +118,14 @@ class PerHeadPagedCache:
         num_pages: int, num_layers: int, num_kv_heads: int, block_size: int, max_seqs: int,
         max_pages_per_head: int,
     ) -> int:
-        """Bytes of the tensors a cache of these dimensions allocates: page tables and
-        head lengths (int64, per sequence slot and head), slot positions and metrics
-        (int32 + float32 per slot) and the allocator's free stack (int64 per page). The
-        engine takes them out of the KV memory budget."""
+        """Bytes of the tensors a cache of these dimensions allocates: the two-level page
+        tables (:meth:`ChunkedPageTables.nbytes_for`), head lengths (int64 per sequence
+        slot and head), slot positions and metrics (int32 + float32 per slot) and the
+        allocator's free stack (int64 per page). The engine takes them out of the KV
+        memory budget."""
         heads = max_seqs * num_layers * num_kv_heads
-        return heads * max_pages_per_head * 8 + heads * 8 + num_pages * (block_size * (4 + 4) + 8)
+        tables = ChunkedPageTables.nbytes_for(num_pages, max_seqs, num_layers, num_kv_heads, max_pages_per_head)
+        return tables + heads * 8 + num_pages * (block_size * (4 + 4) + 8)
 
     def kv_pool(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> KVPool:
         """The pool the ops take: ``key_cache`` / ``value_cache`` ``[num_buffer_pages,
@@ -141,6 +138,35 @@ class PerHeadPagedCache:
         if not self._free_seq_slots:
             raise RuntimeError(f"all {self.max_seqs} sequence slots are in use")
         return self._free_seq_slots.pop()
+
+    def page_tables_of(
+        self, seq_slots: torch.Tensor, num_pages: int | None = None, layer: int | None = None,
+    ) -> torch.Tensor:
+        """Flat int32 page ids of the heads of ``seq_slots`` (``[S]``): ``[S, L, H,
+        num_pages]`` (``[S, H, num_pages]`` of one ``layer``); ``num_pages`` defaults to
+        ``max_pages_per_head``. Columns past a head's pages are garbage."""
+        num_pages = self.max_pages_per_head if num_pages is None else num_pages
+        return self.tables.gather(seq_slots.to(self.device, torch.int64), num_pages, layer)
+
+    def flat_page_tables(self) -> torch.Tensor:
+        """A flat int32 ``[max_seqs, L, H, max_pages_per_head]`` COPY of every slot's page
+        ids (tests and dumps; writes to it are lost)."""
+        return self.page_tables_of(torch.arange(self.max_seqs, device=self.device))
+
+    def free_tail_pages(self, seq_slots: torch.Tensor, tables: torch.Tensor, new_lens: torch.Tensor) -> int:
+        """Shrink the heads of ``seq_slots`` to ``new_lens`` (``[S, L, H]``) KVs: free
+        their pages past ``ceil(new_len / b)`` (read from ``tables``, their flat
+        ``[S, L, H, >= held pages]`` ids) and the chunks that held only those. Returns
+        the number of pages freed."""
+        old_pages = self.pages_held(seq_slots)
+        new_pages = pages_for(new_lens, self.block_size)
+        page_index = torch.arange(tables.shape[-1], device=self.device)
+        freed = (page_index >= new_pages.unsqueeze(-1)) & (page_index < old_pages.unsqueeze(-1))
+        freed_pages = tables[freed]
+        self.allocator.free(freed_pages)
+        self.tables.truncate(seq_slots, old_pages, new_pages)
+        self.head_lens[seq_slots] = new_lens
+        return int(freed_pages.numel())
 
     def pages_held(self, seq_slots: torch.Tensor | None = None) -> torch.Tensor:
         """``[S, num_layers, num_kv_heads]`` pages held (all slots when ``None``)."""
@@ -163,10 +189,13 @@ class PerHeadPagedCache:
         if seq_slots.numel() == 0:
             return 0
         held = self.pages_held(seq_slots)  # [S, L, H]
-        page_index = torch.arange(self.max_pages_per_head, device=self.device)
-        in_use = page_index < held.unsqueeze(-1)  # [S, L, H, P]
-        pages = self.page_tables[seq_slots][in_use]
-        self.allocator.free(pages)
+        num_pages = int(held.max())
+        pages = held.new_zeros(0)
+        if num_pages:
+            in_use = torch.arange(num_pages, device=self.device) < held.unsqueeze(-1)  # [S, L, H, P]
+            pages = self.tables.gather(seq_slots, num_pages)[in_use]
+            self.allocator.free(pages)
+            self.tables.truncate(seq_slots, held, torch.zeros_like(held))
         self.head_lens[seq_slots] = 0
         self._free_seq_slots.extend(seq_slots.tolist())
         return int(pages.numel())
@@ -217,7 +246,7 @@ class PerHeadPagedCache:
             )
             # CUDA extension's one-kernel fill where built, else the reference.
             fill = self.ops.fill_page_tables if self.ops is not None else dispatch.fill_page_tables
-            fill(self.page_tables, pages, offsets, old_pages.reshape(-1), rows)
+            self.tables.assign(rows, old_pages.reshape(-1), pages, offsets, fill)
         self.head_lens[seq_slots] = new_lens
 
         # Token t of sequence s lands at index old_len[s, l, h] + (t - start[s]).
@@ -251,12 +280,12 @@ class PerHeadPagedCache:
             positions: ``[T]`` the tokens' positions.
         """
         # One page id per (token, layer, head), read in place: no [T, L, H, P] gather.
-        write_pages = self.page_tables[
+        write_pages = self.tables.lookup(
             token_slots.view(-1, 1, 1),
             torch.arange(self.num_layers, device=self.device).view(1, -1, 1),
             torch.arange(self.num_kv_heads, device=self.device).view(1, 1, -1),
             page_column,
-        ]
+        )
         self.slot_positions[write_pages, write_offsets] = (
             positions.to(self.device, torch.int32).view(-1, 1, 1).expand_as(write_pages)
         )
@@ -286,7 +315,7 @@ class PerHeadPagedCache:
             columns = page_column[starts_page]
             self._check_pages_per_head(int(columns.max()) + 1)
             rows, layers, heads = starts_page.nonzero(as_tuple=True)
-            self.page_tables[seq_slots[rows], layers, heads, columns] = self.allocator.allocate(count)
+            self.tables.assign_one(seq_slots[rows], layers, heads, columns, self.allocator.allocate(count))
         self.head_lens[seq_slots] = old_lens + 1
         return self._place(seq_slots, page_column, write_offsets, positions)
 
@@ -302,14 +331,16 @@ class PerHeadPagedCache:
             columns = page_column[starts_page]
             self._check_pages_per_head(int(columns.max()) + 1)
             rows, layers, heads = np.nonzero(starts_page)
-            host.page_tables[slots[rows], layers, heads, columns] = self.allocator.allocate(count).numpy()
+            self.tables.assign_one_host(
+                slots[rows], layers, heads, columns, self.allocator.allocate(count).numpy()
+            )
         host.head_lens[slots] = old_lens + 1
-        write_pages = host.page_tables[
+        write_pages = self.tables.lookup_host(
             slots[:, None, None],
             np.arange(self.num_layers)[None, :, None],
             np.arange(self.num_kv_heads)[None, None, :],
             page_column,
-        ]  # [S, L, H]
+        ).astype(np.int64)  # [S, L, H]
         host.slot_positions[write_pages, write_offsets] = positions.numpy()[:, None, None]
         host.slot_metrics[write_pages, write_offsets] = 0.0
         return AppendPlan(

@@ -84,8 +84,20 @@ if HAS_TRITON:
         return tl.dot(a, b, input_precision=PRECISION)
 
     @triton.jit
+    def _page_ids(bt_base, chunk_ptr, slot, held, stride_bp, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr):
+        """Page ids of logical slots ``slot`` of a head whose table starts at ``bt_base``:
+        one level (``CHUNK == 0``) or two (chunk ids, then ``[num_chunks, CHUNK]`` pages)."""
+        column = slot // BLOCK_SIZE
+        if CHUNK == 0:
+            page = tl.load(bt_base + column * stride_bp, mask=held, other=0)
+        else:
+            chunk = tl.load(bt_base + (column // CHUNK) * stride_bp, mask=held, other=0).to(tl.int64)
+            page = tl.load(chunk_ptr + chunk * CHUNK + column % CHUNK, mask=held, other=0)
+        return page.to(tl.int64)
+
+    @triton.jit
     def _decode_kernel(
-        q_ptr, k_ptr, v_ptr, pos_ptr, bt_ptr, lens_ptr, qpos_ptr,
+        q_ptr, k_ptr, v_ptr, pos_ptr, bt_ptr, chunk_ptr, lens_ptr, qpos_ptr,
         dec_seq_ptr, dec_tok_ptr,
         out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
         scale,
@@ -102,6 +114,7 @@ if HAS_TRITON:
         BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PART_TOKENS: tl.constexpr,
         SINGLE_PARTITION: tl.constexpr, WRITE_STATS: tl.constexpr,
         DOT_DTYPE: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
+        CHUNK: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -134,7 +147,7 @@ if HAS_TRITON:
         for start in range(part_start, part_end, TILE):
             slot = start + cols
             held = slot < part_end
-            page = tl.load(bt_base + (slot // BLOCK_SIZE) * stride_bp, mask=held, other=0).to(tl.int64)
+            page = _page_ids(bt_base, chunk_ptr, slot, held, stride_bp, BLOCK_SIZE, CHUNK)
             off = slot % BLOCK_SIZE
             kpos = tl.load(pos_ptr + page * stride_pn + off * stride_pb, mask=held, other=0)
             visible = held & (kpos <= qpos)
@@ -228,7 +241,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _decode_metric_kernel(
-        q_ptr, k_ptr, pos_ptr, bt_ptr, lens_ptr, qpos_ptr,
+        q_ptr, k_ptr, pos_ptr, bt_ptr, chunk_ptr, lens_ptr, qpos_ptr,
         dec_seq_ptr, dec_tok_ptr, flag_ptr,
         part_max_ptr, part_sum_ptr, metric_ptr,
         scale, power,
@@ -244,6 +257,7 @@ if HAS_TRITON:
         BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PART_TOKENS: tl.constexpr,
         PART_BLOCK: tl.constexpr, INT_POWER: tl.constexpr,
         DOT_DTYPE: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
+        CHUNK: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -291,7 +305,7 @@ if HAS_TRITON:
         for start in range(part_start, part_end, TILE):
             slot = start + cols
             held = slot < part_end
-            page = tl.load(bt_base + (slot // BLOCK_SIZE) * stride_bp, mask=held, other=0).to(tl.int64)
+            page = _page_ids(bt_base, chunk_ptr, slot, held, stride_bp, BLOCK_SIZE, CHUNK)
             off = slot % BLOCK_SIZE
             kpos = tl.load(pos_ptr + page * stride_pn + off * stride_pb, mask=held, other=0)
             visible = held & (kpos <= qpos)
@@ -549,9 +563,12 @@ def paged_attention_triton(
 
 def _launch_decode(
     query, pool, block_tables, head_lens, query_positions, rows, out, scale, max_head_len, partition_size,
-    metric_flags, metric_power,
+    metric_flags, metric_power, chunks=None,
 ) -> None:
     """Decode, reduce and metric kernels for rows ``rows = (dec_seq, dec_tok)``.
+
+    ``chunks``: the second level of two-level tables (``block_tables`` then holds chunk
+    ids; :class:`kvcompress.ops.page_tables.ChunkedPageTables`), or None.
 
     ``dec_seq[b]`` indexes ``block_tables`` / ``head_lens`` / ``metric_flags`` (int8, or
     None for no metrics: then ``pool.slot_metrics`` is not touched); ``dec_tok[b]``
@@ -594,8 +611,12 @@ def _launch_decode(
     else:
         part_out = torch.empty(num_decodes, num_q_heads, num_parts, head_pad, dtype=f32, device=device)
 
+    if chunks is not None and not chunks.is_contiguous():
+        raise ValueError("the page-table chunks must be contiguous")
+    chunk = 0 if chunks is None else chunks.shape[1]
+    chunk_ptr = block_tables if chunks is None else chunks
     _decode_kernel[(num_decodes, num_kv_heads, num_parts)](
-        query, key_cache, pool.value_cache, slot_positions, block_tables, head_lens, query_positions,
+        query, key_cache, pool.value_cache, slot_positions, block_tables, chunk_ptr, head_lens, query_positions,
         dec_seq, dec_tok,
         out, part_out, part_max, part_sum,
         float(scale),
@@ -606,7 +627,7 @@ def _launch_decode(
         HEAD_DIM=head_dim, HEAD_PAD=head_pad,
         BLOCK_SIZE=block_size, TILE=tile, PART_TOKENS=part_tokens,
         SINGLE_PARTITION=single, WRITE_STATS=write_stats,
-        DOT_DTYPE=dot_dtype, EMULATE=emulate, PRECISION=precision,
+        DOT_DTYPE=dot_dtype, EMULATE=emulate, PRECISION=precision, CHUNK=chunk,
         num_warps=8 if head_pad >= 256 else 4,
     )
     part_block = min(64, max(16, _next_pow2(num_parts)))
@@ -629,7 +650,7 @@ def _launch_decode(
             raise ValueError(f"metric_power must be positive, got {metric_power}")
         int_power = int(power) if power.is_integer() and power <= 8 else 0
         _decode_metric_kernel[(num_decodes, num_kv_heads, num_parts)](
-            query, key_cache, slot_positions, block_tables, head_lens, query_positions,
+            query, key_cache, slot_positions, block_tables, chunk_ptr, head_lens, query_positions,
             dec_seq, dec_tok, metric_flags,
             part_max, part_sum, slot_metrics,
             float(scale), power,
@@ -644,7 +665,7 @@ def _launch_decode(
             HEAD_DIM=head_dim, HEAD_PAD=head_pad,
             BLOCK_SIZE=block_size, TILE=tile, PART_TOKENS=part_tokens,
             PART_BLOCK=part_block, INT_POWER=int_power,
-            DOT_DTYPE=dot_dtype, EMULATE=emulate, PRECISION=precision,
+            DOT_DTYPE=dot_dtype, EMULATE=emulate, PRECISION=precision, CHUNK=chunk,
             num_warps=4,
         )
 
@@ -680,7 +701,7 @@ def paged_decode_by_slot_triton(
         return out
     max_head_len = batch.max_head_len
     if max_head_len is None:
-        max_head_len = block_tables.shape[2] * block_size
+        max_head_len = batch.max_pages * block_size
     seq_slots = batch.seq_slots
     if seq_slots.dtype != torch.int32:
         seq_slots = seq_slots.to(torch.int32)
@@ -693,5 +714,6 @@ def paged_decode_by_slot_triton(
     _launch_decode(
         query, pool, block_tables, batch.head_lens, batch.query_positions, (seq_slots, row_index), out,
         scale, max_head_len, partition_size, flags, 2 if metrics is None else metrics.power,
+        chunks=batch.chunks,
     )
     return out

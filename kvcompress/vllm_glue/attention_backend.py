@@ -306,9 +306,10 @@ class PerHeadAttentionImpl(AttentionImpl):
             buffers.write_pages[layer_index, :rows], buffers.write_offsets[layer_index, :rows],
         )
         batch = SlotBatch(
-            cache.page_tables[:, layer_index], cache.head_lens[:, layer_index],
+            cache.tables.chunk_tables[:, layer_index], cache.head_lens[:, layer_index],
             buffers.seq_slots[:rows], buffers.query_positions[:rows],
             max_head_len=buffers.max_head_len, row_index=buffers.row_index[:rows],
+            chunks=cache.tables.chunks,
         )
         state.ops.paged_decode_by_slot(
             query[:rows].view(rows, self.num_heads, self.head_size), state.pool, batch, self.scale,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from vllm.logger import init_logger
 
+from kvcompress.ops.page_tables import chunk_pages_for
 from kvcompress.ops.paged_cache import PerHeadPagedCache
 from kvcompress.vllm_glue.step import DecodeBuffers
 
@@ -90,7 +91,9 @@ class PerHeadLayout:
         own metadata fits in the rest; raises naming the flags when the fixed part (the
         page tables) does not fit at all."""
         fixed = self.metadata_bytes(0)
-        per_page = self.metadata_bytes(1) - fixed
+        # Linear but for whole chunks of page ids: the slope over one chunk bounds it.
+        span = chunk_pages_for(self.max_pages_per_head)
+        per_page = -(-(self.metadata_bytes(span) - fixed) // span)
         room = available - fixed
         # At least one page per (layer, KV head) and the scratch page.
         least = (self.num_layers * self.num_kv_heads + 1) * (self.page_bytes + per_page)

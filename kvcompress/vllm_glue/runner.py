@@ -437,7 +437,7 @@ class PerHeadRunnerMixin:
         if self.kvc_plan_kernel_decode:
             cache = self.kvc_cache
             kernel_decode = cpu_attention.plan_decode_step(
-                state.pool, cache.page_tables, cache.head_lens, seq_slots, self.kvc_num_q_heads,
+                state.pool, cache.tables, cache.head_lens, seq_slots, self.kvc_num_q_heads,
                 torch.tensor(flagged, dtype=torch.int64) if flagged else None,
             )
         else:

@@ -16,6 +16,7 @@ import torch
 from kvcompress.ops import AppendPlan, KernelOps, KVPool, PerHeadPagedCache, resolve_ops
 from kvcompress.ops.cpu_attention import KernelDecodeLayer
 from kvcompress.ops.decode_by_slot import graph_partition_size
+from kvcompress.ops.page_tables import ChunkedPageTables
 from kvcompress.ops.paged_cache import pages_for
 from kvcompress.policies import MetricSpec
 
@@ -201,13 +202,13 @@ class StepTables:
     128K context, int64).
 
     Attributes:
-        page_tables: the cache's ``[max_seqs, L, H, P_max]`` tables (not a copy).
+        page_tables: the cache's two-level tables (not a copy).
         seq_slots: ``[S]`` int64 sequence slot of each batch row.
         num_pages: a host bound of the pages any row's head holds (from the requests'
             token counts: eviction only shortens heads), so no device read.
     """
 
-    page_tables: torch.Tensor
+    page_tables: ChunkedPageTables
     seq_slots: torch.Tensor
     num_pages: int
 
@@ -222,11 +223,11 @@ class StepTables:
         else:
             max_head_len = int(token_counts.max())
         num_pages = max(1, pages_for(max_head_len, cache.block_size))
-        return cls(cache.page_tables, seq_slots, num_pages), max_head_len
+        return cls(cache.tables, seq_slots, num_pages), max_head_len
 
     def layer(self, layer: int) -> torch.Tensor:
-        """``[S, H, num_pages]`` page ids of layer ``layer``'s heads, batch order."""
-        return self.page_tables[self.seq_slots, layer, :, : self.num_pages]
+        """``[S, H, num_pages]`` int32 page ids of layer ``layer``'s heads, batch order."""
+        return self.page_tables.gather(self.seq_slots, self.num_pages, layer)
 
 
 @dataclass
