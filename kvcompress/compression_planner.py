@@ -132,6 +132,9 @@ class CompressionPlanner:
         # Counts since vLLM last took stats (None: vLLM does not log stats).
         self.metrics: KVCompressStats | None = None
         self.requests: dict[str, PlannedRequest] = {}
+        # Compressing requests not compressed since their (re)computed prefill: with no
+        # compression interval, the only ones compress_due looks at.
+        self.due: set[str] = set()
         self.step = _Step()
         # Resolved once: the server's policy settings are fixed for the engine's life.
         self._policies = {name: settings.policy_for(name) for name in POLICY_NAMES}
@@ -166,6 +169,8 @@ class CompressionPlanner:
                                request.request_id, error)
                 compression = self.resolve(None)
             planned = self.requests[request.request_id] = PlannedRequest(compression)
+            if compression.budget.compresses:
+                self.due.add(request.request_id)
         return planned
 
     def budget(self, request: PlannableRequest) -> RequestBudget:
@@ -216,6 +221,7 @@ class CompressionPlanner:
             head_lens, context_len, planned.compression.budget, accounting.block_size
         )
         planned.last_compressed_step = step.number
+        self.due.discard(request_id)
         if planned.recompress_due:
             planned.recompress_due = False
             self.stats.recompressed_after_preemption += 1
@@ -239,6 +245,10 @@ class CompressionPlanner:
     def compress_due(self, running: Iterable[PlannableRequest]) -> None:
         """Order compressions of requests whose prefill completed, and on the interval."""
         interval = self.settings.interval
+        if not interval:
+            # Only requests awaiting their first compression (or not yet resolved).
+            due, known = self.due, self.requests
+            running = [r for r in running if r.request_id in due or r.request_id not in known]
         for request in self.candidates(running):
             last = self.requests[request.request_id].last_compressed_step
             if last is None:
@@ -282,6 +292,8 @@ class CompressionPlanner:
         if planned is not None and planned.last_compressed_step is not None:
             planned.last_compressed_step = None
             planned.recompress_due = True
+            if planned.compression.budget.compresses:
+                self.due.add(request_id)
             self.stats.preempted_after_compression += 1
             if metrics is not None:
                 metrics.preemptions_after_compression += 1
@@ -289,6 +301,7 @@ class CompressionPlanner:
 
     def on_finished(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
+        self.due.discard(request_id)
 
     def on_released(self, request_id: str, pages: int) -> None:
         """The scheduler gave back the ``pages`` of ``request_id`` (finished, aborted
@@ -358,6 +371,7 @@ class CompressionPlanner:
             return None
         self.metrics = KVCompressStats()
         accounting = self.accounting
+        accounting.sync()
         metrics.pages_total = accounting.num_pages
         metrics.pages_free = accounting.num_free_pages
         # Rows of released requests are zero.
@@ -371,7 +385,7 @@ class CompressionPlanner:
         compressed this step and then released is counted from its reported head
         lengths (the scheduler had only an upper bound for its growth)."""
         accounting = self.accounting
-        held = {r: accounting.pages_held(r) for r in accounting.request_ids()}
+        held = accounting.pages_held_by_request()
         free = accounting.num_free_pages
         for request_id, pages in self.step.released_in_flight.items():
             lens = report.head_lens.get(request_id)

@@ -20,8 +20,13 @@ class PageAccounting:
         head_lens: ``[max_requests, num_layers, num_kv_heads]`` int64 KVs per head.
         logical_lens: ``[max_requests]`` int64 tokens the request has slots for.
         room: ``[max_requests]`` int64 tokens every head of the request can still take
-            without a new page (0 while a compression is pending): a decode step's
-            growth by one token is then two integer compares, no array op.
+            without a new page (0 while a compression is pending).
+
+    A decode step grows hundreds of requests by one token each, nearly always inside
+    pages they hold: :meth:`fits_in_room` / :meth:`grow_in_room` grant that with two dict operations and
+    no array op (``capacity``: the token count each request reaches before a head needs
+    a page), and the arrays catch up in one vectorised update the next time anything
+    reads them (:meth:`sync`, called by every other method).
     """
 
     def __init__(
@@ -44,6 +49,10 @@ class PageAccounting:
         self.pending = np.zeros(max_requests, bool)
         self._row_of: dict[str, int] = {}
         self._free_rows = list(range(max_requests - 1, -1, -1))
+        # request id -> logical_len + room (absent while pending): the fast path's bound.
+        self.capacity: dict[str, int] = {}
+        # request id -> logical tokens granted by grow_in_room, not yet in the arrays.
+        self._deferred: dict[str, int] = {}
 
     @property
     def pages_per_token_block(self) -> int:
@@ -81,7 +90,41 @@ class PageAccounting:
         """Tokens every head of ``lens`` can take before one of them needs a page."""
         return int((self._pages(lens) * self.block_size - lens).min())
 
+    def fits_in_room(self, request_id: str, target_tokens: int) -> bool:
+        """Whether the request's heads take ``target_tokens`` logical tokens in the pages
+        they hold (False also while a compression is pending or for a new request)."""
+        capacity = self.capacity.get(request_id)
+        return capacity is not None and target_tokens <= capacity
+
+    def grow_in_room(self, request_id: str, target_tokens: int) -> None:
+        """:meth:`grow` when :meth:`fits_in_room` said so: recorded now, applied to the
+        arrays by the next :meth:`sync`."""
+        deferred = self._deferred
+        if target_tokens > deferred.get(request_id, 0):
+            deferred[request_id] = target_tokens
+
+    def sync(self) -> None:
+        """Apply the growth :meth:`grow_in_room` recorded to the arrays."""
+        deferred = self._deferred
+        if not deferred:
+            return
+        row_of = self._row_of
+        rows = np.fromiter((row_of[r] for r in deferred), np.int64, len(deferred))
+        targets = np.fromiter(deferred.values(), np.int64, len(deferred))
+        deferred.clear()
+        growth = np.maximum(targets - self.logical_lens[rows], 0)
+        self.head_lens[rows] += growth[:, None, None]
+        self.logical_lens[rows] += growth
+        self.room[rows] -= growth
+
+    def _set_capacity(self, request_id: str, row: int) -> None:
+        if self.pending[row]:
+            self.capacity.pop(request_id, None)
+        else:
+            self.capacity[request_id] = int(self.logical_lens[row] + self.room[row])
+
     def logical_len(self, request_id: str) -> int:
+        self.sync()
         row = self._row_of.get(request_id)
         return 0 if row is None else int(self.logical_lens[row])
 
@@ -91,6 +134,7 @@ class PageAccounting:
 
     def head_lens_of(self, request_id: str) -> np.ndarray:
         """``[num_layers, num_kv_heads]`` copy of the request's per-head lengths."""
+        self.sync()
         row = self._row_of.get(request_id)
         if row is None:
             return np.zeros((self.num_layers, self.num_kv_heads), np.int64)
@@ -98,6 +142,7 @@ class PageAccounting:
 
     def pages_to_grow(self, request_id: str, target_tokens: int) -> int:
         """New pages needed for the request to have slots for ``target_tokens`` tokens."""
+        self.sync()
         row = self._row_of.get(request_id)
         if row is None:
             per_head = -(-max(target_tokens, 0) // self.block_size)
@@ -116,6 +161,7 @@ class PageAccounting:
 
     def grow(self, request_id: str, target_tokens: int) -> int:
         """Extend every head to cover ``target_tokens`` logical tokens; returns pages taken."""
+        self.sync()
         row = self._row(request_id)
         growth = target_tokens - int(self.logical_lens[row])
         if growth <= 0:
@@ -124,6 +170,7 @@ class PageAccounting:
             self.head_lens[row] += growth
             self.logical_lens[row] = target_tokens
             self.room[row] -= growth
+            self._set_capacity(request_id, row)
             return 0
         new_lens = self.head_lens[row] + growth
         if self.pending[row]:
@@ -140,6 +187,7 @@ class PageAccounting:
         self.logical_lens[row] = target_tokens
         self.pages_held_per_row[row] = held
         self.room[row] = 0 if self.pending[row] else self._room(new_lens)
+        self._set_capacity(request_id, row)
         self.num_free_pages -= taken
         return taken
 
@@ -149,6 +197,7 @@ class PageAccounting:
 
     def mark_compressed(self, request_id: str, evict_blocks: int) -> None:
         """A compression that frees exactly ``evict_blocks`` pages runs this step."""
+        self.sync()
         row = self._row_of[request_id]
         if self.pending[row]:
             raise RuntimeError(f"request {request_id} is already being compressed")
@@ -158,10 +207,12 @@ class PageAccounting:
         self.num_free_pages += evict_blocks
         self.pending[row] = True
         self.room[row] = 0
+        self.capacity.pop(request_id, None)
 
     def adopt(self, request_id: str, head_lens: np.ndarray) -> int:
         """Take the worker's per-head lengths after a compression; returns the pages
         the upper-bound charge over-counted (given back to the free pool)."""
+        self.sync()
         row = self._row_of.get(request_id)
         if row is None:
             return 0
@@ -171,6 +222,7 @@ class PageAccounting:
         self.pages_held_per_row[row] = held
         self.pending[row] = False
         self.room[row] = self._room(self.head_lens[row])
+        self._set_capacity(request_id, row)
         self.num_free_pages += surplus
         return surplus
 
@@ -179,6 +231,7 @@ class PageAccounting:
 
     def set_head_lens(self, request_id: str, head_lens: np.ndarray) -> int:
         """Shrink heads after eviction; returns pages freed."""
+        self.sync()
         row = self._row_of[request_id]
         if np.any(head_lens > self.head_lens[row]):
             raise ValueError("set_head_lens can only shrink heads")
@@ -187,11 +240,14 @@ class PageAccounting:
         self.head_lens[row] = head_lens
         self.pages_held_per_row[row] = held
         self.room[row] = 0 if self.pending[row] else self._room(self.head_lens[row])
+        self._set_capacity(request_id, row)
         self.num_free_pages += freed
         return freed
 
     def release(self, request_id: str) -> int:
         """Forget the request; returns pages freed."""
+        self.sync()
+        self.capacity.pop(request_id, None)
         row = self._row_of.pop(request_id, None)
         if row is None:
             return 0
@@ -208,8 +264,19 @@ class PageAccounting:
     def request_ids(self) -> list[str]:
         return list(self._row_of)
 
+    def pages_held_by_request(self) -> dict[str, int]:
+        """Pages held by every request (one array read, not one per request)."""
+        row_of = self._row_of
+        rows = np.fromiter(row_of.values(), np.int64, len(row_of))
+        return dict(zip(row_of, self.pages_held_per_row[rows].tolist()))
+
     def check_consistent(self) -> None:
         """Recount held pages from head lengths (vectorised) and compare."""
+        self.sync()
+        for request_id, row in self._row_of.items():
+            expected = None if self.pending[row] else int(self.logical_lens[row] + self.room[row])
+            if self.capacity.get(request_id) != expected:
+                raise AssertionError(f"capacity of {request_id} drifted from its room")
         rows = np.fromiter(self._row_of.values(), np.int64, len(self._row_of))
         recount = self._pages(self.head_lens[rows]).sum(axis=(1, 2))
         exact = ~self.pending[rows]

@@ -104,6 +104,17 @@ class PerHeadKVCacheManager:
             + arg.num_lookahead_tokens,
             self.max_model_len,
         )
+        if (
+            not arg.reserved_blocks
+            and not arg.full_sequence_must_fit
+            and accounting.fits_in_room(request_id, target_tokens)
+        ):
+            # A running request's heads take the tokens in pages they hold (most decode
+            # rows): no page to count, vLLM's logical blocks only.
+            blocks = self._allocated(request, self._inner.allocate_slots(request, *args, **kwargs))
+            if blocks is not None:
+                accounting.grow_in_room(request_id, target_tokens)
+            return blocks
         needed = accounting.pages_to_grow(request_id, target_tokens)
         reserve = arg.reserved_blocks * accounting.pages_per_token_block
         if arg.has_scheduled_reqs and request.status.name in ("WAITING", "PREEMPTED"):
@@ -122,14 +133,21 @@ class PerHeadKVCacheManager:
             needed = accounting.pages_to_grow(request_id, target_tokens)
         if needed + reserve > accounting.num_free_pages:
             return None
-        blocks = self._inner.allocate_slots(request, *args, **kwargs)
+        blocks = self._allocated(request, self._inner.allocate_slots(request, *args, **kwargs))
+        if blocks is not None:
+            accounting.grow(request_id, target_tokens)
+        return blocks
+
+    def _allocated(self, request, blocks):
+        """vLLM's answer for a request the pages allow: logged if it refused, else
+        noted as scheduled this step."""
+        request_id = request.request_id
         if blocks is None:
             logger.warning(
                 "kvcompress: vLLM's logical block pool refused request %s although "
-                "%d pages are free", request_id, accounting.num_free_pages,
+                "%d pages are free", request_id, self.accounting.num_free_pages,
             )
             return None
-        accounting.grow(request_id, target_tokens)
         self.scheduled_this_step.add(request_id)
         return blocks
 

@@ -59,6 +59,7 @@ from kvcompress.vllm_glue.kv_layout import (
     pages_in_pool,
     single_full_attention_group,
 )
+from kvcompress.vllm_glue.batch_rows import BatchRows
 from kvcompress.vllm_glue.outputs import step_compression_of, with_report
 
 logger = init_logger(f"vllm.{__name__}")
@@ -70,13 +71,12 @@ class WorkerRequest:
 
     Attributes:
         compression: its budget and policy, as the scheduler resolved them.
-        seq_slot: its row in the cache's page tables (None until first planned).
-        logical_len: tokens its heads were grown for (prompt and outputs so far).
+        seq_slot: its row in the cache's page tables (None until first planned); the
+            tokens its heads were grown for are ``kvc_logical_lens[seq_slot]``.
     """
 
     compression: RequestCompression
     seq_slot: int | None = None
-    logical_len: int = 0
 
 
 @dataclass
@@ -163,6 +163,12 @@ class PerHeadRunnerMixin:
             self.vllm_config.additional_config
         )
         self.kvc_requests: dict[str, WorkerRequest] = {}
+        # Tokens each sequence slot's heads were grown for (prompt and outputs so far).
+        self.kvc_logical_lens = np.zeros(cache.max_seqs, dtype=np.int64)
+        # The running batch's rows while its composition holds (None: rebuild).
+        self.kvc_rows: BatchRows | None = None
+        # request id -> sequence slot of every request holding pages (the report's keys).
+        self.kvc_live_slots: dict[str, int] = {}
         self.kvc_report: WorkerReport | None = None
         self.kvc_stats = WorkerStats()
         # Decode queries of one batch share one kernel call: the server policy's power.
@@ -211,8 +217,11 @@ class PerHeadRunnerMixin:
         return buffer[:, 0], buffer[:, 1]
 
     def _kvc_release(self, request_ids) -> None:
-        gone = [self.kvc_requests.pop(r) for r in request_ids if r in self.kvc_requests]
-        slots = [request.seq_slot for request in gone if request.seq_slot is not None]
+        gone = [r for r in request_ids if r in self.kvc_requests]
+        slots = [self.kvc_requests.pop(r).seq_slot for r in gone]
+        slots = [slot for slot in slots if slot is not None]
+        for request_id in gone:
+            self.kvc_live_slots.pop(request_id, None)
         if slots:
             self.kvc_cache.release(torch.tensor(slots, dtype=torch.int64))
 
@@ -227,6 +236,8 @@ class PerHeadRunnerMixin:
             self._kvc_release(gone)
             for request_id, compression in step.admitted.items():
                 self.kvc_requests[request_id] = WorkerRequest(compression)
+            if gone or step.admitted:
+                self.kvc_rows = None  # slots changed hands
             self.kvc_report = None
             self._kvc_step_started = time.perf_counter()
             compressed = self._kvc_compress(step.orders)
@@ -320,7 +331,7 @@ class PerHeadRunnerMixin:
             compressions=self.kvc_step_compressions,
             evict_mismatches=self.kvc_step_evict_mismatches,
         )
-        live = {r: w.seq_slot for r, w in self.kvc_requests.items() if w.seq_slot is not None}
+        live = self.kvc_live_slots
         if live:
             report.pages_held = dict(zip(live, cache.pages_held_per_sequence(list(live.values()))))
             for request_id in compressed:
@@ -350,25 +361,21 @@ class PerHeadRunnerMixin:
         cache = self.kvc_cache
         num_reqs = self.input_batch.num_reqs
         req_ids = self.input_batch.req_ids[:num_reqs]
-        num_new = np.array(
-            [scheduler_output.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64
-        )
+        scheduled = scheduler_output.num_scheduled_tokens
+        num_new = np.fromiter((scheduled[r] for r in req_ids), np.int64, num_reqs)
         computed = self.input_batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
-        slots = [
-            self._kvc_slot_for_step(request_id, done, new)
-            for request_id, done, new in zip(req_ids, computed.tolist(), num_new.tolist())
-        ]
+        rows = self._kvc_batch_rows(req_ids, computed, num_new)
         query_start = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(num_new, out=query_start[1:])
         positions = np.repeat(computed - query_start[:-1], num_new) + np.arange(
             query_start[-1]
         )
         device = cache.device
-        seq_slots = torch.tensor(slots, dtype=torch.int64, device=device)
+        seq_slots = rows.seq_slots
         positions_t = torch.from_numpy(positions).to(device)
         plan = cache.append(seq_slots, torch.from_numpy(num_new).to(device), positions_t)
-        if self._kvc_is_decode_only(req_ids, computed, num_new):
-            self._kvc_plan_decode_step(req_ids, computed, seq_slots, positions_t, plan, query_start)
+        if rows.decode_only(computed, num_new):
+            self._kvc_plan_decode_step(rows, computed, positions_t, plan, query_start)
             return
         tables, max_head_len = StepTables.for_rows(cache, seq_slots, computed + num_new)
         set_current_step(
@@ -385,9 +392,31 @@ class PerHeadRunnerMixin:
             )
         )
 
-    def _kvc_slot_for_step(self, request_id: str, computed: int, new_tokens: int) -> int:
-        """The request's sequence slot (a new one at its first step); its heads are
-        grown for ``computed + new_tokens`` tokens by this step."""
+    def _kvc_batch_rows(self, req_ids, computed: np.ndarray, num_new: np.ndarray) -> BatchRows:
+        """This step's rows (rebuilt when the batch's requests or their order changed),
+        after checking each row's heads were grown for exactly its ``computed`` tokens;
+        their heads are then grown for ``computed + num_new``."""
+        rows = self.kvc_rows
+        if rows is None or not rows.matches(req_ids):
+            slots = [self._kvc_slot_for(request_id, int(done)) for request_id, done in zip(req_ids, computed)]
+            rows = self.kvc_rows = BatchRows.build(
+                req_ids, slots,
+                [self.requests[r].num_prompt_tokens for r in req_ids],
+                [self._kvc_compresses(r) for r in req_ids],
+                self.kvc_cache.device,
+            )
+        grown = self.kvc_logical_lens[rows.slots]
+        if not np.array_equal(grown, computed):
+            row = int(np.flatnonzero(grown != computed)[0])
+            raise RuntimeError(
+                f"kvcompress: request {req_ids[row]} has {int(computed[row])} computed tokens "
+                f"but its heads were grown for {int(grown[row])}"
+            )
+        self.kvc_logical_lens[rows.slots] = computed + num_new
+        return rows
+
+    def _kvc_slot_for(self, request_id: str, computed: int) -> int:
+        """The request's sequence slot (a new, empty one at its first step)."""
         request = self.kvc_requests.get(request_id)
         if request is None:
             raise RuntimeError(
@@ -401,51 +430,37 @@ class PerHeadRunnerMixin:
                     "tokens but holds no pages (prefix caching must be off)"
                 )
             request.seq_slot = self.kvc_cache.new_sequence()
-        elif request.logical_len != computed:
-            raise RuntimeError(
-                f"kvcompress: request {request_id} has {computed} computed tokens but "
-                f"its heads were grown for {request.logical_len}"
-            )
-        request.logical_len = computed + new_tokens
+            self.kvc_logical_lens[request.seq_slot] = 0
+            self.kvc_live_slots[request_id] = request.seq_slot
         return request.seq_slot
 
     def _kvc_compresses(self, request_id: str) -> bool:
         request = self.kvc_requests.get(request_id)
         return request is not None and request.compression.compresses
 
-    def _kvc_is_decode_only(self, req_ids, computed, num_new) -> bool:
-        """Every row is one generated token (no prompt query, so no prompt metrics)."""
-        if not len(req_ids) or not bool((num_new == 1).all()):
-            return False
-        return all(
-            int(done) >= self.requests[request_id].num_prompt_tokens
-            for request_id, done in zip(req_ids, computed.tolist())
-        )
-
-    def _kvc_plan_decode_step(self, req_ids, computed, seq_slots, positions_t, plan, query_start) -> None:
+    def _kvc_plan_decode_step(self, rows: BatchRows, computed, positions_t, plan, query_start) -> None:
         """Publish a decode-only step: on vLLM's CPU kernel with every layer's kernel
         tables built once; otherwise through the fixed-address ``DecodeBuffers`` (CUDA
         graphs replay them)."""
         state = get_worker_state()
         buffers = state.decode_buffers
         self.kvc_stats.decode_only_steps += 1
-        flagged = [
-            i for i, (request_id, position) in enumerate(zip(req_ids, computed.tolist()))
-            if self._kvc_compresses(request_id) and self._kvc_decode_metric_due(position)
-        ]
+        flagged = rows.metric_rows(computed, self.kvc_settings.decode_metric_stride)
+        seq_slots = rows.seq_slots
         kernel_decode = None
         if self.kvc_plan_kernel_decode:
             cache = self.kvc_cache
             kernel_decode = cpu_attention.plan_decode_step(
                 state.pool, cache.tables, cache.head_lens, seq_slots, self.kvc_num_q_heads,
-                torch.tensor(flagged, dtype=torch.int64) if flagged else None,
+                torch.from_numpy(flagged) if flagged.size else None,
             )
         else:
-            self._kvc_fill_decode_buffers(buffers, req_ids, seq_slots, positions_t, plan, flagged)
+            self._kvc_fill_decode_buffers(buffers, seq_slots, positions_t, plan, flagged)
+        num_rows = len(rows.req_ids)
         set_current_step(
             PerHeadStep(
-                num_reqs=len(req_ids),
-                num_tokens=len(req_ids),
+                num_reqs=num_rows,
+                num_tokens=num_rows,
                 query_start_loc=query_start.tolist(),
                 query_positions=positions_t,
                 tables=None,
@@ -459,14 +474,14 @@ class PerHeadRunnerMixin:
         )
 
     @staticmethod
-    def _kvc_fill_decode_buffers(buffers, req_ids, seq_slots, positions_t, plan, flagged) -> None:
+    def _kvc_fill_decode_buffers(buffers, seq_slots, positions_t, plan, flagged: np.ndarray) -> None:
         buffers.fill(
-            len(req_ids),
+            seq_slots.shape[0],
             seq_slots,
             positions_t,
             plan.write_pages,
             plan.write_offsets,
-            seq_slots[flagged] if flagged else None,
+            seq_slots[torch.from_numpy(flagged).to(seq_slots.device)] if flagged.size else None,
         )
 
     def _is_uniform_decode(
