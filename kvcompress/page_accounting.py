@@ -227,6 +227,8 @@ class PageAccounting:
         return surplus
 
     def pending_request_ids(self) -> list[str]:
+        if not self.pending.any():  # every step; compressions are rare
+            return []
         return [r for r, row in self._row_of.items() if self.pending[row]]
 
     def set_head_lens(self, request_id: str, head_lens: np.ndarray) -> int:

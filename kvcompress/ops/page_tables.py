@@ -123,8 +123,9 @@ class ChunkedPageTables:
     def gather_host(self, rows: np.ndarray, num_pages: int) -> np.ndarray:
         """:meth:`gather` of all layers on a CPU table through numpy (``rows`` int64)."""
         columns = max(1, -(-num_pages // self.chunk_pages))
-        ids = self.chunk_tables.numpy()[rows, :, :, :columns]
-        pages = self.chunks.numpy()[ids]
+        # np.take along axis 0: a third of fancy indexing's time here.
+        ids = np.take(self.chunk_tables.numpy(), rows, axis=0)[..., :columns]
+        pages = np.take(self.chunks.numpy(), ids, axis=0)
         return pages.reshape(*pages.shape[:-2], -1)[..., :num_pages]
 
     def lookup(self, slots, layers, heads, columns) -> torch.Tensor:
@@ -202,8 +203,17 @@ class ChunkedPageTables:
         ids = self.chunk_tables[seq_slots, :, :, :columns][freed]
         self.chunk_allocator.free(ids.to(torch.int64) - 1)
 
-    def lookup_host(self, slots, layers, heads, columns) -> np.ndarray:
-        """:meth:`lookup` on a CPU table through numpy (broadcast int64 arrays)."""
+    def heads_lookup_host(self, slots: np.ndarray, columns: np.ndarray) -> np.ndarray:
+        """Page ids at column ``columns[s, l, h]`` of every head of sequence slots
+        ``slots`` (``[S]``), on a CPU table through numpy: ``[S, L, H]``."""
         chunk_pages = self.chunk_pages
-        chunk = self.chunk_tables.numpy()[slots, layers, heads, columns // chunk_pages]
-        return self.chunks.numpy()[chunk, columns % chunk_pages]
+        num_seqs, num_layers, num_kv_heads = columns.shape
+        head_rows = slots.reshape(-1, 1, 1) * (num_layers * num_kv_heads) + np.arange(
+            num_layers * num_kv_heads
+        ).reshape(num_layers, num_kv_heads)
+        # Flat takes: half the time of broadcast fancy indexing over [S, L, H].
+        chunk = np.take(
+            self.chunk_tables.numpy().reshape(-1),
+            head_rows * self.chunk_tables.shape[-1] + columns // chunk_pages,
+        )
+        return np.take(self.chunks.numpy().reshape(-1), chunk * chunk_pages + columns % chunk_pages)

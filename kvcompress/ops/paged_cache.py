@@ -335,14 +335,10 @@ class PerHeadPagedCache:
                 slots[rows], layers, heads, columns, self.allocator.allocate(count).numpy()
             )
         host.head_lens[slots] = old_lens + 1
-        write_pages = self.tables.lookup_host(
-            slots[:, None, None],
-            np.arange(self.num_layers)[None, :, None],
-            np.arange(self.num_kv_heads)[None, None, :],
-            page_column,
-        ).astype(np.int64)  # [S, L, H]
-        host.slot_positions[write_pages, write_offsets] = positions.numpy()[:, None, None]
-        host.slot_metrics[write_pages, write_offsets] = 0.0
+        write_pages = self.tables.heads_lookup_host(slots, page_column).astype(np.int64)  # [S, L, H]
+        flat_slots = write_pages * self.block_size + write_offsets
+        host.slot_positions.reshape(-1)[flat_slots] = positions.numpy()[:, None, None]
+        host.slot_metrics.reshape(-1)[flat_slots] = 0.0
         return AppendPlan(
             write_pages=torch.from_numpy(np.ascontiguousarray(write_pages.transpose(1, 0, 2))),
             write_offsets=torch.from_numpy(np.ascontiguousarray(write_offsets.transpose(1, 0, 2))),

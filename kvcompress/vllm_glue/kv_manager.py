@@ -59,6 +59,9 @@ def _check_allocate_signature() -> None:
 
 _check_allocate_signature()
 
+# Keyword arguments of vLLM's allocate_slots call for running requests (the fast path).
+_DECODE_KWARGS = frozenset({"num_lookahead_tokens"})
+
 
 class PerHeadKVCacheManager:
     """Wraps vLLM's ``KVCacheManager``; capacity is decided in per-head pages.
@@ -93,6 +96,21 @@ class PerHeadKVCacheManager:
         return self.accounting.num_used_pages / max(1, self.accounting.num_pages)
 
     def allocate_slots(self, request, *args, **kwargs):
+        if len(args) == 1 and kwargs.keys() <= _DECODE_KWARGS:
+            # vLLM's call for a running request: (request, num_new_tokens,
+            # num_lookahead_tokens=...). Rows whose heads take the tokens in pages they
+            # hold (most decode rows) need no page count, only vLLM's logical blocks.
+            target_tokens = request.num_computed_tokens + args[0] + kwargs.get("num_lookahead_tokens", 0)
+            target_tokens = min(target_tokens, self.max_model_len)
+            if self.accounting.fits_in_room(request.request_id, target_tokens):
+                blocks = self._allocated(request, self._inner.allocate_slots(request, *args, **kwargs))
+                if blocks is not None:
+                    self.accounting.grow_in_room(request.request_id, target_tokens)
+                return blocks
+        return self._allocate_counted(request, *args, **kwargs)
+
+    def _allocate_counted(self, request, *args, **kwargs):
+        """``allocate_slots`` when pages may be needed: counted, reserved, relieved."""
         arg = _allocate_args(request, *args, **kwargs)
         accounting = self.accounting
         request_id = request.request_id
@@ -104,17 +122,6 @@ class PerHeadKVCacheManager:
             + arg.num_lookahead_tokens,
             self.max_model_len,
         )
-        if (
-            not arg.reserved_blocks
-            and not arg.full_sequence_must_fit
-            and accounting.fits_in_room(request_id, target_tokens)
-        ):
-            # A running request's heads take the tokens in pages they hold (most decode
-            # rows): no page to count, vLLM's logical blocks only.
-            blocks = self._allocated(request, self._inner.allocate_slots(request, *args, **kwargs))
-            if blocks is not None:
-                accounting.grow_in_room(request_id, target_tokens)
-            return blocks
         needed = accounting.pages_to_grow(request_id, target_tokens)
         reserve = arg.reserved_blocks * accounting.pages_per_token_block
         if arg.has_scheduled_reqs and request.status.name in ("WAITING", "PREEMPTED"):

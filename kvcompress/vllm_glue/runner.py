@@ -163,8 +163,11 @@ class PerHeadRunnerMixin:
             self.vllm_config.additional_config
         )
         self.kvc_requests: dict[str, WorkerRequest] = {}
-        # Tokens each sequence slot's heads were grown for (prompt and outputs so far).
+        # Per sequence slot: tokens its heads were grown for (prompt and outputs so far),
+        # its request's prompt tokens and whether it is compressed (set at admission).
         self.kvc_logical_lens = np.zeros(cache.max_seqs, dtype=np.int64)
+        self.kvc_slot_prompt_lens = np.zeros(cache.max_seqs, dtype=np.int64)
+        self.kvc_slot_compresses = np.zeros(cache.max_seqs, dtype=bool)
         # The running batch's rows while its composition holds (None: rebuild).
         self.kvc_rows: BatchRows | None = None
         # request id -> sequence slot of every request holding pages (the report's keys).
@@ -398,12 +401,18 @@ class PerHeadRunnerMixin:
         their heads are then grown for ``computed + num_new``."""
         rows = self.kvc_rows
         if rows is None or not rows.matches(req_ids):
-            slots = [self._kvc_slot_for(request_id, int(done)) for request_id, done in zip(req_ids, computed)]
-            rows = self.kvc_rows = BatchRows.build(
-                req_ids, slots,
-                [self.requests[r].num_prompt_tokens for r in req_ids],
-                [self._kvc_compresses(r) for r in req_ids],
-                self.kvc_cache.device,
+            requests, slots = self.kvc_requests, []
+            for request_id, done in zip(req_ids, computed.tolist()):
+                request = requests.get(request_id)
+                slot = None if request is None else request.seq_slot
+                slots.append(self._kvc_slot_for(request_id, done) if slot is None else slot)
+            slots_np = np.asarray(slots, dtype=np.int64)
+            rows = self.kvc_rows = BatchRows(
+                req_ids=tuple(req_ids),
+                slots=slots_np,
+                seq_slots=torch.from_numpy(slots_np).to(self.kvc_cache.device),
+                prompt_lens=self.kvc_slot_prompt_lens[slots_np],
+                compresses=self.kvc_slot_compresses[slots_np],
             )
         grown = self.kvc_logical_lens[rows.slots]
         if not np.array_equal(grown, computed):
@@ -429,9 +438,11 @@ class PerHeadRunnerMixin:
                     f"kvcompress: request {request_id} starts with {computed} computed "
                     "tokens but holds no pages (prefix caching must be off)"
                 )
-            request.seq_slot = self.kvc_cache.new_sequence()
-            self.kvc_logical_lens[request.seq_slot] = 0
-            self.kvc_live_slots[request_id] = request.seq_slot
+            slot = request.seq_slot = self.kvc_cache.new_sequence()
+            self.kvc_logical_lens[slot] = 0
+            self.kvc_slot_prompt_lens[slot] = self.requests[request_id].num_prompt_tokens
+            self.kvc_slot_compresses[slot] = request.compression.compresses
+            self.kvc_live_slots[request_id] = slot
         return request.seq_slot
 
     def _kvc_compresses(self, request_id: str) -> bool:
