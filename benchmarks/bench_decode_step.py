@@ -13,12 +13,11 @@ on kvcompress; the difference over ``output-len - 1`` is the time per decode ste
     python benchmarks/bench_decode_step.py --model tiny --batch 256 --input-len 32 --output-len 65 \
         --reps 3 --host-breakdown
 
-``--host-breakdown`` then runs kvcompress once more with wall-clock timers (no profiler)
-around its host-side hooks and prints what they cost per decode step: the scheduler's
-page accounting and planning (kvcompress's ``schedule`` / ``update_from_output`` / KV
-manager proxy minus the vLLM calls inside them), the worker's step plan and report
-(kvcompress's ``_update_states`` minus vLLM's, and the report attached to the output),
-and the KV writes (``write_kv``, the counterpart of stock's ``reshape_and_cache``).
+``--host-breakdown`` then runs each engine once more per repetition with wall-clock timers
+(no profiler) around the scheduler's ``schedule`` + ``update_from_output`` and the worker's
+``_update_states`` (kvcompress: its override, which holds the step's page appends, the
+decode plan for vLLM's kernel and the report), and prints their time per decode step on
+each engine and kvcompress's extra over stock: its bookkeeping per step.
 """
 
 from __future__ import annotations
@@ -79,49 +78,44 @@ class HookTimers:
         self._undo.clear()
 
 
-def host_breakdown(llm, prompts, output_len: int, extra) -> dict[str, float]:
-    """kvcompress's host-side cost per decode step (ms), from one timed generate of
-    ``output_len`` tokens minus one of 1 token (the prefill step's share)."""
+def host_breakdown(engines: dict, prompts, output_len: int) -> dict[str, float]:
+    """Host time per decode step (ms) of the scheduler (``schedule`` +
+    ``update_from_output``) and of the worker's step bookkeeping (``_update_states``,
+    plus kvcompress's report) on each engine, and kvcompress's extra: its top-level
+    calls timed against stock's same calls (no per-request wrappers, so no timer
+    overhead inside), from one generate of ``output_len`` tokens minus one of 1."""
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from kvcompress.vllm_glue import attention_backend
     from kvcompress.vllm_glue.runner import PerHeadRunnerMixin
     from kvcompress.vllm_glue.scheduler import KVCompressScheduler
 
-    core = llm.llm_engine.engine_core.engine_core
-    proxy = core.scheduler.kv_cache_manager
     timers = HookTimers()
-    timers.wrap(KVCompressScheduler, "schedule", "kvc schedule")
-    timers.wrap(Scheduler, "schedule", "vllm schedule")
-    timers.wrap(KVCompressScheduler, "update_from_output", "kvc update_from_output")
-    timers.wrap(Scheduler, "update_from_output", "vllm update_from_output")
-    timers.wrap(proxy, "allocate_slots", "kvc allocate_slots")
-    timers.wrap(proxy._inner, "allocate_slots", "vllm allocate_slots")
-    timers.wrap(PerHeadRunnerMixin, "_update_states", "kvc update_states")
-    timers.wrap(GPUModelRunner, "_update_states", "vllm update_states")
-    timers.wrap(PerHeadRunnerMixin, "_kvc_attach_report", "kvc report")
-    timers.wrap(attention_backend, "write_kv", "kv writes")
-    per_run = []
+    timers.wrap(KVCompressScheduler, "schedule", "kvc scheduler")
+    timers.wrap(KVCompressScheduler, "update_from_output", "kvc scheduler")
+    timers.wrap(Scheduler, "schedule", "vllm scheduler")
+    timers.wrap(Scheduler, "update_from_output", "vllm scheduler")
+    timers.wrap(PerHeadRunnerMixin, "_update_states", "kvc worker")
+    timers.wrap(PerHeadRunnerMixin, "_kvc_attach_report", "kvc worker")
+    timers.wrap(GPUModelRunner, "_update_states", "vllm worker")
+    result = {}
     try:
-        for tokens in (1, output_len):
-            timers.seconds.clear()
-            llm.generate(prompts, token_params(tokens, extra), use_tqdm=False)
-            per_run.append(dict(timers.seconds))
+        for name, (llm, extra) in engines.items():
+            per_run = []
+            for tokens in (1, output_len):
+                timers.seconds.clear()
+                llm.generate(prompts, token_params(tokens, extra), use_tqdm=False)
+                per_run.append(dict(timers.seconds))
+            prefix = "kvc" if name == "kvcompress" else "vllm"
+            for part in ("scheduler", "worker"):
+                key = f"{prefix} {part}"
+                result[f"{name} {part}"] = (per_run[1].get(key, 0.0) - per_run[0].get(key, 0.0)) / (output_len - 1) * 1e3
     finally:
         timers.restore()
-    prefill, full = per_run
-    steps = output_len - 1
-
-    def per_step(key: str) -> float:
-        return (full.get(key, 0.0) - prefill.get(key, 0.0)) / steps * 1e3
-
-    scheduler = (per_step("kvc schedule") - per_step("vllm schedule")
-                 + per_step("kvc allocate_slots") - per_step("vllm allocate_slots")
-                 + per_step("kvc update_from_output") - per_step("vllm update_from_output"))
-    worker = per_step("kvc update_states") - per_step("vllm update_states") + per_step("kvc report")
-    return {"scheduler bookkeeping": scheduler, "worker step plan + report": worker,
-            "bookkeeping total": scheduler + worker, "kv writes": per_step("kv writes")}
+    for part in ("scheduler", "worker"):
+        result[f"extra {part}"] = result[f"kvcompress {part}"] - result[f"stock {part}"]
+    result["extra total"] = result["extra scheduler"] + result["extra worker"]
+    return result
 
 
 def main(argv=None) -> int:
@@ -167,9 +161,8 @@ def main(argv=None) -> int:
         block = engines["kvcompress"][0].llm_engine.vllm_config.cache_config.block_size
         breakdowns = []
         if args.host_breakdown:
-            llm, extra = engines["kvcompress"]
             for _ in range(args.reps):
-                breakdowns.append(host_breakdown(llm, prompts, args.output_len, extra))
+                breakdowns.append(host_breakdown(engines, prompts, args.output_len))
         for llm, _ in engines.values():
             bench._shutdown(llm)
 
@@ -184,7 +177,7 @@ def main(argv=None) -> int:
         cells = ", ".join(
             f"{key} {statistics.median(b[key] for b in breakdowns):.3f} ms" for key in breakdowns[0]
         )
-        print(f"kvcompress host time per decode step (medians of {len(breakdowns)}): {cells}")
+        print(f"host time per decode step (medians of {len(breakdowns)}): {cells}")
     return 0
 
 

@@ -72,7 +72,7 @@ def test_chunked_tables_follow_a_brute_force_model(host_views, max_pages):
             counts = [1] * len(slots) if rng.random() < 0.6 else [rng.randint(1, 3) for _ in slots]
             old_pages = {s: pages_for(cache.head_lens[s].clone(), block) for s in slots}
             positions = torch.cat([torch.arange(n) + 1000 for n in counts])
-            cache.append(torch.tensor(slots), torch.tensor(counts), positions)
+            plan = cache.append(torch.tensor(slots), torch.tensor(counts), positions)
             flat = cache.flat_page_tables()
             for s in slots:
                 new_pages = pages_for(cache.head_lens[s], block)
@@ -80,6 +80,13 @@ def test_chunked_tables_follow_a_brute_force_model(host_views, max_pages):
                     for h in range(heads):
                         start, end = int(old_pages[s][l, h]), int(new_pages[l, h])
                         model[s][l][h] += flat[s, l, h, start:end].tolist()
+            if all(n == 1 for n in counts):  # the decode path's write targets: each head's last slot
+                for row, s in enumerate(slots):
+                    for l in range(layers):
+                        for h in range(heads):
+                            last = int(cache.head_lens[s, l, h]) - 1
+                            assert int(plan.write_pages[l, row, h]) == model[s][l][h][last // block]
+                            assert int(plan.write_offsets[l, row, h]) == last % block
         elif model:  # compression: heads shrink to random lengths, tail pages freed
             slot = rng.choice(sorted(model))
             lens = cache.head_lens[slot].clone()

@@ -44,15 +44,31 @@ def pages_for(lengths, block_size: int):
 @dataclass(frozen=True)
 class HostViews:
     """numpy views of a CPU cache's tables (same memory; tensors are only ever updated in
-    place, never rebound)."""
+    place, never rebound), and the page each head writes into next.
+
+    Attributes:
+        last_pages: ``[max_seqs, L, H]`` int64 page id of each head's last page (garbage
+            for empty heads): a decode step's write targets without a two-level lookup.
+            Kept by every op that changes a head's pages.
+    """
 
     head_lens: np.ndarray
     slot_positions: np.ndarray
     slot_metrics: np.ndarray
+    last_pages: np.ndarray
 
     @classmethod
     def of(cls, cache: "PerHeadPagedCache") -> "HostViews":
-        return cls(cache.head_lens.numpy(), cache.slot_positions.numpy(), cache.slot_metrics.numpy())
+        return cls(
+            cache.head_lens.numpy(), cache.slot_positions.numpy(), cache.slot_metrics.numpy(),
+            np.zeros(cache.head_lens.shape, np.int64),
+        )
+
+    def refresh_last_pages(self, cache: "PerHeadPagedCache", slots: np.ndarray) -> None:
+        """Re-read the last page of every head of ``slots`` (after a general append or a
+        compression)."""
+        columns = np.maximum(pages_for(self.head_lens[slots], cache.block_size) - 1, 0)
+        self.last_pages[slots] = cache.tables.heads_lookup_host(slots, columns)
 
 
 @dataclass
@@ -166,6 +182,8 @@ class PerHeadPagedCache:
         self.allocator.free(freed_pages)
         self.tables.truncate(seq_slots, old_pages, new_pages)
         self.head_lens[seq_slots] = new_lens
+        if self.host is not None:
+            self.host.refresh_last_pages(self, seq_slots.numpy())
         return int(freed_pages.numel())
 
     def pages_held(self, seq_slots: torch.Tensor | None = None) -> torch.Tensor:
@@ -248,6 +266,8 @@ class PerHeadPagedCache:
             fill = self.ops.fill_page_tables if self.ops is not None else dispatch.fill_page_tables
             self.tables.assign(rows, old_pages.reshape(-1), pages, offsets, fill)
         self.head_lens[seq_slots] = new_lens
+        if self.host is not None:
+            self.host.refresh_last_pages(self, seq_slots.numpy())
 
         # Token t of sequence s lands at index old_len[s, l, h] + (t - start[s]).
         token_seq = torch.repeat_interleave(
@@ -325,17 +345,18 @@ class PerHeadPagedCache:
         slots = seq_slots.to(torch.int64).numpy()
         old_lens = host.head_lens[slots]  # [S, L, H]
         page_column, write_offsets = np.divmod(old_lens, self.block_size)
+        write_pages = host.last_pages[slots]  # [S, L, H], a copy
         starts_page = write_offsets == 0
         count = int(np.count_nonzero(starts_page))
         if count:
             columns = page_column[starts_page]
             self._check_pages_per_head(int(columns.max()) + 1)
             rows, layers, heads = np.nonzero(starts_page)
-            self.tables.assign_one_host(
-                slots[rows], layers, heads, columns, self.allocator.allocate(count).numpy()
-            )
+            pages = self.allocator.allocate(count).numpy()
+            self.tables.assign_one_host(slots[rows], layers, heads, columns, pages)
+            write_pages[starts_page] = pages
+            host.last_pages[slots[rows], layers, heads] = pages
         host.head_lens[slots] = old_lens + 1
-        write_pages = self.tables.heads_lookup_host(slots, page_column).astype(np.int64)  # [S, L, H]
         flat_slots = write_pages * self.block_size + write_offsets
         host.slot_positions.reshape(-1)[flat_slots] = positions.numpy()[:, None, None]
         host.slot_metrics.reshape(-1)[flat_slots] = 0.0

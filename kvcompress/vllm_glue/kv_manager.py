@@ -101,11 +101,15 @@ class PerHeadKVCacheManager:
             # num_lookahead_tokens=...). Rows whose heads take the tokens in pages they
             # hold (most decode rows) need no page count, only vLLM's logical blocks.
             target_tokens = request.num_computed_tokens + args[0] + kwargs.get("num_lookahead_tokens", 0)
-            target_tokens = min(target_tokens, self.max_model_len)
-            if self.accounting.fits_in_room(request.request_id, target_tokens):
-                blocks = self._allocated(request, self._inner.allocate_slots(request, *args, **kwargs))
-                if blocks is not None:
-                    self.accounting.grow_in_room(request.request_id, target_tokens)
+            if target_tokens > self.max_model_len:
+                target_tokens = self.max_model_len
+            accounting, request_id = self.accounting, request.request_id
+            if accounting.fits_in_room(request_id, target_tokens):
+                blocks = self._inner.allocate_slots(request, *args, **kwargs)
+                if blocks is None:
+                    return self._refused(request)
+                accounting.grow_in_room(request_id, target_tokens)
+                self.scheduled_this_step.add(request_id)
                 return blocks
         return self._allocate_counted(request, *args, **kwargs)
 
@@ -140,23 +144,19 @@ class PerHeadKVCacheManager:
             needed = accounting.pages_to_grow(request_id, target_tokens)
         if needed + reserve > accounting.num_free_pages:
             return None
-        blocks = self._allocated(request, self._inner.allocate_slots(request, *args, **kwargs))
-        if blocks is not None:
-            accounting.grow(request_id, target_tokens)
-        return blocks
-
-    def _allocated(self, request, blocks):
-        """vLLM's answer for a request the pages allow: logged if it refused, else
-        noted as scheduled this step."""
-        request_id = request.request_id
+        blocks = self._inner.allocate_slots(request, *args, **kwargs)
         if blocks is None:
-            logger.warning(
-                "kvcompress: vLLM's logical block pool refused request %s although "
-                "%d pages are free", request_id, self.accounting.num_free_pages,
-            )
-            return None
+            return self._refused(request)
+        accounting.grow(request_id, target_tokens)
         self.scheduled_this_step.add(request_id)
         return blocks
+
+    def _refused(self, request) -> None:
+        """vLLM's logical block pool refused a request the pages allow (sized never to)."""
+        logger.warning(
+            "kvcompress: vLLM's logical block pool refused request %s although "
+            "%d pages are free", request.request_id, self.accounting.num_free_pages,
+        )
 
     def _release(self, request_id: str) -> None:
         pages = self.accounting.release(request_id)
