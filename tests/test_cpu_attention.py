@@ -218,34 +218,3 @@ def test_slot_order_invariant_and_kernel_on_a_compressed_cache():
             got = cpu_attention.paged_attention_cpu(query, pool, batch, 0.125)
             assert (got - want).abs().max().item() < 2e-5
         context = [c + n for c, n in zip(context, step)]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(2, 64, 16), (3, 80, 32), (1, 128, 64)], ids=["h2-d64-b16", "h3-d80-b32", "h1-d128-b64"])
-def test_kernel_kv_writes_equal_index_put(shape, dtype):
-    """write_kv_cpu (vLLM's cpu_attn_reshape_and_cache per (token, KV head)) stores the
-    same K / V as index-put into the transposed-K pool views, on strided token rows
-    (as vLLM's qkv split hands them), and touches nothing else."""
-    from kvcompress.ops.paged_attention import write_kv
-
-    num_kv_heads, head_dim, block_size = shape
-    num_pages, tokens = 40, 9
-    generator = torch.Generator().manual_seed(head_dim)
-    buffers = [torch.randn(num_pages, 2, block_size, head_dim, generator=generator).to(dtype)]
-    buffers.append(buffers[0].clone())
-    pools = []
-    for buffer in buffers:
-        key_cache, value_cache = cpu_attention.pool_views(buffer)
-        pools.append(KVPool(key_cache, value_cache, torch.zeros(num_pages, block_size, dtype=torch.int32),
-                            torch.zeros(num_pages, block_size)))
-    assert cpu_attention.supports_pool(dtype, pools[0])
-    # distinct (page, offset) targets
-    flat = torch.randperm(num_pages * block_size, generator=generator)[: tokens * num_kv_heads]
-    pages, offsets = (flat // block_size).view(tokens, num_kv_heads), (flat % block_size).view(tokens, num_kv_heads)
-    qkv = torch.randn(tokens, 5 * num_kv_heads * head_dim, generator=generator).to(dtype)
-    key = qkv[:, : num_kv_heads * head_dim].view(tokens, num_kv_heads, head_dim)  # strided rows
-    value = qkv[:, num_kv_heads * head_dim : 2 * num_kv_heads * head_dim].view(tokens, num_kv_heads, head_dim)
-    write_kv(pools[0].key_cache, pools[0].value_cache, key, value, pages, offsets)
-    cpu_attention.write_kv_cpu(pools[1], key, value, pages, offsets)
-    assert torch.equal(buffers[0], buffers[1])
-    assert torch.equal(pools[1].key_cache[pages, offsets], key)

@@ -153,33 +153,6 @@ def _kernel_caches(pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
     return key4, value4
 
 
-def write_kv_cpu(
-    pool: KVPool, key: torch.Tensor, value: torch.Tensor, write_pages: torch.Tensor,
-    write_offsets: torch.Tensor,
-) -> None:
-    """:func:`kvcompress.ops.paged_attention.write_kv` on vLLM's CPU kernel
-    (``cpu_attn_reshape_and_cache``): each (token, KV head) is one kernel token of one
-    KV head, its slot ``page * b + offset``; the kernel writes K as ``[D, b]`` and V as
-    ``[b, D]`` inside a page, the pool's layout (:func:`supports_pool`). Index-put on the
-    transposed K view costs ~0.25 ms per layer at 256 rows; this, a few microseconds.
-
-    Args:
-        key, value: ``[T, num_kv_heads, head_dim]`` (token rows may be strided).
-        write_pages, write_offsets: ``[T, num_kv_heads]`` distinct targets.
-    """
-    num_tokens, num_kv_heads, head_dim = key.shape
-    if num_tokens == 0:
-        return
-    block_size = pool.block_size
-    key4, value4 = _kernel_caches(pool)
-    slot_mapping = (write_pages.to(torch.int64) * block_size + write_offsets).reshape(-1)
-    torch.ops._C.cpu_attn_reshape_and_cache(
-        key.reshape(num_tokens * num_kv_heads, 1, head_dim),
-        value.reshape(num_tokens * num_kv_heads, 1, head_dim),
-        key4, value4, slot_mapping, kernel_isa(block_size, head_dim), 1.0, 1.0, "auto",
-    )
-
-
 def _scheduler_metadata(
     num_seqs: int, group: int, head_dim: int, seq_lens: torch.Tensor, dtype: torch.dtype,
     query_start_loc: torch.Tensor, block_size: int,

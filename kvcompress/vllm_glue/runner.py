@@ -205,7 +205,6 @@ class PerHeadRunnerMixin:
         self.kvc_plan_kernel_decode = ops.kernel_page_layout and cpu_attention.supports_pool(
             dtype, state.pool
         )
-        state.kernel_kv_writes = self.kvc_plan_kernel_decode
         logger.info(
             "kvcompress: %d pages of %d tokens x 1 (layer, KV head) "
             "(%d layers x %d KV heads, %d bytes per page); kernels: %s",

@@ -133,9 +133,6 @@ class WorkerCacheState:
             slot positions and metrics (``cache.kv_pool(key_cache, value_cache)``).
         ops: the kernels, backends resolved once for the pool's device
             (``kvcompress.ops.dispatch.resolve_ops``; resolved here when None).
-        kernel_kv_writes: new KVs are stored by vLLM's CPU kernel
-            (``cpu_attention.write_kv_cpu``; the pool is in its layout), else by
-            index-put (``kvcompress.ops.write_kv``).
 
     ``key_cache`` / ``value_cache`` (init only): instead of ``pool``, the two views of
     the KV buffer; the pool is built from them.
@@ -146,7 +143,6 @@ class WorkerCacheState:
     decode_buffers: DecodeBuffers | None = None
     pool: KVPool | None = None
     ops: KernelOps | None = None
-    kernel_kv_writes: bool = False
     key_cache: InitVar[torch.Tensor | None] = None
     value_cache: InitVar[torch.Tensor | None] = None
 
