@@ -288,6 +288,48 @@ def test_decode_by_slot_matches_reference(power, dtype):
     _assert_close(out, expected, dtype)
 
 
+def test_decode_by_slot_reads_two_level_tables():
+    """The engine's tables are two-level (ChunkedPageTables): the slot decode reads a chunk
+    id, then the page id inside the chunk. Same output and metrics as over flat tables, with
+    chunks scattered in the second level (chunk 0 unused, as in the cache)."""
+    from kvcompress.ops.decode_by_slot import paged_decode_by_slot_reference
+
+    triton_attention, _ = _kernels()
+    block_size, head_dim, kv_heads, group, chunk = 16, 64, 2, 2, 4
+    lengths = torch.tensor([[37, 5], [1, 70], [33, 33], [20, 64], [0, 0]])
+    pool, tables, top = _random_cache(29, lengths, block_size, head_dim, torch.float32)
+    flat = torch.zeros(tables.shape[0], kv_heads, 16, dtype=torch.int64, device=DEVICE)
+    flat[:, :, : tables.shape[2]] = tables
+    num_heads = flat.shape[0] * kv_heads
+    # Every (slot, head) gets 4 chunks of 4 columns at random places of a second level.
+    order = torch.randperm(num_heads * 4, generator=torch.Generator().manual_seed(1)) + 1
+    chunk_ids = order.view(flat.shape[0], kv_heads, 4).to(torch.int32).to(DEVICE)
+    chunks = torch.zeros(num_heads * 4 + 1, chunk, dtype=torch.int32, device=DEVICE)
+    chunks[chunk_ids.long().view(-1)] = flat.view(-1, chunk).to(torch.int32)
+    seq_slots = torch.tensor([3, 1, 4, 0, 2], dtype=torch.int32, device=DEVICE)
+    query_pos = torch.tensor([50, top[1], 0, top[0], top[2]], device=DEVICE)
+    metric_slots = torch.tensor([1, 0, 1, 1, 0], dtype=torch.int8, device=DEVICE)
+    query = torch.randn(5, kv_heads * group, head_dim).to(DEVICE)
+    scale = head_dim ** -0.5
+    flat_batch = SlotBatch(flat, lengths.to(DEVICE), seq_slots, query_pos, max_head_len=16 * block_size)
+    two_level = replace(flat_batch, block_tables=chunk_ids, chunks=chunks)
+    assert two_level.max_pages == flat_batch.max_pages == 16
+    sink = MetricSink(metric_slots, 2)
+    ref_metrics = pool.slot_metrics.clone()
+    expected = paged_decode_by_slot_reference(query, replace(pool, slot_metrics=ref_metrics), flat_batch,
+                                              scale, metrics=sink)
+    chunked_metrics = pool.slot_metrics.clone()
+    via_reference = paged_decode_by_slot_reference(query, replace(pool, slot_metrics=chunked_metrics),
+                                                   two_level, scale, metrics=sink)
+    assert torch.equal(via_reference, expected) and torch.equal(chunked_metrics, ref_metrics)
+    tri_metrics = pool.slot_metrics.clone()
+    out = triton_attention.paged_decode_by_slot_triton(query, replace(pool, slot_metrics=tri_metrics),
+                                                       two_level, scale, metrics=sink, partition_size=32)
+    _assert_close(out, expected, torch.float32)
+    torch.testing.assert_close(tri_metrics, ref_metrics, atol=1e-6, rtol=1e-4)
+    assert (ref_metrics != pool.slot_metrics).sum() > 50
+
+
 # -- mixed batches (prefill, chunked-prefill continuations, decodes) ---------------------------
 
 
