@@ -126,6 +126,8 @@ def main(argv=None) -> int:
     parser.add_argument("--output-len", type=int, default=129)
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--block-size", type=int, default=None, help="kvcompress page size (default: its own)")
+    parser.add_argument("--rate", type=float, default=1.0,
+                        help="kvcompress's compression rate (default 1: nothing evicted, kernel parity)")
     parser.add_argument("--host-breakdown", action="store_true",
                         help="then time kvcompress's host-side hooks per decode step (see above)")
     args = parser.parse_args(argv)
@@ -149,7 +151,7 @@ def main(argv=None) -> int:
             "stock": (LLM(model=path, **engine_args), None),
             "kvcompress": (
                 kvcompress.LLM(path, kv_compress_block_size=args.block_size, **engine_args),
-                {"kv_compress_rate": 1},
+                {"kv_compress_rate": args.rate},
             ),
         }
         for llm, extra in engines.values():
@@ -169,7 +171,7 @@ def main(argv=None) -> int:
     stock, kvc = statistics.median(times["stock"]), statistics.median(times["kvcompress"])
     ratios = [k / s for s, k in zip(times["stock"], times["kvcompress"])]
     print(f"{description}; batch {args.batch} x {args.input_len} tokens, {args.output_len - 1} decode "
-          f"steps, kvcompress page {block}, rate 1; {bench.machine_description()}")
+          f"steps, kvcompress page {block}, rate {args.rate:g}; {bench.machine_description()}")
     print(f"decode step: stock {stock:.3f} ms, kvcompress {kvc:.3f} ms, ratio of medians "
           f"{kvc / stock:.3f}; per repetition {min(ratios):.3f}..{max(ratios):.3f} "
           f"(median {statistics.median(ratios):.3f})")
