@@ -7,7 +7,8 @@ every launch shape fixed. Here the kernel reads the cache's own per-slot state
 through a small index instead (a :class:`~kvcompress.ops.kv_pool.SlotBatch`):
 
 - ``block_tables``: ``[num_slots, num_kv_heads, P]`` page ids of ONE layer for every
-  sequence slot (a strided view of ``PerHeadPagedCache.page_tables[:, layer]``);
+  sequence slot, or, with ``chunks``, the engine's two-level tables: chunk ids (a strided
+  view of ``PerHeadPagedCache.tables.chunk_tables[:, layer]``) and the page-id chunks;
 - ``head_lens``: ``[num_slots, num_kv_heads]`` (a view of ``head_lens[:, layer]``);
 - ``seq_slots``: ``[B]`` int32, query row ``b`` belongs to sequence slot ``seq_slots[b]``
   (padding rows point at a slot whose heads are empty, so they read nothing and
