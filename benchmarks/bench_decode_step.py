@@ -14,10 +14,13 @@ on kvcompress; the difference over ``output-len - 1`` is the time per decode ste
         --reps 3 --host-breakdown
 
 ``--host-breakdown`` then runs each engine once more per repetition with wall-clock timers
-(no profiler) around the scheduler's ``schedule`` + ``update_from_output`` and the worker's
+(no profiler) around the scheduler's ``schedule`` + ``update_from_output``, the worker's
 ``_update_states`` (kvcompress: its override, which holds the step's page appends, the
-decode plan for vLLM's kernel and the report), and prints their time per decode step on
-each engine and kvcompress's extra over stock: its bookkeeping per step.
+decode plan for vLLM's kernel and the report) and vLLM's ``_build_attention_metadata``
+(stock: the CPU attention backend's per-step metadata, the kernel's work split among it;
+kvcompress: an empty builder, its kernel plan being in ``_update_states``), and prints
+their time per decode step on each engine and kvcompress's extra over stock: its
+bookkeeping per step, with and without the attention metadata.
 """
 
 from __future__ import annotations
@@ -98,6 +101,7 @@ def host_breakdown(engines: dict, prompts, output_len: int) -> dict[str, float]:
     timers.wrap(PerHeadRunnerMixin, "_update_states", "kvc worker")
     timers.wrap(PerHeadRunnerMixin, "_kvc_attach_report", "kvc worker")
     timers.wrap(GPUModelRunner, "_update_states", "vllm worker")
+    timers.wrap(GPUModelRunner, "_build_attention_metadata", "metadata")
     result = {}
     try:
         for name, (llm, extra) in engines.items():
@@ -107,14 +111,15 @@ def host_breakdown(engines: dict, prompts, output_len: int) -> dict[str, float]:
                 llm.generate(prompts, token_params(tokens, extra), use_tqdm=False)
                 per_run.append(dict(timers.seconds))
             prefix = "kvc" if name == "kvcompress" else "vllm"
-            for part in ("scheduler", "worker"):
-                key = f"{prefix} {part}"
+            for part, key in (("scheduler", f"{prefix} scheduler"), ("worker", f"{prefix} worker"),
+                              ("metadata", "metadata")):
                 result[f"{name} {part}"] = (per_run[1].get(key, 0.0) - per_run[0].get(key, 0.0)) / (output_len - 1) * 1e3
     finally:
         timers.restore()
-    for part in ("scheduler", "worker"):
+    for part in ("scheduler", "worker", "metadata"):
         result[f"extra {part}"] = result[f"kvcompress {part}"] - result[f"stock {part}"]
     result["extra total"] = result["extra scheduler"] + result["extra worker"]
+    result["extra with metadata"] = result["extra total"] + result["extra metadata"]
     return result
 
 

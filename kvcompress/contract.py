@@ -65,10 +65,13 @@ class StepCompression:
         admitted: requests whose pages the worker (re)builds this step (first
             scheduled, or resumed after a preemption) -> how they are compressed.
         orders: requests to compress before this step's forward -> their order.
+        report_pages_held: the worker reports every live request's pages this step
+            (``WorkerReport.pages_held``); free pages are reported every step.
     """
 
     admitted: dict[str, RequestCompression] = field(default_factory=dict)
     orders: dict[str, CompressionOrder] = field(default_factory=dict)
+    report_pages_held: bool = True
 
 
 @dataclass
@@ -99,7 +102,8 @@ class WorkerReport:
 
     Attributes:
         free_pages: pages on the worker's free-page stack.
-        pages_held: request id -> pages its heads hold, for every live request.
+        pages_held: request id -> pages its heads hold, for every live request; None
+            on steps whose ``StepCompression.report_pages_held`` was False.
         head_lens: request id -> ``[layers, kv_heads]`` int64 KVs per head, for the
             requests compressed this step (the scheduler adopts them).
         compressions: the step's batched compressions, one per policy (metrics).
@@ -108,7 +112,7 @@ class WorkerReport:
     """
 
     free_pages: int
-    pages_held: dict[str, int] = field(default_factory=dict)
+    pages_held: dict[str, int] | None = field(default_factory=dict)
     head_lens: dict[str, np.ndarray] = field(default_factory=dict)
     compressions: list[CompressionRecord] = field(default_factory=list)
     evict_mismatches: int = 0

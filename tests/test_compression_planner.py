@@ -162,6 +162,31 @@ def test_adopt_takes_worker_lengths_and_flags_any_disagreement():
     assert planner.stats.mismatches == 1 and planner.stats.steps_checked == 2
 
 
+def test_per_request_pages_are_asked_on_compressing_steps_and_on_the_interval():
+    """The worker reports every request's pages when the scheduler asks (steps that
+    compress, and every PAGES_HELD_CHECK_INTERVAL steps); free pages every step. A
+    report without per-request pages is checked on free pages alone; one with them
+    on both (a swap of pages between two requests is caught only there)."""
+    from kvcompress.compression_planner import PAGES_HELD_CHECK_INTERVAL
+
+    planner = _planner(rate=4, protected_window=8, min_cache_tokens=16)
+    requests = [_prefilled(planner, name, 100) for name in "ab"]
+    asked = []
+    for _ in range(2 * PAGES_HELD_CHECK_INTERVAL):
+        planner.begin_step()
+        asked.append(planner.report_pages_held())
+    assert sum(asked) == 2 and asked[PAGES_HELD_CHECK_INTERVAL - 1] and asked[-1]
+    full = _worker_report(planner, {})
+    swapped = dict(full.pages_held, a=full.pages_held["a"] + 1, b=full.pages_held["b"] - 1)
+    assert planner.adopt(WorkerReport(full.free_pages, None, {})) is True
+    assert planner.adopt(WorkerReport(full.free_pages - 1, None, {})) is False
+    assert planner.adopt(WorkerReport(full.free_pages, swapped, {})) is False
+    assert planner.stats.mismatches == 2
+    planner.begin_step()
+    planner.compress_due(requests)  # a compressing step asks for them
+    assert planner.step.orders and planner.report_pages_held()
+
+
 def test_relieve_compresses_requests_not_yet_scheduled_until_enough_pages():
     planner = _planner(rate=4, protected_window=8, min_cache_tokens=16)
     requests = [_prefilled(planner, name, 1000) for name in "abc"]
@@ -261,3 +286,20 @@ def test_a_real_disagreement_is_still_reported_with_requests_in_flight():
     report.pages_held["b"] += 1  # the worker holds a page nobody accounts for
     assert planner.adopt(report) is False
     assert planner.stats.mismatches == 1
+
+
+def test_batch_peaks_match_a_brute_force_count():
+    """``note_batch`` skips its count when it cannot raise the decoding peak; the
+    peaks still equal a count of every batch."""
+    rng = np.random.default_rng(5)
+    planner = _planner()
+    want_running = want_decoding = 0
+    for _ in range(300):
+        batch = [
+            Req(f"r{i}", 10, num_computed_tokens=int(rng.integers(0, 12)))
+            for i in range(int(rng.integers(0, 40)))
+        ]
+        planner.note_batch(batch)
+        want_running = max(want_running, len(batch))
+        want_decoding = max(want_decoding, sum(r.num_computed_tokens >= 10 for r in batch))
+        assert (planner.stats.max_running, planner.stats.max_decoding) == (want_running, want_decoding)

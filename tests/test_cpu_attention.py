@@ -133,6 +133,10 @@ def test_planned_decode_step_equals_the_reference_per_layer(shape, layers_alike)
     plan = cpu_attention.plan_decode_step(pool, page_tables, head_lens, seq_slots, num_kv_heads * group, metric_rows)
     assert len(plan) == num_layers
     assert (plan[0].scheduler_metadata is plan[1].scheduler_metadata) == layers_alike
+    # The runner's hint for never-compressed rows (each head equal in every layer).
+    hinted = cpu_attention.plan_decode_step(
+        pool, page_tables, head_lens, seq_slots, num_kv_heads * group, None, uniform=True,
+    ) if layers_alike else None
     reference_pool = KVPool(pool.key_cache, pool.value_cache, pool.slot_positions, torch.zeros_like(pool.slot_metrics))
     rows_query = query.view(num_slots, num_layers, -1, head_dim)
     metrics_before = pool.slot_metrics.clone()
@@ -143,6 +147,10 @@ def test_planned_decode_step_equals_the_reference_per_layer(shape, layers_alike)
         want = paged_decode_by_slot_reference(layer_query, reference_pool, slot_batch, 0.1, metrics=MetricSink(selected))
         got = cpu_attention.decode_planned(layer_query, pool, plan[layer], 0.1, torch.empty_like(layer_query), metric_power=2)
         assert (got - want).abs().max().item() < TOLERANCE[torch.float32]
+        if hinted is not None:
+            assert hinted[layer].scheduler_metadata is hinted[0].scheduler_metadata
+            got = cpu_attention.decode_planned(layer_query, pool, hinted[layer], 0.1, torch.empty_like(layer_query))
+            assert (got - want).abs().max().item() < TOLERANCE[torch.float32]
         if layer < num_layers - 1:  # the metric pass waits for the step's last layer
             assert torch.equal(pool.slot_metrics, metrics_before)
     assert reference_pool.slot_metrics.abs().sum() > 0

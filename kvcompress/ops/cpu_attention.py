@@ -136,9 +136,19 @@ def supports_pool(dtype: torch.dtype, pool: KVPool) -> bool:
     )
 
 
+_KERNEL_CACHES: list = [None, None]  # [pool, its (K, V) views]: an engine's pool is fixed
+
+
 def _kernel_caches(pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's ``[N, 1, b, D]`` K and V caches over the pool's storage (it reads
-    ``stride(0)`` and the ``[D, b]`` / ``[b, D]`` page interiors)."""
+    ``stride(0)`` and the ``[D, b]`` / ``[b, D]`` page interiors); the last pool's are kept."""
+    if _KERNEL_CACHES[0] is not pool:
+        _KERNEL_CACHES[1] = _kernel_cache_views(pool)
+        _KERNEL_CACHES[0] = pool
+    return _KERNEL_CACHES[1]
+
+
+def _kernel_cache_views(pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
     key, value = pool.key_cache, pool.value_cache
     num_pages, block_size, head_dim = key.shape
     page_stride = key.stride(0)
@@ -275,7 +285,7 @@ class KernelDecodeLayer:
 
 def plan_decode_step(
     pool: KVPool, page_tables: ChunkedPageTables | torch.Tensor, head_lens: torch.Tensor, seq_slots: torch.Tensor,
-    num_q_heads: int, metric_rows: torch.Tensor | None = None,
+    num_q_heads: int, metric_rows: torch.Tensor | None = None, uniform: bool | None = None,
 ) -> list[KernelDecodeLayer]:
     """Every layer's :class:`KernelDecodeLayer` for a decode step, built once per step
     (one gather of the rows' tables for all layers, no per-layer host work but the
@@ -289,6 +299,9 @@ def plan_decode_step(
         seq_slots: ``[B]`` the batch rows' sequence slots.
         num_q_heads: query heads of the model (a multiple of ``H``).
         metric_rows: ``[M]`` rows whose decode query adds to the metrics, or None.
+        uniform: True when the caller knows each (row, KV head) holds as many KVs in
+            every layer (no row was ever compressed: every head holds all its tokens);
+            None: checked here.
     """
     # numpy over the CPU tables: a dozen tiny ops, ~1 us each (torch: ~5-10 us each).
     rows = seq_slots.to(torch.int64).numpy()
@@ -311,10 +324,11 @@ def plan_decode_step(
     )).view(num_layers, num_seqs, num_pages)
     lens_by_layer = np.ascontiguousarray(lens.transpose(1, 0, 2), dtype=np.int32).reshape(num_layers, num_seqs)
     seq_lens = torch.from_numpy(lens_by_layer)
-    starts = torch.arange(num_seqs + 1, dtype=torch.int32)
+    starts = _query_starts(num_seqs)
     group, head_dim, dtype = num_q_heads // num_kv_heads, pool.key_cache.shape[2], pool.key_cache.dtype
     key4, value4 = _kernel_caches(pool)
-    uniform = bool((lens_by_layer == lens_by_layer[:1]).all())
+    if uniform is None:
+        uniform = bool((lens_by_layer == lens_by_layer[:1]).all())
     shared = (
         _scheduler_metadata(num_seqs, group, head_dim, seq_lens[0], dtype, starts, pool.block_size)
         if uniform else None
@@ -327,18 +341,32 @@ def plan_decode_step(
     return [
         KernelDecodeLayer(
             layer=layer,
-            block_table=tables[layer],
-            seq_lens=seq_lens[layer],
+            block_table=layer_table,
+            seq_lens=layer_lens,
             query_start_loc=starts,
             scheduler_metadata=shared if uniform else _scheduler_metadata(
-                num_seqs, group, head_dim, seq_lens[layer], dtype, starts, pool.block_size
+                num_seqs, group, head_dim, layer_lens, dtype, starts, pool.block_size
             ),
             key_cache=key4,
             value_cache=value4,
             metrics=metrics,
         )
-        for layer in range(num_layers)
+        for layer, (layer_table, layer_lens) in enumerate(zip(tables.unbind(0), seq_lens.unbind(0)))
     ]
+
+
+_QUERY_STARTS: dict[int, torch.Tensor] = {}
+
+
+def _query_starts(num_seqs: int) -> torch.Tensor:
+    """``[num_seqs + 1]`` int32 ``arange``: one query row per kernel sequence (kept per
+    size: a decode batch keeps its size for many steps; the kernel only reads it)."""
+    starts = _QUERY_STARTS.get(num_seqs)
+    if starts is None:
+        if len(_QUERY_STARTS) >= 64:
+            _QUERY_STARTS.clear()
+        starts = _QUERY_STARTS[num_seqs] = torch.arange(num_seqs + 1, dtype=torch.int32)
+    return starts
 
 
 def decode_planned(

@@ -315,16 +315,21 @@ class PerHeadPagedCache:
             write_offsets=write_offsets.permute(1, 0, 2).contiguous(),
         )
 
-    def append_one(self, seq_slots: torch.Tensor, positions: torch.Tensor) -> AppendPlan:
+    def append_one(
+        self, seq_slots: torch.Tensor, positions: torch.Tensor, host_slots: np.ndarray | None = None,
+    ) -> AppendPlan:
         """:meth:`append` of ONE token per sequence (a decode step), in fewer ops: a head
         takes a new page only when its last one is full.
 
         Args:
             seq_slots: ``[S]`` int64 sequence slots, in batch order.
             positions: ``[S]`` the new tokens' positions.
+            host_slots: the same slots as a numpy int64 array, if the caller has it
+                (a CPU cache then skips a conversion).
         """
         if self.host is not None:
-            return self._append_one_host(seq_slots, positions)
+            slots = seq_slots.to(torch.int64).numpy() if host_slots is None else host_slots
+            return self._append_one_host(slots, positions)
         block_size = self.block_size
         old_lens = self.head_lens.index_select(0, seq_slots)  # [S, L, H]
         page_column = old_lens // block_size
@@ -339,10 +344,10 @@ class PerHeadPagedCache:
         self.head_lens[seq_slots] = old_lens + 1
         return self._place(seq_slots, page_column, write_offsets, positions)
 
-    def _append_one_host(self, seq_slots: torch.Tensor, positions: torch.Tensor) -> AppendPlan:
-        """:meth:`append_one` on a CPU cache through its numpy views (same result)."""
+    def _append_one_host(self, slots: np.ndarray, positions: torch.Tensor) -> AppendPlan:
+        """:meth:`append_one` on a CPU cache through its numpy views (same result;
+        ``slots`` ``[S]`` int64)."""
         host = self.host
-        slots = seq_slots.to(torch.int64).numpy()
         old_lens = host.head_lens[slots]  # [S, L, H]
         page_column, write_offsets = np.divmod(old_lens, self.block_size)
         write_pages = host.last_pages[slots]  # [S, L, H], a copy

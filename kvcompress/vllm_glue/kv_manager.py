@@ -59,9 +59,6 @@ def _check_allocate_signature() -> None:
 
 _check_allocate_signature()
 
-# Keyword arguments of vLLM's allocate_slots call for running requests (the fast path).
-_DECODE_KWARGS = frozenset({"num_lookahead_tokens"})
-
 
 class PerHeadKVCacheManager:
     """Wraps vLLM's ``KVCacheManager``; capacity is decided in per-head pages.
@@ -79,7 +76,9 @@ class PerHeadKVCacheManager:
         on_release=None,
     ) -> None:
         self._inner = inner
+        self._inner_allocate = inner.allocate_slots
         self.accounting = accounting
+        self._capacity = accounting.capacity  # the fast path's bound, request id -> tokens
         self.max_model_len = max_model_len
         self.watermark_pages = watermark_pages
         # relieve(request, pages_short) compresses other requests instead of preempting.
@@ -95,23 +94,30 @@ class PerHeadKVCacheManager:
     def usage(self) -> float:
         return self.accounting.num_used_pages / max(1, self.accounting.num_pages)
 
-    def allocate_slots(self, request, *args, **kwargs):
-        if len(args) == 1 and kwargs.keys() <= _DECODE_KWARGS:
-            # vLLM's call for a running request: (request, num_new_tokens,
-            # num_lookahead_tokens=...). Rows whose heads take the tokens in pages they
-            # hold (most decode rows) need no page count, only vLLM's logical blocks.
-            target_tokens = request.num_computed_tokens + args[0] + kwargs.get("num_lookahead_tokens", 0)
-            if target_tokens > self.max_model_len:
-                target_tokens = self.max_model_len
-            accounting, request_id = self.accounting, request.request_id
-            if accounting.fits_in_room(request_id, target_tokens):
-                blocks = self._inner.allocate_slots(request, *args, **kwargs)
-                if blocks is None:
-                    return self._refused(request)
-                accounting.grow_in_room(request_id, target_tokens)
-                self.scheduled_this_step.add(request_id)
-                return blocks
-        return self._allocate_counted(request, *args, **kwargs)
+    def allocate_slots(self, request, num_new_tokens, *args, **kwargs):
+        if not args and len(kwargs) == 1:
+            lookahead = kwargs.get("num_lookahead_tokens")
+            if lookahead is not None:
+                # vLLM's call for a running request: (request, num_new_tokens,
+                # num_lookahead_tokens=...). Rows whose heads take the tokens in pages
+                # they hold (most decode rows) need no page count, only vLLM's logical
+                # blocks: a dict read and a dict write here (~0.5 us a row).
+                request_id = request.request_id
+                capacity = self._capacity.get(request_id)
+                if capacity is not None:
+                    target_tokens = request.num_computed_tokens + num_new_tokens + lookahead
+                    if target_tokens > self.max_model_len:
+                        target_tokens = self.max_model_len
+                    if target_tokens <= capacity:
+                        blocks = self._inner_allocate(
+                            request, num_new_tokens, num_lookahead_tokens=lookahead
+                        )
+                        if blocks is None:
+                            return self._refused(request)
+                        self.accounting.grow_in_room(request_id, target_tokens)
+                        self.scheduled_this_step.add(request_id)
+                        return blocks
+        return self._allocate_counted(request, num_new_tokens, *args, **kwargs)
 
     def _allocate_counted(self, request, *args, **kwargs):
         """``allocate_slots`` when pages may be needed: counted, reserved, relieved."""

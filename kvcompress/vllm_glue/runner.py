@@ -248,7 +248,7 @@ class PerHeadRunnerMixin:
         if self.kvc_cache is not None:
             if scheduler_output.total_num_scheduled_tokens:
                 self._kvc_plan_step(scheduler_output)
-            self.kvc_report = self._kvc_make_report(compressed)
+            self.kvc_report = self._kvc_make_report(compressed, step.report_pages_held)
         return result
 
     def _kvc_compress(self, orders: dict[str, CompressionOrder]) -> list[str]:
@@ -326,17 +326,20 @@ class PerHeadRunnerMixin:
             self.kvc_generator.manual_seed(self.vllm_config.model_config.seed or 0)
         return self.kvc_generator
 
-    def _kvc_make_report(self, compressed: list[str]) -> WorkerReport:
-        """Worker-side truth for the scheduler after this step's appends."""
+    def _kvc_make_report(self, compressed: list[str], with_pages_held: bool) -> WorkerReport:
+        """Worker-side truth for the scheduler after this step's appends (every live
+        request's pages only when the scheduler asked for them)."""
         cache = self.kvc_cache
         report = WorkerReport(
             free_pages=cache.allocator.num_free,
+            pages_held={} if with_pages_held else None,
             compressions=self.kvc_step_compressions,
             evict_mismatches=self.kvc_step_evict_mismatches,
         )
         live = self.kvc_live_slots
         if live:
-            report.pages_held = dict(zip(live, cache.pages_held_per_sequence(list(live.values()))))
+            if with_pages_held:
+                report.pages_held = dict(zip(live, cache.pages_held_per_sequence(list(live.values()))))
             for request_id in compressed:
                 if request_id in live:
                     report.head_lens[request_id] = cache.head_lens[live[request_id]].cpu().numpy().copy()
@@ -364,19 +367,26 @@ class PerHeadRunnerMixin:
         cache = self.kvc_cache
         num_reqs = self.input_batch.num_reqs
         req_ids = self.input_batch.req_ids[:num_reqs]
-        scheduled = scheduler_output.num_scheduled_tokens
-        num_new = np.fromiter((scheduled[r] for r in req_ids), np.int64, num_reqs)
         computed = self.input_batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
-        rows = self._kvc_batch_rows(req_ids, computed, num_new)
-        query_start = np.zeros(num_reqs + 1, dtype=np.int64)
-        np.cumsum(num_new, out=query_start[1:])
-        positions = np.repeat(computed - query_start[:-1], num_new) + np.arange(
-            query_start[-1]
-        )
         device = cache.device
+        if scheduler_output.total_num_scheduled_tokens == num_reqs:
+            # One token per row (every row of the batch is scheduled): a decode step's
+            # shape, read without a dict lookup per row; each token sits at `computed`.
+            num_new = np.ones(num_reqs, np.int64)
+            query_start = np.arange(num_reqs + 1, dtype=np.int64)
+            rows = self._kvc_batch_rows(req_ids, computed, num_new)
+            positions_t = torch.from_numpy(computed).to(device)
+            plan = cache.append_one(rows.seq_slots, positions_t, host_slots=rows.slots)
+        else:
+            scheduled = scheduler_output.num_scheduled_tokens
+            num_new = np.fromiter((scheduled[r] for r in req_ids), np.int64, num_reqs)
+            rows = self._kvc_batch_rows(req_ids, computed, num_new)
+            query_start = np.zeros(num_reqs + 1, dtype=np.int64)
+            np.cumsum(num_new, out=query_start[1:])
+            positions = np.repeat(computed - query_start[:-1], num_new) + np.arange(query_start[-1])
+            positions_t = torch.from_numpy(positions).to(device)
+            plan = cache.append(rows.seq_slots, torch.from_numpy(num_new).to(device), positions_t)
         seq_slots = rows.seq_slots
-        positions_t = torch.from_numpy(positions).to(device)
-        plan = cache.append(seq_slots, torch.from_numpy(num_new).to(device), positions_t)
         if rows.decode_only(computed, num_new):
             self._kvc_plan_decode_step(rows, computed, positions_t, plan, query_start)
             return
@@ -464,6 +474,8 @@ class PerHeadRunnerMixin:
             kernel_decode = cpu_attention.plan_decode_step(
                 state.pool, cache.tables, cache.head_lens, seq_slots, self.kvc_num_q_heads,
                 torch.from_numpy(flagged) if flagged.size else None,
+                # Heads of never-compressed rows all hold the row's tokens.
+                uniform=True if not rows.compresses.any() else None,
             )
         else:
             self._kvc_fill_decode_buffers(buffers, seq_slots, positions_t, plan, flagged)

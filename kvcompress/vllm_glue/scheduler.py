@@ -80,10 +80,7 @@ class KVCompressScheduler(Scheduler):
         if self.kvcompress_config.enabled:
             planner.compress_due(self.running)
         output = super().schedule(*args, **kwargs)
-        planner.note_batch(
-            num_running=len(self.running),
-            num_decoding=sum(1 for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens),
-        )
+        planner.note_batch(self.running)
         return with_step_compression(output, self._step_compression(output))
 
     def _step_compression(self, output) -> StepCompression:
@@ -98,6 +95,7 @@ class KVCompressScheduler(Scheduler):
                 for request_id in admitted_ids
             },
             orders=planner.take_orders(),
+            report_pages_held=planner.report_pages_held(),
         )
 
     def update_from_output(self, scheduler_output, model_runner_output):

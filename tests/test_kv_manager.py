@@ -1,0 +1,113 @@
+"""``PerHeadKVCacheManager`` over vLLM's real ``KVCacheManager`` and ``Request``s, driven
+with vLLM 0.32's two call shapes of ``allocate_slots`` (the waiting-request call with
+every keyword, and the running-request call ``(request, n, num_lookahead_tokens=k)``
+that takes the dict-only fast path when the heads have room): every answer and every
+page count against a brute-force recount, ``L * H * ceil(tokens / b)`` per request
+(nothing is compressed here)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm import SamplingParams  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+
+from kvcompress.page_accounting import PageAccounting  # noqa: E402
+from kvcompress.vllm_glue.kv_manager import PerHeadKVCacheManager, logical_block_count  # noqa: E402
+
+LAYERS, HEADS, BLOCK, MAX_LEN, PAGES, SEQS = 2, 3, 16, 200, 300, 8
+
+
+def _manager() -> PerHeadKVCacheManager:
+    num_blocks = logical_block_count(PAGES, SEQS, MAX_LEN, BLOCK)
+    config = KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer.0"], FullAttentionSpec(
+            block_size=BLOCK, num_kv_heads=HEADS, head_size=64, dtype=torch.float32))],
+    )
+    inner = KVCacheManager(config, max_model_len=MAX_LEN, scheduler_block_size=BLOCK,
+                           hash_block_size=BLOCK, enable_caching=False)
+    accounting = PageAccounting(PAGES, LAYERS, HEADS, BLOCK, max_requests=4)
+    return PerHeadKVCacheManager(inner, accounting, max_model_len=MAX_LEN, watermark_pages=0)
+
+
+def _pages(tokens: int) -> int:
+    return LAYERS * HEADS * -(-tokens // BLOCK)
+
+
+def test_allocate_slots_answers_and_counts_match_a_brute_force_recount():
+    rng = np.random.default_rng(3)
+    manager = _manager()
+    counted_calls = []
+    counted = manager._allocate_counted
+    manager._allocate_counted = lambda *a, **k: counted_calls.append(1) or counted(*a, **k)
+    requests: dict[str, Request] = {}
+    slots: dict[str, int] = {}  # request id -> tokens it has slots for (brute force)
+    fast_calls = 0
+    for step in range(600):
+        free = PAGES - sum(_pages(t) for t in slots.values())
+        op = rng.random()
+        if op < 0.15 or not requests:  # a waiting request: vLLM's admission call
+            request_id = f"r{step}"
+            prompt = int(rng.integers(1, 120))
+            request = Request(request_id, list(range(prompt)), SamplingParams(max_tokens=400), None)
+            chunk = int(rng.integers(1, prompt + 1))
+            blocks = manager.allocate_slots(
+                request, chunk, num_new_computed_tokens=0,
+                new_computed_blocks=manager.empty_kv_cache_blocks, num_lookahead_tokens=0,
+                num_external_computed_tokens=0, delay_cache_blocks=False, skip_zeroing_group_ids=(),
+                num_encoder_tokens=0, full_sequence_must_fit=False, reserved_blocks=0,
+                has_scheduled_reqs=bool(requests),
+            )
+            assert (blocks is not None) == (_pages(chunk) <= free), step
+            if blocks is not None:
+                request.num_computed_tokens = chunk
+                requests[request_id] = request
+                slots[request_id] = chunk
+        elif op < 0.25:  # finished
+            request_id = str(rng.choice(sorted(requests)))
+            manager.free(requests.pop(request_id))
+            slots.pop(request_id)
+        else:  # a running request: decode (1 token, sometimes lookahead) or a prefill chunk
+            request_id = str(rng.choice(sorted(requests)))
+            request = requests[request_id]
+            new = 1 if rng.random() < 0.8 else int(rng.integers(2, 20))
+            lookahead = int(rng.choice([0, 0, 0, 2]))
+            target = min(request.num_computed_tokens + new + lookahead, MAX_LEN)
+            need = _pages(max(target, slots[request_id])) - _pages(slots[request_id])
+            fast = manager.accounting.fits_in_room(request_id, target)
+            before = len(counted_calls)
+            blocks = manager.allocate_slots(request, new, num_lookahead_tokens=lookahead)
+            assert (blocks is not None) == (need <= free), step
+            # The fast path is taken exactly when no page is needed, never counted.
+            assert (len(counted_calls) == before) == fast, step
+            assert not fast or need == 0, step
+            fast_calls += fast
+            if blocks is not None:
+                slots[request_id] = max(slots[request_id], target)
+                request.num_computed_tokens = min(request.num_computed_tokens + new, MAX_LEN - 1)
+        accounting = manager.accounting
+        assert accounting.num_free_pages == PAGES - sum(_pages(t) for t in slots.values()), step
+        if step % 7 == 0:
+            accounting.check_consistent()
+            assert accounting.pages_held_by_request() == {r: _pages(t) for r, t in slots.items()}, step
+    assert fast_calls > 100 and len(counted_calls) > 100  # both routes were exercised
+
+
+def test_decode_growth_is_clamped_at_max_model_len():
+    manager = _manager()
+    prompt = MAX_LEN - 7  # its last page has room past max_model_len: the fast path
+    request = Request("a", list(range(prompt)), SamplingParams(max_tokens=50), None)
+    assert manager.allocate_slots(request, prompt, num_lookahead_tokens=0) is not None
+    request.num_computed_tokens = MAX_LEN - 1
+    assert manager.accounting.fits_in_room("a", MAX_LEN + 4)
+    # Past max_model_len the slots stop at max_model_len (vLLM stops the request there).
+    assert manager.allocate_slots(request, 1, num_lookahead_tokens=4) is not None
+    assert manager.accounting.logical_len("a") == MAX_LEN
+    assert manager.accounting.pages_held("a") == _pages(MAX_LEN)
