@@ -104,6 +104,11 @@ def test_prefix_caching_with_compression_is_refused(tmp_path):
         _engine_config(_write_config(tmp_path), enable_prefix_caching=True, **_kvc(rate=4))
 
 
+def test_tensor_parallelism_with_compression_is_refused(tmp_path):
+    with pytest.raises(KVCompressConfigError, match="--tensor-parallel-size 2"):
+        _engine_config(_write_config(tmp_path), tensor_parallel_size=2, **_kvc(rate=4))
+
+
 def test_conflicting_block_size_is_refused(tmp_path):
     with pytest.raises(KVCompressConfigError, match="--kv-compress-block-size"):
         _engine_config(_write_config(tmp_path), block_size=32, **_kvc(block_size=16))

@@ -125,6 +125,15 @@ def prepare_engine_args(engine_args: Any, platform: Any = None) -> KVCompressCon
         raise KVCompressConfigError(f"speculative decoding cannot be combined with {flag}")
     if engine_args.pipeline_parallel_size > 1:
         raise KVCompressConfigError(f"pipeline parallelism cannot be combined with {flag}")
+    if engine_args.tensor_parallel_size > 1:
+        # Each rank would evict over its own KV heads while the scheduler counts one
+        # rank's pages: another rank could lack a page it was promised. Per-rank page
+        # budgets (docs/ARCHITECTURE.md, "Tensor parallelism") lift this.
+        raise KVCompressConfigError(
+            f"--tensor-parallel-size {engine_args.tensor_parallel_size} cannot be combined "
+            f"with {flag} yet: the scheduler keeps one page budget, not one per rank "
+            "(run one engine per device, or --data-parallel-size for more devices)"
+        )
     if engine_args.block_size not in (None, settings.block_size):
         raise KVCompressConfigError(
             f"--block-size {engine_args.block_size} conflicts with "
