@@ -132,7 +132,7 @@ def prepare_engine_args(engine_args: Any, platform: Any = None) -> KVCompressCon
         raise KVCompressConfigError(
             f"--tensor-parallel-size {engine_args.tensor_parallel_size} cannot be combined "
             f"with {flag} yet: the scheduler keeps one page budget, not one per rank "
-            "(run one engine per device, or --data-parallel-size for more devices)"
+            "(run one engine per device)"
         )
     if engine_args.block_size not in (None, settings.block_size):
         raise KVCompressConfigError(
