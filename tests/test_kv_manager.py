@@ -24,8 +24,8 @@ from kvcompress.vllm_glue.kv_manager import PerHeadKVCacheManager, logical_block
 LAYERS, HEADS, BLOCK, MAX_LEN, PAGES, SEQS = 2, 3, 16, 200, 300, 8
 
 
-def _manager() -> PerHeadKVCacheManager:
-    num_blocks = logical_block_count(PAGES, SEQS, MAX_LEN, BLOCK)
+def _manager(num_blocks: int | None = None) -> PerHeadKVCacheManager:
+    num_blocks = num_blocks or logical_block_count(PAGES, SEQS, MAX_LEN, BLOCK)
     config = KVCacheConfig(
         num_blocks=num_blocks, kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(["layer.0"], FullAttentionSpec(
@@ -111,3 +111,42 @@ def test_decode_growth_is_clamped_at_max_model_len():
     assert manager.allocate_slots(request, 1, num_lookahead_tokens=4) is not None
     assert manager.accounting.logical_len("a") == MAX_LEN
     assert manager.accounting.pages_held("a") == _pages(MAX_LEN)
+
+
+def test_a_full_logical_pool_refuses_without_counting_pages():
+    """vLLM's logical pool, capped at LOGICAL_OVERCOMMIT x the uncompressed tokens, can
+    run out while pages are free: allocate_slots answers None (vLLM then waits or
+    preempts) on both routes and no page is charged."""
+    manager = _manager(num_blocks=3)  # the null block + 2 token blocks
+    accounting = manager.accounting
+    a = Request("a", list(range(BLOCK)), SamplingParams(max_tokens=99), None)
+    assert manager.allocate_slots(a, BLOCK, num_lookahead_tokens=0) is not None
+    a.num_computed_tokens = BLOCK
+    assert manager.allocate_slots(a, 1, num_lookahead_tokens=0) is not None  # block 2
+    free = accounting.num_free_pages
+    b = Request("b", list(range(4)), SamplingParams(max_tokens=9), None)
+    assert manager.allocate_slots(b, 4, num_lookahead_tokens=0) is None  # counted route
+    a.num_computed_tokens = 2 * BLOCK
+    assert accounting.fits_in_room("a", 2 * BLOCK) and not accounting.fits_in_room("a", 2 * BLOCK + 1)
+    assert manager.allocate_slots(a, 1, num_lookahead_tokens=0) is None
+    assert accounting.num_free_pages == free and accounting.logical_len("a") == BLOCK + 1
+    assert accounting.pages_held_by_request() == {"a": _pages(BLOCK + 1)}
+
+
+def test_logical_pool_size():
+    """Every running request at full length, at most 64x the token blocks the pages
+    hold uncompressed, at least one request at full length, never more than the pages."""
+    from kvcompress.vllm_glue.kv_manager import LOGICAL_OVERCOMMIT
+
+    assert LOGICAL_OVERCOMMIT == 64
+    # Llama-3.1-8B (32 layers x 8 KV heads), 16-token pages, ~50 GB of bf16 pages
+    # (8 KiB each), 128K context, 1024 sequences: 6.1M pages -> 1.5M logical blocks.
+    pages = 6_100_000
+    assert logical_block_count(pages, 1024, 131072, 16, pages_per_token_block=256) == 64 * (pages // 256) + 1
+    # Few heads: the pages bound (a block per page) is the smaller.
+    assert logical_block_count(1000, 64, 4096, 16, pages_per_token_block=8) == 1000 + 1
+    # Few sequences: every one at full length.
+    assert logical_block_count(10**6, 2, 4096, 16, pages_per_token_block=256) == 2 * 256 + 1
+    # A pool smaller than one request's blocks at the overcommit still takes one request.
+    assert logical_block_count(300, 8, 131072, 16, pages_per_token_block=256) == 300 + 1
+    assert logical_block_count(10**5, 8, 131072, 16, pages_per_token_block=4096) == 8192 + 1

@@ -86,6 +86,7 @@ class PerHeadKVCacheManager:
         # on_release(request_id, pages) hears of every request whose pages go back.
         self.on_release = on_release
         self.scheduled_this_step: set[str] = set()
+        self._refusal_logged = False
 
     def __getattr__(self, name: str):
         return getattr(self._inner, name)
@@ -158,11 +159,17 @@ class PerHeadKVCacheManager:
         return blocks
 
     def _refused(self, request) -> None:
-        """vLLM's logical block pool refused a request the pages allow (sized never to)."""
-        logger.warning(
-            "kvcompress: vLLM's logical block pool refused request %s although "
-            "%d pages are free", request.request_id, self.accounting.num_free_pages,
-        )
+        """vLLM's logical block pool refused a request the pages allow: the running
+        sequences hold more than ``LOGICAL_OVERCOMMIT`` times the tokens the pool holds
+        uncompressed (vLLM then preempts or waits, as with a full pool)."""
+        if not self._refusal_logged:
+            self._refusal_logged = True
+            logger.warning(
+                "kvcompress: vLLM's logical block pool (sized for %dx the tokens the page "
+                "pool holds uncompressed) refused request %s although %d pages are free; "
+                "requests wait or are preempted until blocks return (logged once)",
+                LOGICAL_OVERCOMMIT, request.request_id, self.accounting.num_free_pages,
+            )
 
     def _release(self, request_id: str) -> None:
         pages = self.accounting.release(request_id)
@@ -178,10 +185,23 @@ class PerHeadKVCacheManager:
         return self._inner.pop_blocks_for_free(request)
 
 
+# vLLM's logical blocks cover at most this many times the tokens the pool holds
+# uncompressed: each is a Python object (a 50 GB pool of Llama-3.1-8B pages would
+# otherwise make ~6M of them: ~10 s and ~0.8 GiB of host memory at startup).
+LOGICAL_OVERCOMMIT = 64
+
+
 def logical_block_count(
-    num_pages: int, max_num_seqs: int, max_model_len: int, block_size: int
+    num_pages: int, max_num_seqs: int, max_model_len: int, block_size: int,
+    pages_per_token_block: int = 1,
 ) -> int:
-    """Size of the virtual logical-block pool: enough for every running request at
-    full length (+1 for vLLM's null block), never more than there are pages."""
+    """Size of the virtual logical-block pool (+1 for vLLM's null block): every running
+    request at full length, but no more than ``LOGICAL_OVERCOMMIT`` times the token
+    blocks the pool holds uncompressed (``num_pages / pages_per_token_block``, the
+    latter ``L * H``), and never fewer than one request at full length. Past that
+    (sequences compressed more than 64x on average) vLLM's pool refuses and vLLM
+    preempts, as it does when stock vLLM's pool is full."""
     per_request = -(-max_model_len // block_size)
-    return min(num_pages, max_num_seqs * per_request) + 1
+    uncompressed = num_pages // max(1, pages_per_token_block)
+    overcommitted = max(per_request, LOGICAL_OVERCOMMIT * uncompressed)
+    return min(num_pages, max_num_seqs * per_request, overcommitted) + 1

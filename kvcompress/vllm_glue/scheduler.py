@@ -38,7 +38,8 @@ class KVCompressScheduler(Scheduler):
         max_model_len = vllm_config.model_config.max_model_len
         logical_config = copy.deepcopy(kv_cache_config)
         logical_config.num_blocks = logical_block_count(
-            num_pages, vllm_config.scheduler_config.max_num_seqs, max_model_len, block_size
+            num_pages, vllm_config.scheduler_config.max_num_seqs, max_model_len, block_size,
+            pages_per_token_block=num_layers * num_kv_heads,
         )
         super().__init__(vllm_config, logical_config, *args, **kwargs)
         self.kvcompress_config = settings
