@@ -13,18 +13,41 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm import SamplingParams  # noqa: E402
-from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
-
 from kvcompress.page_accounting import PageAccounting  # noqa: E402
-from kvcompress.vllm_glue.kv_manager import PerHeadKVCacheManager, logical_block_count  # noqa: E402
+
+# vLLM's core modules import triton: imported at collection, they would come before
+# test_triton_kernels sets TRITON_INTERPRET, and its interpreter tests would then fail.
+# So vLLM is imported when the tests run (``_vllm``), and this module sorts after
+# test_triton_kernels and test_unified_attention (their interpreter runs come first).
+
+
+def _vllm():
+    from vllm import SamplingParams
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.request import Request
+
+    from kvcompress.vllm_glue import kv_manager
+
+    return SamplingParams, KVCacheManager, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, Request, kv_manager
+
+
+def Request(*args):  # noqa: N802  (vLLM's Request, imported late)
+    return _vllm()[5](*args)
+
+
+def SamplingParams(**kwargs):  # noqa: N802
+    return _vllm()[0](**kwargs)
+
+
+def logical_block_count(*args, **kwargs):
+    return _vllm()[6].logical_block_count(*args, **kwargs)
 
 LAYERS, HEADS, BLOCK, MAX_LEN, PAGES, SEQS = 2, 3, 16, 200, 300, 8
 
 
-def _manager(num_blocks: int | None = None) -> PerHeadKVCacheManager:
+def _manager(num_blocks: int | None = None):
+    _, KVCacheManager, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, _, kv_manager = _vllm()
     num_blocks = num_blocks or logical_block_count(PAGES, SEQS, MAX_LEN, BLOCK)
     config = KVCacheConfig(
         num_blocks=num_blocks, kv_cache_tensors=[],
@@ -34,7 +57,7 @@ def _manager(num_blocks: int | None = None) -> PerHeadKVCacheManager:
     inner = KVCacheManager(config, max_model_len=MAX_LEN, scheduler_block_size=BLOCK,
                            hash_block_size=BLOCK, enable_caching=False)
     accounting = PageAccounting(PAGES, LAYERS, HEADS, BLOCK, max_requests=4)
-    return PerHeadKVCacheManager(inner, accounting, max_model_len=MAX_LEN, watermark_pages=0)
+    return kv_manager.PerHeadKVCacheManager(inner, accounting, max_model_len=MAX_LEN, watermark_pages=0)
 
 
 def _pages(tokens: int) -> int:
@@ -47,7 +70,7 @@ def test_allocate_slots_answers_and_counts_match_a_brute_force_recount():
     counted_calls = []
     counted = manager._allocate_counted
     manager._allocate_counted = lambda *a, **k: counted_calls.append(1) or counted(*a, **k)
-    requests: dict[str, Request] = {}
+    requests: dict = {}
     slots: dict[str, int] = {}  # request id -> tokens it has slots for (brute force)
     fast_calls = 0
     for step in range(600):
