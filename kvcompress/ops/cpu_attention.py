@@ -41,6 +41,7 @@ Importable without vLLM; :func:`unavailable_reason` loads vLLM's kernels on firs
 from __future__ import annotations
 
 import platform
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -136,16 +137,20 @@ def supports_pool(dtype: torch.dtype, pool: KVPool) -> bool:
     )
 
 
-_KERNEL_CACHES: list = [None, None]  # [pool, its (K, V) views]: an engine's pool is fixed
+# pool -> its kernel (K, V) views, dropped with the pool (a strong reference here would
+# keep a shut-down engine's KV memory alive).
+_KERNEL_CACHES: "weakref.WeakKeyDictionary[KVPool, tuple[torch.Tensor, torch.Tensor]]" = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _kernel_caches(pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's ``[N, 1, b, D]`` K and V caches over the pool's storage (it reads
-    ``stride(0)`` and the ``[D, b]`` / ``[b, D]`` page interiors); the last pool's are kept."""
-    if _KERNEL_CACHES[0] is not pool:
-        _KERNEL_CACHES[1] = _kernel_cache_views(pool)
-        _KERNEL_CACHES[0] = pool
-    return _KERNEL_CACHES[1]
+    ``stride(0)`` and the ``[D, b]`` / ``[b, D]`` page interiors), built once per pool."""
+    views = _KERNEL_CACHES.get(pool)
+    if views is None:
+        views = _KERNEL_CACHES[pool] = _kernel_cache_views(pool)
+    return views
 
 
 def _kernel_cache_views(pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:

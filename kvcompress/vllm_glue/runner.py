@@ -330,16 +330,17 @@ class PerHeadRunnerMixin:
         """Worker-side truth for the scheduler after this step's appends (every live
         request's pages only when the scheduler asked for them)."""
         cache = self.kvc_cache
+        live = self.kvc_live_slots
+        held = None
+        if with_pages_held:
+            held = dict(zip(live, cache.pages_held_per_sequence(list(live.values())))) if live else {}
         report = WorkerReport(
             free_pages=cache.allocator.num_free,
-            pages_held={} if with_pages_held else None,
+            pages_held=held,
             compressions=self.kvc_step_compressions,
             evict_mismatches=self.kvc_step_evict_mismatches,
         )
-        live = self.kvc_live_slots
         if live:
-            if with_pages_held:
-                report.pages_held = dict(zip(live, cache.pages_held_per_sequence(list(live.values()))))
             for request_id in compressed:
                 if request_id in live:
                     report.head_lens[request_id] = cache.head_lens[live[request_id]].cpu().numpy().copy()
