@@ -397,6 +397,7 @@ def _measure(
     protected_window: int = 8,
     min_cache_tokens: int = 128,
     block_size: int | None = None,
+    interval: int = 0,
     max_num_seqs: int = 256,
     max_num_batched_tokens: int = 2048,
     dtype: str | None = None,
@@ -484,6 +485,7 @@ def _measure(
         "rates": rates,
         "protected_window": protected_window,
         "min_cache_tokens": min_cache_tokens,
+        "interval": interval,
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max_num_batched_tokens,
         "max_model_len": args["max_model_len"],
@@ -506,6 +508,7 @@ def _measure(
                 phase_rows = _kvcompress_phase(
                     kvcompress.LLM, model_path, args, rates, prompts, params, results, progress,
                     protected_window=protected_window, min_cache_tokens=min_cache_tokens, block_size=block_size,
+                    interval=interval,
                 )
             for row in phase_rows:
                 runs.setdefault((row["input_len"], row["engine"], row["rate"]), []).append(row)
@@ -554,7 +557,7 @@ def _stock_phase(LLM, model_path, args, bytes_per_token, prompts, params, result
 
 def _kvcompress_phase(
     LLM, model_path, args, rates, prompts, params, results, progress, *,
-    protected_window: int, min_cache_tokens: int, block_size: int | None,
+    protected_window: int, min_cache_tokens: int, block_size: int | None, interval: int = 0,
 ) -> list[dict]:
     """Start kvcompress, run every (input length, rate), shut it down; its rows (none,
     with ``results["kvcompress_error"]`` set, when the engine does not start)."""
@@ -565,6 +568,7 @@ def _kvcompress_phase(
             kv_compress_protected_window=protected_window,
             kv_compress_min_cache_tokens=min_cache_tokens,
             kv_compress_block_size=block_size,
+            kv_compress_interval=interval,
             **args,
         )
     except Exception as error:  # keep the stock results (e.g. a platform kvcompress lacks)
@@ -707,7 +711,8 @@ def header_lines(results: dict[str, Any]) -> list[str]:
         f"{results['num_prompts']} prompts per run, input lengths {results['input_lens']}, output "
         f"{results['output_len']} tokens (ignore_eos); kvcompress: protected window "
         f"{results['protected_window']}, min cache {results['min_cache_tokens']} tokens (budget per "
-        f"sequence = max(min cache, ceil(L / rate)) + window); max_num_seqs {results['max_num_seqs']}, "
+        f"sequence = max(min cache, ceil(L / rate)) + window), compression interval "
+        f"{results.get('interval') or 'off'}; max_num_seqs {results['max_num_seqs']}, "
         f"max_num_batched_tokens {results['max_num_batched_tokens']}, max_model_len {results['max_model_len']}",
     ]
     if results.get("wall_seconds") is not None:
@@ -987,6 +992,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--min-cache-tokens", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=None,
                         help="kvcompress page size in tokens (default: kvcompress's own)")
+    parser.add_argument("--interval", type=int, default=0,
+                        help="kvcompress's --kv-compress-interval: also recompress running sequences every N "
+                             "engine steps (continual compression; the paper's throughput runs compress after "
+                             "every iteration); 0 = only after prefill and instead of preemption")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--dtype", default=None, help="default float32 for tiny / smollm2, else auto")
@@ -1035,6 +1044,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         protected_window=args.protected_window,
         min_cache_tokens=args.min_cache_tokens,
         block_size=args.block_size,
+        interval=args.interval,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         dtype=args.dtype,

@@ -114,16 +114,16 @@ class _Step:
         orders: compressions ordered this step.
         kvs_sorted: KVs the ordered compressions sort (the per-step cap).
         dispatched: the step went to the worker (vLLM's ``schedule()`` returned).
-        released_in_flight: request id -> pages the scheduler released after the
-            step was dispatched and before the worker's report was adopted (vLLM
-            processes aborts there); the worker still held them when it reported.
+        released_in_flight: request id -> ``[num_ranks]`` pages the scheduler released
+            after the step was dispatched and before the workers' reports were adopted
+            (vLLM processes aborts there); the workers still held them when they reported.
     """
 
     number: int = 0
     orders: dict[str, CompressionOrder] = field(default_factory=dict)
     kvs_sorted: int = 0
     dispatched: bool = False
-    released_in_flight: dict[str, int] = field(default_factory=dict)
+    released_in_flight: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 class CompressionPlanner:
@@ -208,7 +208,8 @@ class CompressionPlanner:
         return sorted(ready, key=last)
 
     def try_compress(self, request: PlannableRequest, reason: str) -> int:
-        """Order a compression of ``request`` this step if it frees pages; returns pages.
+        """Order a compression of ``request`` this step if it frees pages; returns the
+        pages freed on the rank that gains the fewest (with one rank: the pages freed).
 
         ``reason``: ``after_prefill``, ``instead_of_preemption`` or ``on_interval``.
         """
@@ -221,9 +222,17 @@ class CompressionPlanner:
             return 0
         planned = self.state(request)
         context_len = accounting.logical_len(request_id)
-        evict = blocks_to_evict(
-            head_lens, context_len, planned.compression.budget, accounting.block_size
+        # E_s,r per rank over that rank's heads, each held to the same per-head budget:
+        # every rank frees exactly what is credited to its own pool.
+        heads = accounting.heads_per_rank
+        evict_by_rank = tuple(
+            blocks_to_evict(
+                head_lens[:, rank * heads:(rank + 1) * heads], context_len,
+                planned.compression.budget, accounting.block_size,
+            )
+            for rank in range(accounting.num_ranks)
         )
+        evict = sum(evict_by_rank)
         planned.last_compressed_step = step.number
         self.due.discard(request_id)
         if planned.recompress_due:
@@ -232,9 +241,10 @@ class CompressionPlanner:
         if evict <= 0:
             return 0
         step.kvs_sorted += kvs
-        accounting.mark_compressed(request_id, evict)
+        accounting.mark_compressed(request_id, evict_by_rank)
         step.orders[request_id] = CompressionOrder(
-            evict_pages=evict, context_len=context_len, compression=planned.compression
+            evict_pages_by_rank=evict_by_rank, context_len=context_len,
+            compression=planned.compression,
         )
         stats = self.stats
         stats.compressions += 1
@@ -244,7 +254,7 @@ class CompressionPlanner:
         stats.compressions_by_policy[policy] = stats.compressions_by_policy.get(policy, 0) + 1
         if self.metrics is not None:
             self.metrics.count_order(reason, policy)
-        return evict
+        return min(evict_by_rank)
 
     def compress_due(self, running: Iterable[PlannableRequest]) -> None:
         """Order compressions of requests whose prefill completed, and on the interval."""
@@ -307,11 +317,13 @@ class CompressionPlanner:
         self.requests.pop(request_id, None)
         self.due.discard(request_id)
 
-    def on_released(self, request_id: str, pages: int) -> None:
+    def on_released(self, request_id: str, pages) -> None:
         """The scheduler gave back the ``pages`` of ``request_id`` (finished, aborted
-        or preempted). Between dispatch and the report, the worker still holds them."""
-        if self.step.dispatched and pages > 0:  # 0: it never held pages (never ran)
-            self.step.released_in_flight[request_id] = pages
+        or preempted): an int with one rank, else ``[num_ranks]`` per rank's pool.
+        Between dispatch and the report, the workers still hold them."""
+        by_rank = np.asarray(pages, np.int64).reshape(-1)
+        if self.step.dispatched and by_rank.any():  # 0: it never held pages (never ran)
+            self.step.released_in_flight[request_id] = by_rank
             self.stats.released_in_flight += 1
 
     def note_batch(self, running: Sequence[PlannableRequest]) -> None:
@@ -328,39 +340,59 @@ class CompressionPlanner:
 
     # ------------------------------------------------------------------ worker report
 
-    def adopt(self, report: WorkerReport) -> bool:
-        """Take the worker's head lengths of compressed requests and cross-check every
-        page count; returns whether the counts agree."""
+    def adopt(self, report: WorkerReport | Sequence[WorkerReport]) -> bool:
+        """Take the workers' head lengths of compressed requests and cross-check every
+        page count of every rank; returns whether the counts agree.
+
+        ``report``: one worker's, or one per tensor-parallel rank in rank order (each
+        with the ``[layers, heads of its rank]`` lengths of its own heads)."""
+        reports = [report] if isinstance(report, WorkerReport) else list(report)
         accounting = self.accounting
-        for request_id, head_lens in report.head_lens.items():
-            accounting.adopt(request_id, head_lens)
+        if len(reports) != accounting.num_ranks:
+            raise ValueError(f"{len(reports)} worker reports for {accounting.num_ranks} ranks")
+        for request_id in reports[0].head_lens:
+            accounting.adopt(request_id, np.concatenate(
+                [np.asarray(r.head_lens[request_id], np.int64) for r in reports], axis=1
+            ))
         for request_id in accounting.pending_request_ids():
             logger.error("kvcompress: no head lengths reported for compressed request %s",
                          request_id)
         self.stats.steps_checked += 1
-        held, free = self.expected_worker_pages(report)
-        agree = report.free_pages == free and (report.pages_held is None or report.pages_held == held)
-        self._count_report(report, agree)
-        if agree:
-            return True
-        self.stats.mismatches += 1
-        logger.error(
-            "kvcompress: worker pages (free %d, held %s) differ from the "
-            "scheduler's (free %d, held %s)",
-            report.free_pages, report.pages_held, free, held,
-        )
-        return False
+        agree = True
+        for rank, rank_report in enumerate(reports):
+            held, free = self.expected_worker_pages(rank_report, rank)
+            if rank_report.free_pages == free and (
+                rank_report.pages_held is None or rank_report.pages_held == held
+            ):
+                continue
+            agree = False
+            logger.error(
+                "kvcompress: worker pages of rank %d (free %d, held %s) differ from the "
+                "scheduler's (free %d, held %s)",
+                rank, rank_report.free_pages, rank_report.pages_held, free, held,
+            )
+        self._count_reports(reports, agree)
+        if not agree:
+            self.stats.mismatches += 1
+        return agree
 
-    def _count_report(self, report: WorkerReport, agree: bool) -> None:
+    def _count_reports(self, reports: list[WorkerReport], agree: bool) -> None:
         stats, metrics = self.stats, self.metrics
-        stats.evict_mismatches += report.evict_mismatches
-        for record in report.compressions:
+        # Every rank compressed the same requests: count them once, pages and KVs of all.
+        records = [
+            record if rank == 0 else dataclasses.replace(record, requests=0)
+            for rank, report in enumerate(reports)
+            for record in report.compressions
+        ]
+        evict_mismatches = sum(report.evict_mismatches for report in reports)
+        stats.evict_mismatches += evict_mismatches
+        for record in records:
             stats.reported.setdefault(record.policy, PolicyTotals()).add(record)
         if metrics is not None:
             metrics.steps_checked += 1
             metrics.page_mismatches += 0 if agree else 1
-            metrics.evict_mismatches += report.evict_mismatches
-            for record in report.compressions:
+            metrics.evict_mismatches += evict_mismatches
+            for record in records:
                 metrics.count_record(record)
 
     # ------------------------------------------------------------------ metrics
@@ -379,7 +411,7 @@ class CompressionPlanner:
         self.metrics = KVCompressStats()
         accounting = self.accounting
         accounting.sync()
-        metrics.pages_total = accounting.num_pages
+        metrics.pages_total = accounting.total_pages
         metrics.pages_free = accounting.num_free_pages
         # Rows of released requests are zero.
         metrics.kvs_held = int(accounting.head_lens.sum())
@@ -393,16 +425,19 @@ class CompressionPlanner:
         host time at 256 requests)."""
         return bool(self.step.orders) or self.step.number % PAGES_HELD_CHECK_INTERVAL == 0
 
-    def expected_worker_pages(self, report: WorkerReport) -> tuple[dict[str, int] | None, int]:
-        """``(pages held per request, free pages)`` the worker must have reported: the
-        scheduler's counts plus the requests released while the step ran (the first
-        None when the report holds no per-request counts). A request compressed this
-        step and then released is counted from its reported head lengths (the
-        scheduler had only an upper bound for its growth)."""
+    def expected_worker_pages(
+        self, report: WorkerReport, rank: int = 0
+    ) -> tuple[dict[str, int] | None, int]:
+        """``(pages held per request, free pages)`` the worker of ``rank`` must have
+        reported: the scheduler's counts of that rank's pool plus the requests released
+        while the step ran (the first None when the report holds no per-request
+        counts). A request compressed this step and then released is counted from its
+        reported head lengths (the scheduler had only an upper bound for its growth)."""
         accounting = self.accounting
-        held = None if report.pages_held is None else accounting.pages_held_by_request()
-        free = accounting.num_free_pages
-        for request_id, pages in self.step.released_in_flight.items():
+        held = None if report.pages_held is None else accounting.pages_held_by_request(rank)
+        free = int(accounting.free_pages[rank])
+        for request_id, by_rank in self.step.released_in_flight.items():
+            pages = int(by_rank[rank])
             lens = report.head_lens.get(request_id)
             if lens is not None:
                 pages = int(((np.asarray(lens, np.int64) + accounting.block_size - 1)
@@ -417,8 +452,10 @@ class CompressionPlanner:
         accounting = self.accounting
         accounting.check_consistent()
         return {
-            "num_pages": accounting.num_pages,
+            "num_pages": accounting.total_pages,  # over all ranks' pools
             "num_free": accounting.num_free_pages,
+            "num_ranks": accounting.num_ranks,
+            "free_by_rank": accounting.free_pages.tolist(),
             "block_size": accounting.block_size,
             "num_layers": accounting.num_layers,
             "num_kv_heads": accounting.num_kv_heads,

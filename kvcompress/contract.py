@@ -45,16 +45,27 @@ class CompressionOrder:
     """Compress one request at the start of this step.
 
     Attributes:
-        evict_pages: ``E_s``, pages the worker frees from this request's heads (the
-            scheduler already credited them: ``budget.blocks_to_evict``).
+        evict_pages_by_rank: ``E_s,r``, pages the worker of TP rank r frees from the
+            request's heads on that rank (the scheduler already credited them to that
+            rank's pool: ``budget.blocks_to_evict`` over the rank's heads); one entry
+            without tensor parallelism.
         context_len: ``L_c``, tokens in the request's context (sinks and the
             protected window are counted from it).
         compression: the request's resolved budget and policy.
     """
 
-    evict_pages: int
+    evict_pages_by_rank: tuple[int, ...]
     context_len: int
     compression: RequestCompression
+
+    @property
+    def evict_pages(self) -> int:
+        """``E_s``: pages freed over all ranks."""
+        return sum(self.evict_pages_by_rank)
+
+    def evict_pages_on(self, rank: int) -> int:
+        """Pages the worker of ``rank`` frees."""
+        return self.evict_pages_by_rank[rank]
 
 
 @dataclass

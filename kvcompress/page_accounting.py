@@ -6,6 +6,13 @@ scheduler asks ``pages_to_grow`` before admitting or extending a request and
 ``grow``/``release`` when it does. Everything is numpy over
 ``[requests, layers, kv_heads]``; page ids live only on the worker, which runs the
 same arithmetic on the device (so both sides agree on counts without talking).
+
+With tensor parallelism (``num_ranks`` T > 1) the KV heads are split over T ranks,
+rank r holding heads ``[r*H_r, (r+1)*H_r)`` of every layer in its own pool of
+``num_pages`` pages: the T pools are separate resources, so pages are counted per
+rank (``pages_held_per_row[:, r]``, ``free_pages[r]``) and a request fits only when
+every rank has the pages its heads there need (:meth:`shortfall`). With T = 1 every
+per-rank array has one column and the counts are those of the single pool.
 """
 
 from __future__ import annotations
@@ -17,7 +24,11 @@ class PageAccounting:
     """Counts pages per request and in the pool.
 
     Attributes:
-        head_lens: ``[max_requests, num_layers, num_kv_heads]`` int64 KVs per head.
+        head_lens: ``[max_requests, num_layers, num_kv_heads]`` int64 KVs per head
+            (``num_kv_heads`` over all ranks, rank-major).
+        pages_held_per_row: ``[max_requests, num_ranks]`` int64 pages each request's
+            heads hold in each rank's pool.
+        free_pages: ``[num_ranks]`` int64 free pages of each rank's pool.
         logical_lens: ``[max_requests]`` int64 tokens the request has slots for.
         room: ``[max_requests]`` int64 tokens every head of the request can still take
             without a new page (0 while a compression is pending).
@@ -36,15 +47,22 @@ class PageAccounting:
         num_kv_heads: int,
         block_size: int,
         max_requests: int = 64,
+        num_ranks: int = 1,
     ) -> None:
-        self.num_pages = num_pages
+        if num_ranks < 1 or num_kv_heads % num_ranks:
+            raise ValueError(
+                f"{num_kv_heads} KV heads cannot be split evenly over {num_ranks} ranks"
+            )
+        self.num_pages = num_pages  # of each rank's pool
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
+        self.num_ranks = num_ranks
+        self.heads_per_rank = num_kv_heads // num_ranks
         self.block_size = block_size
-        self.num_free_pages = num_pages
+        self.free_pages = np.full(num_ranks, num_pages, np.int64)
         self.head_lens = np.zeros((max_requests, num_layers, num_kv_heads), np.int64)
         self.logical_lens = np.zeros(max_requests, np.int64)
-        self.pages_held_per_row = np.zeros(max_requests, np.int64)
+        self.pages_held_per_row = np.zeros((max_requests, num_ranks), np.int64)
         self.room = np.zeros(max_requests, np.int64)
         self.pending = np.zeros(max_requests, bool)
         self._row_of: dict[str, int] = {}
@@ -56,12 +74,32 @@ class PageAccounting:
 
     @property
     def pages_per_token_block(self) -> int:
-        """Pages one full token block costs when nothing is evicted."""
+        """Pages one full token block costs when nothing is evicted (all ranks)."""
         return self.num_layers * self.num_kv_heads
 
     @property
+    def pages_per_token_block_per_rank(self) -> int:
+        """The same in one rank's pool."""
+        return self.num_layers * self.heads_per_rank
+
+    @property
+    def num_free_pages(self) -> int:
+        """Free pages over every rank's pool (the one pool's when T = 1)."""
+        return int(self.free_pages.sum())
+
+    @property
+    def total_pages(self) -> int:
+        return self.num_pages * self.num_ranks
+
+    @property
     def num_used_pages(self) -> int:
-        return self.num_pages - self.num_free_pages
+        return self.total_pages - self.num_free_pages
+
+    def _per_rank(self, pages: np.ndarray) -> np.ndarray:
+        """``[..., L, H]`` pages per head -> ``[..., T]`` summed per rank."""
+        lead = pages.shape[:-2]
+        split = pages.reshape(*lead, self.num_layers, self.num_ranks, self.heads_per_rank)
+        return split.sum(axis=(-3, -1))
 
     def _row(self, request_id: str) -> int:
         row = self._row_of.get(request_id)
@@ -77,7 +115,7 @@ class PageAccounting:
         self.head_lens = np.concatenate([self.head_lens, np.zeros_like(self.head_lens)])
         self.logical_lens = np.concatenate([self.logical_lens, np.zeros(old, np.int64)])
         self.pages_held_per_row = np.concatenate(
-            [self.pages_held_per_row, np.zeros(old, np.int64)]
+            [self.pages_held_per_row, np.zeros_like(self.pages_held_per_row)]
         )
         self.room = np.concatenate([self.room, np.zeros(old, np.int64)])
         self.pending = np.concatenate([self.pending, np.zeros(old, bool)])
@@ -129,8 +167,9 @@ class PageAccounting:
         return 0 if row is None else int(self.logical_lens[row])
 
     def pages_held(self, request_id: str) -> int:
+        """Pages the request's heads hold, over all ranks."""
         row = self._row_of.get(request_id)
-        return 0 if row is None else int(self.pages_held_per_row[row])
+        return 0 if row is None else int(self.pages_held_per_row[row].sum())
 
     def head_lens_of(self, request_id: str) -> np.ndarray:
         """``[num_layers, num_kv_heads]`` copy of the request's per-head lengths."""
@@ -141,27 +180,41 @@ class PageAccounting:
         return self.head_lens[row].copy()
 
     def pages_to_grow(self, request_id: str, target_tokens: int) -> int:
-        """New pages needed for the request to have slots for ``target_tokens`` tokens."""
+        """New pages needed, over all ranks, for the request to have slots for
+        ``target_tokens`` tokens."""
+        return int(self.pages_to_grow_per_rank(request_id, target_tokens).sum())
+
+    def pages_to_grow_per_rank(self, request_id: str, target_tokens: int) -> np.ndarray:
+        """``[num_ranks]`` new pages each rank's pool gives for ``target_tokens`` tokens."""
         self.sync()
         row = self._row_of.get(request_id)
         if row is None:
             per_head = -(-max(target_tokens, 0) // self.block_size)
-            return per_head * self.pages_per_token_block
+            return np.full(self.num_ranks, per_head * self.pages_per_token_block_per_rank, np.int64)
         growth = target_tokens - int(self.logical_lens[row])
         if growth <= int(self.room[row]):  # also growth <= 0
-            return 0
+            return np.zeros(self.num_ranks, np.int64)
         if self.pending[row]:
             return self._pending_growth_bound(growth)
-        new_pages = int(self._pages(self.head_lens[row] + growth).sum())
-        return new_pages - int(self.pages_held_per_row[row])
+        new_pages = self._per_rank(self._pages(self.head_lens[row] + growth))
+        return new_pages - self.pages_held_per_row[row]
 
-    def _pending_growth_bound(self, growth: int) -> int:
+    def shortfall(self, request_id: str, target_tokens: int, reserve_per_rank: int = 0) -> int:
+        """Pages missing on the rank shortest of them for the request to reach
+        ``target_tokens`` tokens with ``reserve_per_rank`` pages left free on every
+        rank; <= 0: it fits (T = 1: needed + reserve - free)."""
+        needed = self.pages_to_grow_per_rank(request_id, target_tokens)
+        return int((needed + reserve_per_rank - self.free_pages).max())
+
+    def _pending_growth_bound(self, growth: int) -> np.ndarray:
         # A head of unknown length needs at most ceil(growth / b) new pages.
-        return self.pages_per_token_block * (-(-growth // self.block_size))
+        pages = self.pages_per_token_block_per_rank * (-(-growth // self.block_size))
+        return np.full(self.num_ranks, pages, np.int64)
 
     def grow(self, request_id: str, target_tokens: int) -> int:
         """Extend every head to cover ``target_tokens`` logical tokens; returns pages taken."""
         self.sync()
+        is_new = request_id not in self._row_of
         row = self._row(request_id)
         growth = target_tokens - int(self.logical_lens[row])
         if growth <= 0:
@@ -174,37 +227,44 @@ class PageAccounting:
             return 0
         new_lens = self.head_lens[row] + growth
         if self.pending[row]:
-            held = int(self.pages_held_per_row[row]) + self._pending_growth_bound(growth)
+            held = self.pages_held_per_row[row] + self._pending_growth_bound(growth)
         else:
-            held = int(self._pages(new_lens).sum())
-        taken = held - int(self.pages_held_per_row[row])
-        if taken > self.num_free_pages:
+            held = self._per_rank(self._pages(new_lens))
+        taken = held - self.pages_held_per_row[row]
+        if (taken > self.free_pages).any():
+            if is_new:  # refused before it held anything: no row
+                del self._row_of[request_id]
+                self._free_rows.append(row)
             raise RuntimeError(
-                f"request {request_id} needs {taken} pages, only "
-                f"{self.num_free_pages} free (caller skipped pages_to_grow)"
+                f"request {request_id} needs {taken.tolist()} pages per rank, only "
+                f"{self.free_pages.tolist()} free (caller skipped pages_to_grow)"
             )
         self.head_lens[row] = new_lens
         self.logical_lens[row] = target_tokens
         self.pages_held_per_row[row] = held
         self.room[row] = 0 if self.pending[row] else self._room(new_lens)
         self._set_capacity(request_id, row)
-        self.num_free_pages -= taken
-        return taken
+        self.free_pages -= taken
+        return int(taken.sum())
 
     def is_pending(self, request_id: str) -> bool:
         row = self._row_of.get(request_id)
         return row is not None and bool(self.pending[row])
 
-    def mark_compressed(self, request_id: str, evict_blocks: int) -> None:
-        """A compression that frees exactly ``evict_blocks`` pages runs this step."""
+    def mark_compressed(self, request_id: str, evict_blocks) -> None:
+        """A compression that frees exactly ``evict_blocks`` pages runs this step: an
+        int (T = 1) or one count per rank."""
         self.sync()
         row = self._row_of[request_id]
         if self.pending[row]:
             raise RuntimeError(f"request {request_id} is already being compressed")
-        if evict_blocks > int(self.pages_held_per_row[row]):
+        evict = np.asarray(evict_blocks, np.int64).reshape(-1)
+        if evict.shape != (self.num_ranks,):
+            raise ValueError(f"need one page count per rank ({self.num_ranks}), got {evict_blocks}")
+        if (evict > self.pages_held_per_row[row]).any() or (evict < 0).any():
             raise ValueError(f"cannot evict {evict_blocks} pages from request {request_id}")
-        self.pages_held_per_row[row] -= evict_blocks
-        self.num_free_pages += evict_blocks
+        self.pages_held_per_row[row] -= evict
+        self.free_pages += evict
         self.pending[row] = True
         self.room[row] = 0
         self.capacity.pop(request_id, None)
@@ -216,15 +276,15 @@ class PageAccounting:
         row = self._row_of.get(request_id)
         if row is None:
             return 0
-        held = int(self._pages(np.asarray(head_lens, np.int64)).sum())
-        surplus = int(self.pages_held_per_row[row]) - held
+        held = self._per_rank(self._pages(np.asarray(head_lens, np.int64)))
+        surplus = self.pages_held_per_row[row] - held
         self.head_lens[row] = head_lens
         self.pages_held_per_row[row] = held
         self.pending[row] = False
         self.room[row] = self._room(self.head_lens[row])
         self._set_capacity(request_id, row)
-        self.num_free_pages += surplus
-        return surplus
+        self.free_pages += surplus
+        return int(surplus.sum())
 
     def pending_request_ids(self) -> list[str]:
         if not self.pending.any():  # every step; compressions are rare
@@ -237,40 +297,47 @@ class PageAccounting:
         row = self._row_of[request_id]
         if np.any(head_lens > self.head_lens[row]):
             raise ValueError("set_head_lens can only shrink heads")
-        held = int(self._pages(head_lens).sum())
-        freed = int(self.pages_held_per_row[row]) - held
+        held = self._per_rank(self._pages(head_lens))
+        freed = self.pages_held_per_row[row] - held
         self.head_lens[row] = head_lens
         self.pages_held_per_row[row] = held
         self.room[row] = 0 if self.pending[row] else self._room(self.head_lens[row])
         self._set_capacity(request_id, row)
-        self.num_free_pages += freed
-        return freed
+        self.free_pages += freed
+        return int(freed.sum())
 
     def release(self, request_id: str) -> int:
-        """Forget the request; returns pages freed."""
+        """Forget the request; returns pages freed (over all ranks)."""
+        return int(self.release_by_rank(request_id).sum())
+
+    def release_by_rank(self, request_id: str) -> np.ndarray:
+        """Forget the request; returns ``[num_ranks]`` pages freed in each rank's pool."""
         self.sync()
         self.capacity.pop(request_id, None)
         row = self._row_of.pop(request_id, None)
         if row is None:
-            return 0
-        freed = int(self.pages_held_per_row[row])
+            return np.zeros(self.num_ranks, np.int64)
+        freed = self.pages_held_per_row[row].copy()
         self.head_lens[row] = 0
         self.logical_lens[row] = 0
         self.pages_held_per_row[row] = 0
         self.room[row] = 0
         self.pending[row] = False
         self._free_rows.append(row)
-        self.num_free_pages += freed
+        self.free_pages += freed
         return freed
 
     def request_ids(self) -> list[str]:
         return list(self._row_of)
 
-    def pages_held_by_request(self) -> dict[str, int]:
-        """Pages held by every request (one array read, not one per request)."""
+    def pages_held_by_request(self, rank: int | None = None) -> dict[str, int]:
+        """Pages held by every request in ``rank``'s pool (None: over all ranks; one
+        array read, not one per request)."""
         row_of = self._row_of
         rows = np.fromiter(row_of.values(), np.int64, len(row_of))
-        return dict(zip(row_of, self.pages_held_per_row[rows].tolist()))
+        held = self.pages_held_per_row[rows]
+        held = held.sum(axis=1) if rank is None else held[:, rank]
+        return dict(zip(row_of, held.tolist()))
 
     def check_consistent(self) -> None:
         """Recount held pages from head lengths (vectorised) and compare."""
@@ -280,7 +347,7 @@ class PageAccounting:
             if self.capacity.get(request_id) != expected:
                 raise AssertionError(f"capacity of {request_id} drifted from its room")
         rows = np.fromiter(self._row_of.values(), np.int64, len(self._row_of))
-        recount = self._pages(self.head_lens[rows]).sum(axis=(1, 2))
+        recount = self._per_rank(self._pages(self.head_lens[rows]))  # [rows, T]
         exact = ~self.pending[rows]
         if not np.array_equal(recount[exact], self.pages_held_per_row[rows][exact]):
             raise AssertionError("per-request page counts drifted from head lengths")
@@ -288,8 +355,9 @@ class PageAccounting:
         room = (self._pages(lens) * self.block_size - lens).min(axis=(1, 2))
         if not np.array_equal(np.where(exact, room, 0), self.room[rows]):
             raise AssertionError("per-request room drifted from head lengths")
-        held = int(self.pages_held_per_row[rows].sum())
-        if self.num_pages - held != self.num_free_pages:
+        held = self.pages_held_per_row[rows].sum(axis=0)
+        if not np.array_equal(self.num_pages - held, self.free_pages):
             raise AssertionError(
-                f"free pages {self.num_free_pages} != pool {self.num_pages} - held {held}"
+                f"free pages {self.free_pages.tolist()} != pool {self.num_pages} - held "
+                f"{held.tolist()} (per rank)"
             )

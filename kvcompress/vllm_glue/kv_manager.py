@@ -83,7 +83,8 @@ class PerHeadKVCacheManager:
         self.watermark_pages = watermark_pages
         # relieve(request, pages_short) compresses other requests instead of preempting.
         self.relieve = relieve
-        # on_release(request_id, pages) hears of every request whose pages go back.
+        # on_release(request_id, pages) hears of every request whose pages go back
+        # (``[num_ranks]`` pages per rank's pool).
         self.on_release = on_release
         self.scheduled_this_step: set[str] = set()
         self._refusal_logged = False
@@ -93,7 +94,7 @@ class PerHeadKVCacheManager:
 
     @property
     def usage(self) -> float:
-        return self.accounting.num_used_pages / max(1, self.accounting.num_pages)
+        return self.accounting.num_used_pages / max(1, self.accounting.total_pages)
 
     def allocate_slots(self, request, num_new_tokens, *args, **kwargs):
         if not args and len(kwargs) == 1:
@@ -133,23 +134,19 @@ class PerHeadKVCacheManager:
             + arg.num_lookahead_tokens,
             self.max_model_len,
         )
-        needed = accounting.pages_to_grow(request_id, target_tokens)
-        reserve = arg.reserved_blocks * accounting.pages_per_token_block
+        # Pages left free on every rank (each TP rank's pool is its own resource).
+        reserve = arg.reserved_blocks * accounting.pages_per_token_block_per_rank
         if arg.has_scheduled_reqs and request.status.name in ("WAITING", "PREEMPTED"):
             reserve += self.watermark_pages
         if arg.full_sequence_must_fit:
-            full_tokens = min(request.num_tokens, self.max_model_len)
-            full_needed = accounting.pages_to_grow(request_id, max(full_tokens, target_tokens))
-            if full_needed + reserve > accounting.num_free_pages:
+            full_tokens = max(min(request.num_tokens, self.max_model_len), target_tokens)
+            if accounting.shortfall(request_id, full_tokens, reserve) > 0:
                 return None
-        if (
-            needed + reserve > accounting.num_free_pages
-            and self.relieve is not None
-            and request.status.name == "RUNNING"
-        ):
-            self.relieve(request, needed + reserve - accounting.num_free_pages)
-            needed = accounting.pages_to_grow(request_id, target_tokens)
-        if needed + reserve > accounting.num_free_pages:
+        short = accounting.shortfall(request_id, target_tokens, reserve)
+        if short > 0 and self.relieve is not None and request.status.name == "RUNNING":
+            self.relieve(request, short)
+            short = accounting.shortfall(request_id, target_tokens, reserve)
+        if short > 0:
             return None
         blocks = self._inner.allocate_slots(request, *args, **kwargs)
         if blocks is None:
@@ -172,7 +169,7 @@ class PerHeadKVCacheManager:
             )
 
     def _release(self, request_id: str) -> None:
-        pages = self.accounting.release(request_id)
+        pages = self.accounting.release_by_rank(request_id)
         if self.on_release is not None:
             self.on_release(request_id, pages)
 

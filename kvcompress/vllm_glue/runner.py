@@ -104,6 +104,15 @@ class WorkerStats:
         self.kept_unprotected_by_layer[policy] = [a + b for a, b in zip(previous, kept_by_layer)]
 
 
+def _tp_rank() -> int:
+    """This process's tensor-parallel rank (0 without a TP group)."""
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 0
+    return parallel_state.get_tensor_model_parallel_rank()
+
+
 class PerHeadRunnerMixin:
     """Adds the per-(layer, KV head) page pool to a vLLM V1 model runner."""
 
@@ -162,6 +171,8 @@ class PerHeadRunnerMixin:
         self.kvc_settings = KVCompressConfig.from_additional_config(
             self.vllm_config.additional_config
         )
+        # This worker's TP rank: it frees the pages the scheduler credited to its pool.
+        self.kvc_tp_rank = _tp_rank()
         self.kvc_requests: dict[str, WorkerRequest] = {}
         # Per sequence slot: tokens its heads were grown for (prompt and outputs so far),
         # its request's prompt tokens and whether it is compressed (set at admission).
@@ -264,7 +275,8 @@ class PerHeadRunnerMixin:
         started = time.perf_counter()
         cache = self.kvc_cache
         stats = self.kvc_stats
-        ordered = sum(orders[r].evict_pages for r in request_ids)
+        rank = self.kvc_tp_rank
+        ordered = sum(orders[r].evict_pages_on(rank) for r in request_ids)
         pages_freed = kvs_evicted = 0
         # One batched compression per policy present in this step's orders.
         state = get_worker_state()
@@ -278,7 +290,7 @@ class PerHeadRunnerMixin:
                 cache,
                 state.pool,
                 self._kvc_column([self.kvc_requests[r].seq_slot for r in group]),
-                self._kvc_column([orders[r].evict_pages for r in group]),
+                self._kvc_column([orders[r].evict_pages_on(rank) for r in group]),
                 self._kvc_column([orders[r].context_len for r in group]),
                 self._kvc_column([orders[r].compression.budget.protected_window for r in group]),
                 self._kvc_column([orders[r].compression.budget.sink_tokens for r in group]),
