@@ -125,15 +125,8 @@ def prepare_engine_args(engine_args: Any, platform: Any = None) -> KVCompressCon
         raise KVCompressConfigError(f"speculative decoding cannot be combined with {flag}")
     if engine_args.pipeline_parallel_size > 1:
         raise KVCompressConfigError(f"pipeline parallelism cannot be combined with {flag}")
-    if engine_args.tensor_parallel_size > 1:
-        # Each rank would evict over its own KV heads while the scheduler counts one
-        # rank's pages: another rank could lack a page it was promised. Per-rank page
-        # budgets (docs/ARCHITECTURE.md, "Tensor parallelism") lift this.
-        raise KVCompressConfigError(
-            f"--tensor-parallel-size {engine_args.tensor_parallel_size} cannot be combined "
-            f"with {flag} yet: the scheduler keeps one page budget, not one per rank "
-            "(run one engine per device)"
-        )
+    if engine_args.tensor_parallel_size > 1 and platform.is_cpu():
+        bind_cpu_tp_workers(engine_args.tensor_parallel_size, engine_args.data_parallel_size)
     if engine_args.block_size not in (None, settings.block_size):
         raise KVCompressConfigError(
             f"--block-size {engine_args.block_size} conflicts with "
@@ -160,6 +153,52 @@ def prepare_engine_args(engine_args: Any, platform: Any = None) -> KVCompressCon
     additional[ADDITIONAL_CONFIG_KEY] = settings.model_dump()
     engine_args.additional_config = additional
     return settings
+
+
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def cpu_tp_binding(tensor_parallel_size: int, cpus: list[int], numa_nodes: int) -> str | None:
+    """A ``VLLM_CPU_OMP_THREADS_BIND`` value giving each of ``tensor_parallel_size`` CPU
+    workers its own contiguous share of ``cpus`` ("0|1" on 2 CPUs), or None where
+    vLLM's automatic binding works (one NUMA node per rank). vLLM's automatic binding
+    gives each rank a NUMA node and refuses to start with fewer nodes than ranks."""
+    if numa_nodes >= tensor_parallel_size:
+        return None
+    if len(cpus) < tensor_parallel_size:
+        raise KVCompressConfigError(
+            f"--tensor-parallel-size {tensor_parallel_size} on CPU needs a core per rank; "
+            f"this process may use {len(cpus)} ({BIND_ENV} assigns them)"
+        )
+    share = len(cpus) // tensor_parallel_size
+    groups = [sorted(cpus)[rank * share:(rank + 1) * share] for rank in range(tensor_parallel_size)]
+    return "|".join(",".join(map(str, group)) for group in groups)
+
+
+def _numa_nodes() -> int:
+    try:
+        return len([n for n in os.listdir("/sys/devices/system/node") if n[4:].isdigit() and n.startswith("node")])
+    except OSError:
+        return 1
+
+
+def bind_cpu_tp_workers(tensor_parallel_size: int, data_parallel_size: int = 1) -> None:
+    """Set ``VLLM_CPU_OMP_THREADS_BIND`` for TP workers on CPU when the user left it to
+    vLLM's automatic binding and that binding cannot start (fewer NUMA nodes than
+    ranks). A user's own value (or data parallelism, whose ranks share the list) is
+    left alone."""
+    if os.environ.get(BIND_ENV, "auto") != "auto" or data_parallel_size > 1:
+        return
+    binding = cpu_tp_binding(tensor_parallel_size, sorted(os.sched_getaffinity(0)), _numa_nodes())
+    if binding is None:
+        return
+    os.environ[BIND_ENV] = binding
+    from vllm.logger import init_logger
+
+    init_logger(f"vllm.{__name__}").info(
+        "kvcompress: %s=%s (one share of this process's cores per TP rank; vLLM's automatic "
+        "binding needs a NUMA node per rank; set the variable to choose)", BIND_ENV, binding,
+    )
 
 
 def check_model_supported(vllm_config: Any, settings: KVCompressConfig) -> None:

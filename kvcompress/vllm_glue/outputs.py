@@ -28,9 +28,10 @@ class KVCompressSchedulerOutput(SchedulerOutput):
 
 @dataclass
 class KVCompressModelRunnerOutput(ModelRunnerOutput):
-    """``ModelRunnerOutput`` + the worker's page report of the step."""
+    """``ModelRunnerOutput`` + the workers' page reports of the step, one per
+    tensor-parallel rank in rank order (gathered to the rank whose output vLLM reads)."""
 
-    kvcompress: WorkerReport | None = None
+    kvcompress: tuple[WorkerReport, ...] | None = None
 
 
 def _fields_of(instance, base: type) -> dict:
@@ -50,12 +51,15 @@ def step_compression_of(output: SchedulerOutput) -> StepCompression:
     return step if step is not None else StepCompression()
 
 
-def with_report(output: ModelRunnerOutput, report: WorkerReport) -> KVCompressModelRunnerOutput:
-    """A copy of ``output`` (never the shared empty output itself) carrying ``report``."""
-    return KVCompressModelRunnerOutput(**_fields_of(output, ModelRunnerOutput), kvcompress=report)
+def with_report(
+    output: ModelRunnerOutput, reports: tuple[WorkerReport, ...]
+) -> KVCompressModelRunnerOutput:
+    """A copy of ``output`` (never the shared empty output itself) carrying ``reports``
+    (one per TP rank)."""
+    return KVCompressModelRunnerOutput(**_fields_of(output, ModelRunnerOutput), kvcompress=reports)
 
 
-def report_of(output: ModelRunnerOutput | None) -> WorkerReport | None:
+def report_of(output: ModelRunnerOutput | None) -> tuple[WorkerReport, ...] | None:
     if isinstance(output, KVCompressModelRunnerOutput):
         return output.kvcompress
     return None

@@ -113,6 +113,22 @@ def _tp_rank() -> int:
     return parallel_state.get_tensor_model_parallel_rank()
 
 
+def _gather_reports(report: WorkerReport) -> tuple[WorkerReport, ...] | None:
+    """Every TP rank's report, in rank order, on TP rank 0 (the rank whose output
+    vLLM's executors read); None on the other ranks. Every rank calls it at the same
+    point of the same step (their steps are the scheduler's same output)."""
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return (report,)
+    group = parallel_state.get_tp_group()
+    if group.world_size == 1:
+        return (report,)
+    gathered = [None] * group.world_size if group.rank_in_group == 0 else None
+    torch.distributed.gather_object(report, gathered, dst=group.ranks[0], group=group.cpu_group)
+    return tuple(gathered) if gathered is not None else None
+
+
 class PerHeadRunnerMixin:
     """Adds the per-(layer, KV head) page pool to a vLLM V1 model runner."""
 
@@ -365,8 +381,10 @@ class PerHeadRunnerMixin:
             return output
         if not hasattr(output, "req_ids"):
             return output  # async wrappers do not occur: kvcompress turns async scheduling off
-        output = with_report(output, self.kvc_report)
+        reports = _gather_reports(self.kvc_report)
         self.kvc_report = None
+        if reports is not None:  # this rank's output is the one vLLM reads
+            output = with_report(output, reports)
         self.kvc_stats.step_seconds += time.perf_counter() - self._kvc_step_started
         return output
 

@@ -33,13 +33,17 @@ class KVCompressScheduler(Scheduler):
 
     def __init__(self, vllm_config, kv_cache_config: KVCacheConfig, *args, **kwargs) -> None:
         settings = KVCompressConfig.from_additional_config(vllm_config.additional_config)
-        num_pages, num_layers, num_kv_heads = pages_in_pool(kv_cache_config)
+        # Pages of ONE rank's pool and the KV heads of one rank (vLLM's KV cache config
+        # is per worker); with tensor parallelism every rank has such a pool.
+        num_pages, num_layers, heads_per_rank = pages_in_pool(kv_cache_config)
+        num_ranks = vllm_config.parallel_config.tensor_parallel_size
+        num_kv_heads = heads_per_rank * num_ranks
         block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
         max_model_len = vllm_config.model_config.max_model_len
         logical_config = copy.deepcopy(kv_cache_config)
         logical_config.num_blocks = logical_block_count(
             num_pages, vllm_config.scheduler_config.max_num_seqs, max_model_len, block_size,
-            pages_per_token_block=num_layers * num_kv_heads,
+            pages_per_token_block=num_layers * heads_per_rank,  # of one rank's pool
         )
         super().__init__(vllm_config, logical_config, *args, **kwargs)
         self.kvcompress_config = settings
@@ -49,6 +53,7 @@ class KVCompressScheduler(Scheduler):
             num_kv_heads=num_kv_heads,
             block_size=block_size,
             max_requests=vllm_config.scheduler_config.max_num_seqs * 2,
+            num_ranks=num_ranks,
         )
         self.planner = CompressionPlanner(settings, accounting)
         if self.log_stats:  # vLLM takes stats every step (make_stats): count for them
@@ -62,9 +67,9 @@ class KVCompressScheduler(Scheduler):
             on_release=self.planner.on_released,
         )
         logger.info(
-            "kvcompress scheduler: %d pages (%d layers x %d KV heads x %d token blocks), "
-            "block size %d", num_pages, num_layers, num_kv_heads,
-            kv_cache_config.num_blocks, block_size,
+            "kvcompress scheduler: %d pages per rank x %d TP rank(s) (%d layers x %d KV "
+            "heads per rank x %d token blocks), block size %d", num_pages, num_ranks,
+            num_layers, heads_per_rank, kv_cache_config.num_blocks, block_size,
         )
 
     def _relieve(self, request, pages_short: int) -> None:
