@@ -48,3 +48,6 @@ class KVCompressGPUWorker(WorkerProcessGuard, PerHeadMemoryBudget, Worker):
 
     def kvcompress_pages_used(self) -> dict[str, int]:
         return self.model_runner.kvcompress_pages_used()
+
+    def kvcompress_head_lens(self) -> dict[str, list]:
+        return self.model_runner.kvcompress_head_lens()

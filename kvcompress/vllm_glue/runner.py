@@ -617,6 +617,13 @@ class PerHeadRunnerMixin:
             state.decode_buffers.fill(0)
         return super()._dummy_run(*args, **kwargs)
 
+    def kvcompress_head_lens(self) -> dict[str, list]:
+        """``[layers, this rank's KV heads]`` KVs per head of every live request (tests)."""
+        if self.kvc_cache is None:
+            return {}
+        lens = self.kvc_cache.head_lens
+        return {r: lens[slot].tolist() for r, slot in self.kvc_live_slots.items()}
+
     def kvcompress_pages_used(self) -> dict[str, int]:
         """Worker-side page counts (for tests and the consistency check)."""
         if self.kvc_cache is None:

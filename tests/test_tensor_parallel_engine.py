@@ -1,0 +1,160 @@
+"""Tensor parallelism (TP=2, mp executor, a CPU core per rank) in the real engine.
+
+Each rank holds one of the tiny model's two KV heads in its own page pool. Oracles:
+stock vLLM at the same TP size (rate 1: nothing evicted, tokens and logprobs equal),
+and the scheduler's per-rank page counts against every rank's worker after every step
+(``mismatches``) and at the end (every page of every rank free).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from conftest import TINY_BYTES_PER_TOKEN, TINY_ENGINE_ARGS, _shutdown, page_stats
+
+pytestmark = pytest.mark.engine
+
+TP = 2
+# Per worker: half the single-device test's bytes, so each rank's pool (one KV head of
+# the two) holds the same tokens as there: preemption at rate 1 and pressure at rate 8.
+ENGINE_ARGS = dict(TINY_ENGINE_ARGS, tensor_parallel_size=TP,
+                   kv_cache_memory_bytes=TINY_ENGINE_ARGS["kv_cache_memory_bytes"] // 2)
+PROMPT_LENGTHS = [37, 200, 513, 90, 300, 700, 150, 64]
+OUTPUT_TOKENS = 32
+
+
+def _prompts(lengths, seed=0):
+    from vllm.inputs import TokensPrompt
+
+    rng = np.random.default_rng(seed)
+    return [TokensPrompt(prompt_token_ids=rng.integers(3, 1000, n).tolist()) for n in lengths]
+
+
+def _params(max_tokens, **extra):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0,
+                          extra_args=extra or None)
+
+
+def _tokens_and_logprobs(outputs):
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    logprobs = [[step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                for o in outputs]
+    return tokens, logprobs
+
+
+@pytest.fixture(scope="module")
+def stock_tp_outputs(tiny_model):
+    """Stock vLLM at TP=2 (it needs the core-per-rank binding the user would set)."""
+    from vllm import LLM
+
+    previous = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1" if len(os.sched_getaffinity(0)) < 4 else "0|2"
+    try:
+        llm = LLM(model=tiny_model, **ENGINE_ARGS)
+        try:
+            return _tokens_and_logprobs(
+                llm.generate(_prompts(PROMPT_LENGTHS), _params(OUTPUT_TOKENS), use_tqdm=False)
+            )
+        finally:
+            _shutdown(llm)
+    finally:
+        if previous is None:
+            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+        else:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = previous
+
+
+@pytest.fixture(scope="module")
+def kvc_tp_llm(tiny_model, stock_tp_outputs):  # after stock's engine is gone (2 cores)
+    import kvcompress
+
+    from benchmark_throughput import engine_core_in_process
+
+    previous = os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # kvcompress sets it
+    try:
+        # The engine core in this process (the TP workers are still their own processes):
+        # a step runs when the test calls it, so scheduler and workers are read between steps.
+        with engine_core_in_process():
+            llm = kvcompress.LLM(tiny_model, kv_compress_rate=1, kv_compress_protected_window=16,
+                                 **ENGINE_ARGS)
+    finally:
+        if previous is not None:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = previous
+    yield llm
+    _shutdown(llm)
+
+
+def _worker_stats(llm):
+    return llm.collective_rpc("kvcompress_pages_used")
+
+
+def test_rate_one_is_token_exact_with_stock_at_the_same_tp(kvc_tp_llm, stock_tp_outputs):
+    before = page_stats(kvc_tp_llm)
+    tokens, logprobs = _tokens_and_logprobs(
+        kvc_tp_llm.generate(_prompts(PROMPT_LENGTHS), _params(OUTPUT_TOKENS), use_tqdm=False)
+    )
+    stock_tokens, stock_logprobs = stock_tp_outputs
+    assert tokens == stock_tokens
+    assert len({t for row in stock_tokens for t in row}) > 20  # not a repeated token
+    assert max(abs(a - b) for x, y in zip(logprobs, stock_logprobs) for a, b in zip(x, y)) <= 1e-3
+    after = page_stats(kvc_tp_llm)
+    assert after["num_ranks"] == TP
+    assert after["num_preemptions"] > before["num_preemptions"]  # the pools were tight
+    assert after["mismatches"] == 0
+
+
+@pytest.mark.parametrize("rate", [4, 8])
+def test_compression_under_pressure_keeps_every_rank_in_step(kvc_tp_llm, rate):
+    """Compression and preemption both happen (uncompressed requests beside compressed
+    ones outgrow the pools); the scheduler's count of EVERY rank's pool agreed with that
+    rank's worker after every step; all pages of every rank are free at the end."""
+    before = page_stats(kvc_tp_llm)
+    rng = np.random.default_rng(rate)
+    lengths = [500] * 3 + rng.integers(300, 800, 12).tolist()  # + 160 outputs <= 1024
+    params = [_params(160, kv_compress=False)] * 3 + [_params(160, kv_compress_rate=rate)] * 12
+    outputs = kvc_tp_llm.generate(_prompts(lengths, seed=rate), params, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 160 for o in outputs)
+    after = page_stats(kvc_tp_llm)
+    assert after["compressions"] > before["compressions"]
+    assert after["num_preemptions"] > before["num_preemptions"]
+    assert after["steps_checked"] - before["steps_checked"] >= 160
+    assert after["mismatches"] == 0 and after["evict_mismatches"] == 0
+    assert after["free_by_rank"] == [after["num_pages"] // TP] * TP
+    kvc_tp_llm.llm_engine.step()  # tells the workers of the requests the last step finished
+    assert page_stats(kvc_tp_llm)["mismatches"] == 0
+    workers = _worker_stats(kvc_tp_llm)
+    assert len(workers) == TP
+    for worker in workers:
+        assert worker["num_free"] == worker["num_pages"] == after["num_pages"] // TP
+        assert worker["kvs_evicted"] > 0  # each rank evicted over its own head
+
+
+def test_scheduler_holds_every_ranks_own_head_lengths_mid_run(kvc_tp_llm):
+    """While requests run, the scheduler's per-head lengths are, head for head, those of
+    the rank holding the head (rank r's heads are its slice of the scheduler's heads):
+    rank 1's lengths come from rank 1's report, not a copy of rank 0's."""
+    engine = kvc_tp_llm.llm_engine
+    rng = np.random.default_rng(5)
+    prompts = _prompts(rng.integers(400, 800, 4).tolist(), seed=5)
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"mid-{index}", prompt, _params(64, kv_compress_rate=8))
+    compared = ranks_differ = 0
+    for _ in range(40):
+        engine.step()
+        scheduler = page_stats(kvc_tp_llm)["requests"]
+        ranks = engine.collective_rpc("kvcompress_head_lens")
+        for request_id, state in scheduler.items():
+            if all(request_id in rank for rank in ranks):
+                per_rank = [np.array(rank[request_id]) for rank in ranks]
+                assert np.array_equal(np.array(state["head_lens"]), np.concatenate(per_rank, axis=1)), request_id
+                compared += 1
+                ranks_differ += not np.array_equal(per_rank[0], per_rank[1])
+    assert compared >= 40
+    assert ranks_differ > 0  # each rank compressed its head by its own metrics
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert page_stats(kvc_tp_llm)["mismatches"] == 0
