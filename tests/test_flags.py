@@ -104,32 +104,36 @@ def test_prefix_caching_with_compression_is_refused(tmp_path):
         _engine_config(_write_config(tmp_path), enable_prefix_caching=True, **_kvc(rate=4))
 
 
-def test_cpu_tensor_parallel_binding_gives_each_rank_its_cores():
-    """vLLM's automatic CPU binding wants a NUMA node per TP rank; with fewer nodes the
-    cores are split in contiguous shares, one per rank; too few cores is an error."""
-    from kvcompress.vllm_glue.engine_setup import cpu_tp_binding
+def test_cpu_worker_binding_gives_each_worker_its_cores():
+    """vLLM's automatic CPU binding wants a NUMA node per worker; with fewer nodes the
+    cores are split in contiguous shares, one per worker; too few cores is an error."""
+    from kvcompress.vllm_glue.engine_setup import cpu_worker_binding
 
-    assert cpu_tp_binding(2, [0, 1], numa_nodes=1) == "0|1"
-    assert cpu_tp_binding(2, [3, 0, 2, 1, 4], numa_nodes=1) == "0,1|2,3"
-    assert cpu_tp_binding(4, list(range(8)), numa_nodes=2) == "0,1|2,3|4,5|6,7"
-    assert cpu_tp_binding(2, list(range(8)), numa_nodes=2) is None  # vLLM's own binding works
-    with pytest.raises(KVCompressConfigError, match="--tensor-parallel-size 4 on CPU needs a core per rank"):
-        cpu_tp_binding(4, [0, 1], numa_nodes=1)
+    assert cpu_worker_binding(2, [0, 1], 1, "x") == "0|1"
+    assert cpu_worker_binding(2, [3, 0, 2, 1, 4], 1, "x") == "0,1|2,3"
+    assert cpu_worker_binding(4, list(range(8)), 2, "x") == "0,1|2,3|4,5|6,7"
+    assert cpu_worker_binding(2, list(range(8)), 2, "x") is None  # vLLM's own binding works
+    with pytest.raises(KVCompressConfigError, match="--tensor-parallel-size 4 on CPU needs a core per worker"):
+        cpu_worker_binding(4, [0, 1], 1, "--tensor-parallel-size 4")
 
 
-def test_tensor_parallel_binding_is_set_only_when_left_to_vllm(monkeypatch, tmp_path):
+def test_worker_binding_is_set_only_when_left_to_vllm(monkeypatch):
     from kvcompress.vllm_glue import engine_setup
 
-    monkeypatch.setattr(engine_setup.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(engine_setup.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     monkeypatch.setattr(engine_setup, "_numa_nodes", lambda: 1)
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    engine_setup.bind_cpu_tp_workers(2)
+    engine_setup.bind_cpu_workers(2)
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"  # the user's choice stands
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
-    engine_setup.bind_cpu_tp_workers(2, data_parallel_size=2)
-    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ  # DP ranks share the list: left alone
-    engine_setup.bind_cpu_tp_workers(2)
-    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    engine_setup.bind_cpu_workers(2)
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0,1|2,3"
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
+    engine_setup.bind_cpu_workers(2, data_parallel_size=2)  # DP-rank-major, as vLLM slices it
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0|1|2|3"
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
+    with pytest.raises(KVCompressConfigError, match="--tensor-parallel-size 4 --data-parallel-size 2"):
+        engine_setup.bind_cpu_workers(4, data_parallel_size=2)
 
 
 def test_conflicting_block_size_is_refused(tmp_path):

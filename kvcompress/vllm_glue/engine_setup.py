@@ -125,8 +125,8 @@ def prepare_engine_args(engine_args: Any, platform: Any = None) -> KVCompressCon
         raise KVCompressConfigError(f"speculative decoding cannot be combined with {flag}")
     if engine_args.pipeline_parallel_size > 1:
         raise KVCompressConfigError(f"pipeline parallelism cannot be combined with {flag}")
-    if engine_args.tensor_parallel_size > 1 and platform.is_cpu():
-        bind_cpu_tp_workers(engine_args.tensor_parallel_size, engine_args.data_parallel_size)
+    if engine_args.tensor_parallel_size * engine_args.data_parallel_size > 1 and platform.is_cpu():
+        bind_cpu_workers(engine_args.tensor_parallel_size, engine_args.data_parallel_size)
     if engine_args.block_size not in (None, settings.block_size):
         raise KVCompressConfigError(
             f"--block-size {engine_args.block_size} conflicts with "
@@ -158,20 +158,21 @@ def prepare_engine_args(engine_args: Any, platform: Any = None) -> KVCompressCon
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
 
-def cpu_tp_binding(tensor_parallel_size: int, cpus: list[int], numa_nodes: int) -> str | None:
-    """A ``VLLM_CPU_OMP_THREADS_BIND`` value giving each of ``tensor_parallel_size`` CPU
-    workers its own contiguous share of ``cpus`` ("0|1" on 2 CPUs), or None where
-    vLLM's automatic binding works (one NUMA node per rank). vLLM's automatic binding
-    gives each rank a NUMA node and refuses to start with fewer nodes than ranks."""
-    if numa_nodes >= tensor_parallel_size:
+def cpu_worker_binding(num_workers: int, cpus: list[int], numa_nodes: int, what: str) -> str | None:
+    """A ``VLLM_CPU_OMP_THREADS_BIND`` value giving each of ``num_workers`` CPU workers
+    (TP ranks of every DP engine, DP-rank-major as vLLM slices the list) its own
+    contiguous share of ``cpus`` ("0|1" on 2 CPUs), or None where vLLM's automatic
+    binding works (a NUMA node per worker); with fewer nodes it refuses to start.
+    ``what``: the flags that asked for the workers (for the error)."""
+    if numa_nodes >= num_workers:
         return None
-    if len(cpus) < tensor_parallel_size:
+    if len(cpus) < num_workers:
         raise KVCompressConfigError(
-            f"--tensor-parallel-size {tensor_parallel_size} on CPU needs a core per rank; "
-            f"this process may use {len(cpus)} ({BIND_ENV} assigns them)"
+            f"{what} on CPU needs a core per worker ({num_workers}); this process may use "
+            f"{len(cpus)} ({BIND_ENV} assigns them)"
         )
-    share = len(cpus) // tensor_parallel_size
-    groups = [sorted(cpus)[rank * share:(rank + 1) * share] for rank in range(tensor_parallel_size)]
+    share = len(cpus) // num_workers
+    groups = [sorted(cpus)[rank * share:(rank + 1) * share] for rank in range(num_workers)]
     return "|".join(",".join(map(str, group)) for group in groups)
 
 
@@ -182,22 +183,27 @@ def _numa_nodes() -> int:
         return 1
 
 
-def bind_cpu_tp_workers(tensor_parallel_size: int, data_parallel_size: int = 1) -> None:
-    """Set ``VLLM_CPU_OMP_THREADS_BIND`` for TP workers on CPU when the user left it to
-    vLLM's automatic binding and that binding cannot start (fewer NUMA nodes than
-    ranks). A user's own value (or data parallelism, whose ranks share the list) is
-    left alone."""
-    if os.environ.get(BIND_ENV, "auto") != "auto" or data_parallel_size > 1:
+def bind_cpu_workers(tensor_parallel_size: int, data_parallel_size: int = 1) -> None:
+    """Set ``VLLM_CPU_OMP_THREADS_BIND`` for TP / DP workers on CPU when the user left it
+    to vLLM's automatic binding and that binding cannot start (fewer NUMA nodes than
+    workers). A user's own value is left alone."""
+    if os.environ.get(BIND_ENV, "auto") != "auto":
         return
-    binding = cpu_tp_binding(tensor_parallel_size, sorted(os.sched_getaffinity(0)), _numa_nodes())
+    what = " ".join(
+        f"--{name}-parallel-size {size}"
+        for name, size in (("tensor", tensor_parallel_size), ("data", data_parallel_size)) if size > 1
+    )
+    binding = cpu_worker_binding(
+        tensor_parallel_size * data_parallel_size, sorted(os.sched_getaffinity(0)), _numa_nodes(), what
+    )
     if binding is None:
         return
     os.environ[BIND_ENV] = binding
     from vllm.logger import init_logger
 
     init_logger(f"vllm.{__name__}").info(
-        "kvcompress: %s=%s (one share of this process's cores per TP rank; vLLM's automatic "
-        "binding needs a NUMA node per rank; set the variable to choose)", BIND_ENV, binding,
+        "kvcompress: %s=%s (one share of this process's cores per worker; vLLM's automatic "
+        "binding needs a NUMA node per worker; set the variable to choose)", BIND_ENV, binding,
     )
 
 
