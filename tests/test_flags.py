@@ -132,6 +132,8 @@ def test_worker_binding_is_set_only_when_left_to_vllm(monkeypatch):
     engine_setup.bind_cpu_workers(2, data_parallel_size=2)  # DP-rank-major, as vLLM slices it
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0|1|2|3"
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
+    engine_setup.bind_cpu_workers(2, nnodes=2)  # one worker on this node: vLLM's own binding
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
     with pytest.raises(KVCompressConfigError, match="--tensor-parallel-size 4 --data-parallel-size 2"):
         engine_setup.bind_cpu_workers(4, data_parallel_size=2)
 

@@ -126,7 +126,8 @@ def prepare_engine_args(engine_args: Any, platform: Any = None) -> KVCompressCon
     if engine_args.pipeline_parallel_size > 1:
         raise KVCompressConfigError(f"pipeline parallelism cannot be combined with {flag}")
     if engine_args.tensor_parallel_size * engine_args.data_parallel_size > 1 and platform.is_cpu():
-        bind_cpu_workers(engine_args.tensor_parallel_size, engine_args.data_parallel_size)
+        bind_cpu_workers(engine_args.tensor_parallel_size, engine_args.data_parallel_size,
+                         nnodes=getattr(engine_args, "nnodes", 1) or 1)
     if engine_args.block_size not in (None, settings.block_size):
         raise KVCompressConfigError(
             f"--block-size {engine_args.block_size} conflicts with "
@@ -183,19 +184,19 @@ def _numa_nodes() -> int:
         return 1
 
 
-def bind_cpu_workers(tensor_parallel_size: int, data_parallel_size: int = 1) -> None:
+def bind_cpu_workers(tensor_parallel_size: int, data_parallel_size: int = 1, nnodes: int = 1) -> None:
     """Set ``VLLM_CPU_OMP_THREADS_BIND`` for TP / DP workers on CPU when the user left it
     to vLLM's automatic binding and that binding cannot start (fewer NUMA nodes than
-    workers). A user's own value is left alone."""
+    this node's workers, ``--nnodes`` splitting them evenly). A user's own value is
+    left alone."""
     if os.environ.get(BIND_ENV, "auto") != "auto":
         return
+    local_workers = tensor_parallel_size * data_parallel_size // max(1, nnodes)
     what = " ".join(
         f"--{name}-parallel-size {size}"
         for name, size in (("tensor", tensor_parallel_size), ("data", data_parallel_size)) if size > 1
     )
-    binding = cpu_worker_binding(
-        tensor_parallel_size * data_parallel_size, sorted(os.sched_getaffinity(0)), _numa_nodes(), what
-    )
+    binding = cpu_worker_binding(local_workers, sorted(os.sched_getaffinity(0)), _numa_nodes(), what)
     if binding is None:
         return
     os.environ[BIND_ENV] = binding

@@ -1,0 +1,200 @@
+"""kvcompress past one device: `vllm serve` with tensor parallelism on one node and on
+two "nodes" (both on 127.0.0.1, vLLM's multi-node mp launch), and data parallelism.
+
+Each layout serves the same concurrent completions (tiny random GQA Llama, token-id
+prompts, greedy, rate 8 under a small KV pool) and is checked from the outside:
+every request answered in full, compressions on every engine, no page mismatch between
+the scheduler and any rank (``kvcompress:page_mismatches_total``), every page free at
+the end (``kvcompress:pages_free`` = ``pages_total``, summed over ranks), and the two
+TP=2 layouts give the same tokens (same model, same ranks, another launch).
+
+    python benchmarks/distributed_check.py            # all three layouts, ~2 min on 2 cores
+    python benchmarks/distributed_check.py --layouts tp2 tp2-two-nodes
+
+On real nodes the two-node layout is the same two commands, each on its own machine:
+``vllm serve MODEL --tensor-parallel-size 2 --nnodes 2 --node-rank 0 --master-addr HEAD_IP
+--master-port P --kv-compress-rate 8`` on the head, and the same with ``--node-rank 1
+--headless`` on the other node (their ``VLLM_CPU_OMP_THREADS_BIND`` left to vLLM there: one
+worker per node). Nothing here leaves 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+HOST = "127.0.0.1"
+LAYOUTS = {
+    # name: [(extra flags, environment) per process]; the first process serves HTTP.
+    "tp2": [(["--tensor-parallel-size", "2"], {})],
+    "tp2-two-nodes": [
+        (["--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "0",
+          "--master-addr", HOST, "--master-port", "{master_port}"], {"VLLM_CPU_OMP_THREADS_BIND": "0"}),
+        (["--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1",
+          "--master-addr", HOST, "--master-port", "{master_port}", "--headless"],
+         {"VLLM_CPU_OMP_THREADS_BIND": "1"}),
+    ],
+    "dp2": [(["--data-parallel-size", "2"], {})],
+}
+
+
+def tiny_model() -> str:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from offline_assets import tiny_llama_checkpoint
+
+    return str(tiny_llama_checkpoint(num_layers=4, num_q_heads=8, num_kv_heads=2, head_dim=64))
+
+
+def _vllm() -> str:
+    return str(Path(sys.executable).with_name("vllm"))
+
+
+def _post(port: int, body: dict) -> dict:
+    request = urllib.request.Request(
+        f"http://{HOST}:{port}/v1/completions", json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
+    return json.loads(urllib.request.urlopen(request, timeout=600).read())
+
+
+def _metrics(port: int) -> dict[str, float]:
+    """Sums of the kvcompress series over engines (and labels)."""
+    text = urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=60).read().decode()
+    sums: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("kvcompress:"):
+            name = line.split("{")[0].split(" ")[0]
+            sums[name] = sums.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return sums
+
+
+def _engines_compressing(port: int) -> int:
+    text = urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=60).read().decode()
+    engines = set()
+    for line in text.splitlines():
+        if line.startswith("kvcompress:compressions_total{") and not line.endswith(" 0.0"):
+            engines.add(line.split('engine="')[1].split('"')[0])
+    return len(engines)
+
+
+def run_layout(name: str, model: str, port: int, requests: list[dict], log_dir: Path) -> dict:
+    common = ["--host", HOST, "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len", "1024",
+              "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(1200 * 4096), "--enforce-eager",
+              "--kv-compress-rate", "8", "--kv-compress-protected-window", "16"]
+    master_port = str(port + 100)
+    processes = []
+    started = time.perf_counter()
+    try:
+        for index, (flags, env) in enumerate(LAYOUTS[name]):
+            flags = [f.replace("{master_port}", master_port) for f in flags]
+            serve = [_vllm(), "serve", model, *common, *flags]
+            if index == 0:
+                serve += ["--port", str(port)]
+            log = open(log_dir / f"{name}-{index}.log", "w")
+            processes.append(subprocess.Popen(serve, env={**os.environ, **env}, stdout=log,
+                                              stderr=subprocess.STDOUT, start_new_session=True))
+        deadline = time.time() + 300
+        while True:
+            try:
+                urllib.request.urlopen(f"http://{HOST}:{port}/health", timeout=5)
+                break
+            except OSError:
+                if time.time() > deadline or any(p.poll() is not None for p in processes):
+                    raise RuntimeError(f"{name}: the server did not come up (logs in {log_dir})")
+                time.sleep(2)
+        start_seconds = time.perf_counter() - started
+        with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+            answers = list(pool.map(lambda body: _post(port, {**body, "model": model}), requests))
+        metrics = _metrics(port)
+        return {
+            "layout": name,
+            "start_seconds": round(start_seconds, 1),
+            "tokens": [answer["choices"][0]["token_ids"] for answer in answers],
+            "compressions": metrics.get("kvcompress:compressions_total", 0.0),
+            "engines_compressing": _engines_compressing(port),
+            "page_mismatches": metrics.get("kvcompress:page_mismatches_total", 0.0),
+            "pages_total": metrics.get("kvcompress:pages_total", 0.0),
+            "pages_free": metrics.get("kvcompress:pages_free", 0.0),
+        }
+    finally:
+        for process in processes:
+            try:
+                os.killpg(process.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for process in processes:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+
+def make_requests(count: int, max_tokens: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    return [
+        {"prompt": [rng.randint(3, 1000) for _ in range(rng.randint(200, 700))], "max_tokens": max_tokens,
+         "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        for _ in range(count)
+    ]
+
+
+def check(results: list[dict], requests: list[dict], engines: dict[str, int]) -> list[str]:
+    """Problems found (empty: every check holds)."""
+    problems = []
+    for result in results:
+        name = result["layout"]
+        lengths = [len(tokens or []) for tokens in result["tokens"]]
+        if lengths != [body["max_tokens"] for body in requests]:
+            problems.append(f"{name}: answers of {lengths} tokens")
+        if result["engines_compressing"] < engines[name]:
+            problems.append(f"{name}: {result['engines_compressing']} of {engines[name]} engines compressed")
+        if result["page_mismatches"]:
+            problems.append(f"{name}: {result['page_mismatches']:g} page mismatches")
+        if result["pages_free"] != result["pages_total"]:
+            problems.append(f"{name}: {result['pages_free']:g} of {result['pages_total']:g} pages free")
+    by_name = {r["layout"]: r for r in results}
+    if "tp2" in by_name and "tp2-two-nodes" in by_name and by_name["tp2"]["tokens"] != by_name["tp2-two-nodes"]["tokens"]:
+        problems.append("tp2 and tp2-two-nodes gave different tokens")
+    return problems
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
+    parser.add_argument("--requests", type=int, default=12)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--port", type=int, default=8311)
+    parser.add_argument("--log-dir", default="/tmp/kvcompress-distributed-check")
+    args = parser.parse_args(argv)
+    log_dir = Path(args.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    model = tiny_model()
+    requests = make_requests(args.requests, args.max_tokens)
+    results = []
+    for name in args.layouts:
+        result = run_layout(name, model, args.port, requests, log_dir)
+        results.append(result)
+        print(f"{name}: up in {result['start_seconds']} s; {len(result['tokens'])} answers; "
+              f"{result['compressions']:g} compressions on {result['engines_compressing']} engine(s); "
+              f"page mismatches {result['page_mismatches']:g}; pages free {result['pages_free']:g} of "
+              f"{result['pages_total']:g}", flush=True)
+    problems = check(results, requests, {"tp2": 1, "tp2-two-nodes": 1, "dp2": 2})
+    for problem in problems:
+        print(f"FAILED: {problem}")
+    if not problems:
+        print("all checks hold")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""`vllm serve` past one device (benchmarks/distributed_check.py): TP=2 on one node and on
+two "nodes" on 127.0.0.1 (vLLM's multi-node mp launch), DP=2. Minutes of server starts,
+so not in the default run: ``pytest -m slow tests``."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import load_benchmark
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_every_layout_answers_compresses_and_frees_every_page(tmp_path):
+    check = load_benchmark("distributed_check")
+    assert check.main(["--log-dir", str(tmp_path), "--requests", "8", "--max-tokens", "32"]) == 0
+
+
+def test_the_checks_catch_what_they_claim():
+    """The checker itself against hand-made results: each broken field is reported."""
+    check = load_benchmark("distributed_check")
+    requests = [{"max_tokens": 2}] * 2
+    good = {"layout": "tp2", "tokens": [[1, 2], [3, 4]], "engines_compressing": 1, "page_mismatches": 0.0,
+            "pages_total": 10.0, "pages_free": 10.0}
+    engines = {"tp2": 1, "tp2-two-nodes": 1, "dp2": 2}
+    assert check.check([good, {**good, "layout": "tp2-two-nodes"}], requests, engines) == []
+    broken = [
+        {**good, "tokens": [[1], [3, 4]]},
+        {**good, "engines_compressing": 0},
+        {**good, "page_mismatches": 1.0},
+        {**good, "pages_free": 9.0},
+    ]
+    for result in broken:
+        assert len(check.check([result], requests, engines)) == 1, result
+    other = {**good, "layout": "tp2-two-nodes", "tokens": [[1, 2], [3, 5]]}
+    assert check.check([good, other], requests, engines) == ["tp2 and tp2-two-nodes gave different tokens"]
+    assert check.check([{**good, "layout": "dp2"}], requests, engines) == ["dp2: 1 of 2 engines compressed"]
