@@ -398,6 +398,7 @@ def _measure(
     min_cache_tokens: int = 128,
     block_size: int | None = None,
     interval: int = 0,
+    tensor_parallel_size: int = 1,
     max_num_seqs: int = 256,
     max_num_batched_tokens: int = 2048,
     dtype: str | None = None,
@@ -415,7 +416,14 @@ def _measure(
     model_path, description, default_dtype = resolve_model(model)
     dtype = dtype or default_dtype or "auto"
     shape = kv_shape(model_path)
-    bytes_per_token = kv_bytes_per_token(shape, dtype, kv_cache_dtype)
+    # KV bytes of one token on ONE worker: with tensor parallelism each rank holds its
+    # share of the KV heads, and kv_cache_memory_bytes is per worker (same bytes per rank
+    # for both engines).
+    bytes_per_token = kv_bytes_per_token(shape, dtype, kv_cache_dtype) // tensor_parallel_size
+    if tensor_parallel_size > 1:
+        from kvcompress.vllm_glue.engine_setup import bind_cpu_workers
+
+        bind_cpu_workers(tensor_parallel_size)  # stock vLLM on CPU needs a core per rank too
     budgets = [x is not None for x in (kv_tokens, kv_cache_memory_bytes, gpu_memory_utilization)]
     if sum(budgets) > 1:
         raise ValueError("give at most one of kv_tokens, kv_cache_memory_bytes, gpu_memory_utilization")
@@ -450,6 +458,7 @@ def _measure(
         enable_prefix_caching=False,
         disable_log_stats=False,  # vllm:num_preemptions
         seed=seed,
+        tensor_parallel_size=tensor_parallel_size,
     )
     if kv_cache_dtype != "auto":
         args["kv_cache_dtype"] = kv_cache_dtype
@@ -486,6 +495,7 @@ def _measure(
         "protected_window": protected_window,
         "min_cache_tokens": min_cache_tokens,
         "interval": interval,
+        "tensor_parallel_size": tensor_parallel_size,
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max_num_batched_tokens,
         "max_model_len": args["max_model_len"],
@@ -712,7 +722,8 @@ def header_lines(results: dict[str, Any]) -> list[str]:
         f"{results['output_len']} tokens (ignore_eos); kvcompress: protected window "
         f"{results['protected_window']}, min cache {results['min_cache_tokens']} tokens (budget per "
         f"sequence = max(min cache, ceil(L / rate)) + window), compression interval "
-        f"{results.get('interval') or 'off'}; max_num_seqs {results['max_num_seqs']}, "
+        f"{results.get('interval') or 'off'}; tensor parallel size {results.get('tensor_parallel_size', 1)} "
+        f"(KV bytes per rank); max_num_seqs {results['max_num_seqs']}, "
         f"max_num_batched_tokens {results['max_num_batched_tokens']}, max_model_len {results['max_model_len']}",
     ]
     if results.get("wall_seconds") is not None:
@@ -996,6 +1007,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="kvcompress's --kv-compress-interval: also recompress running sequences every N "
                              "engine steps (continual compression; the paper's throughput runs compress after "
                              "every iteration); 0 = only after prefill and instead of preemption")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="both engines; the KV budget (--kv-tokens) is per engine, split over the ranks "
+                             "like the heads (--kv-cache-memory-bytes is per rank)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--dtype", default=None, help="default float32 for tiny / smollm2, else auto")
@@ -1045,6 +1059,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         min_cache_tokens=args.min_cache_tokens,
         block_size=args.block_size,
         interval=args.interval,
+        tensor_parallel_size=args.tensor_parallel_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         dtype=args.dtype,

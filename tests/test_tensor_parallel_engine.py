@@ -158,3 +158,20 @@ def test_scheduler_holds_every_ranks_own_head_lengths_mid_run(kvc_tp_llm):
     while engine.has_unfinished_requests():
         engine.step()
     assert page_stats(kvc_tp_llm)["mismatches"] == 0
+
+
+def test_the_output_vllm_reads_is_tp_rank_zeros_where_the_reports_are_gathered():
+    """The reports are gathered to TP rank 0 (``runner._gather_reports``); vLLM's mp
+    executor reads the output of world rank ``world_size - tp * pcp`` (TP rank 0 of the
+    last pipeline stage, rank 0 without PP) and Ray's compiled DAG ``refs[0]``, its
+    first TP worker of the last stage. A vLLM that read another rank would drop them."""
+    from types import SimpleNamespace
+
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    for tp in (1, 2, 4):
+        executor = SimpleNamespace(
+            world_size=tp,
+            parallel_config=SimpleNamespace(tensor_parallel_size=tp, prefill_context_parallel_size=1),
+        )
+        assert MultiprocExecutor._get_output_rank(executor) == 0
