@@ -126,26 +126,9 @@ def test_planner_orders_each_rank_its_own_pages_from_its_own_heads():
     ``kvcompress.budget`` applied to that rank's heads alone (recomputed here by hand),
     credited to that rank's pool at once; the worker of rank r reads its own count."""
     import math
-    from dataclasses import dataclass, field
 
     from kvcompress.compression_planner import CompressionPlanner
     from kvcompress.config import KVCompressConfig
-
-    @dataclass
-    class Params:
-        extra_args: dict | None = None
-
-    @dataclass
-    class Req:
-        request_id: str
-        num_prompt_tokens: int
-        num_computed_tokens: int
-        output_tokens: int = 1
-        sampling_params: Params = field(default_factory=Params)
-
-        @property
-        def num_tokens(self):
-            return self.num_prompt_tokens + self.output_tokens
 
     layers, heads, block, ranks = 2, 4, 16, 2
     accounting = PageAccounting(4096, layers, heads, block, max_requests=4, num_ranks=ranks)
@@ -159,7 +142,7 @@ def test_planner_orders_each_rank_its_own_pages_from_its_own_heads():
     accounting.set_head_lens("a", lens)
     free_before = accounting.free_pages.copy()
     planner.begin_step()
-    planner.compress_due([Req("a", 1000, 1000)])
+    planner.compress_due([_prefilled_request("a", 1000)])
     order = planner.take_orders()["a"]
     keep = max(16, math.ceil(1000 / 4)) + 8  # tokens per head after compression
     heads_per_rank = heads // ranks
@@ -203,7 +186,7 @@ def test_every_rank_report_is_adopted_into_its_heads_and_checked():
     accounting.grow("a", 600)
     accounting.grow("b", 600)
     planner.begin_step()
-    planner.compress_due([_Req("a", 600), _Req("b", 600)])
+    planner.compress_due([_prefilled_request("a", 600), _prefilled_request("b", 600)])
     orders = planner.take_orders()
     assert set(orders) == {"a", "b"}
     # The workers evicted: rank 0 kept 160 KVs per head, rank 1 unevenly.
@@ -229,9 +212,8 @@ def test_every_rank_report_is_adopted_into_its_heads_and_checked():
         planner.adopt(good)
 
 
-class _Req:
-    def __init__(self, request_id: str, prompt: int) -> None:
-        self.request_id = request_id
-        self.num_prompt_tokens = self.num_computed_tokens = prompt
-        self.num_tokens = prompt + 1
-        self.sampling_params = None
+def _prefilled_request(request_id: str, prompt: int):
+    """A request whose prompt is in the cache and whose first token was sampled."""
+    from test_compression_planner import Req
+
+    return Req(request_id, prompt, num_computed_tokens=prompt, output_tokens=1)
