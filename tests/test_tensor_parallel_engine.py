@@ -92,7 +92,7 @@ def _worker_stats(llm):
     return llm.collective_rpc("kvcompress_pages_used")
 
 
-def test_rate_one_is_token_exact_with_stock_at_the_same_tp(kvc_tp_llm, stock_tp_outputs):
+def test_rate_one_and_compression_off_are_token_exact_with_stock_at_the_same_tp(kvc_tp_llm, stock_tp_outputs):
     before = page_stats(kvc_tp_llm)
     tokens, logprobs = _tokens_and_logprobs(
         kvc_tp_llm.generate(_prompts(PROMPT_LENGTHS), _params(OUTPUT_TOKENS), use_tqdm=False)
@@ -105,6 +105,12 @@ def test_rate_one_is_token_exact_with_stock_at_the_same_tp(kvc_tp_llm, stock_tp_
     assert after["num_ranks"] == TP
     assert after["num_preemptions"] > before["num_preemptions"]  # the pools were tight
     assert after["mismatches"] == 0
+    # Compression off for the request (the per-head cache, never compressed): the same.
+    off = _tokens_and_logprobs(kvc_tp_llm.generate(
+        _prompts(PROMPT_LENGTHS), _params(OUTPUT_TOKENS, kv_compress=False), use_tqdm=False
+    ))
+    assert off[0] == stock_tokens
+    assert max(abs(a - b) for x, y in zip(off[1], stock_logprobs) for a, b in zip(x, y)) <= 1e-3
 
 
 @pytest.mark.parametrize("rate", [4, 8])
