@@ -1,14 +1,16 @@
 """kvcompress past one device: `vllm serve` with tensor parallelism on one node and on
 two "nodes" (both on 127.0.0.1, vLLM's multi-node mp launch), and data parallelism.
 
-Each layout serves the same concurrent completions (tiny random GQA Llama, token-id
-prompts, greedy, rate 8 under a small KV pool) and is checked from the outside:
-every request answered in full, compressions on every engine, no page mismatch between
-the scheduler and any rank (``kvcompress:page_mismatches_total``), every page free at
-the end (``kvcompress:pages_free`` = ``pages_total``, summed over ranks), and the two
-TP=2 layouts give the same tokens (same model, same ranks, another launch).
+Each layout serves the same concurrent completions twice (tiny random GQA Llama,
+token-id prompts, greedy, under a small KV pool): at the server's rate 8, and at rate 1
+per request (``vllm_xargs``). Checked from the outside: every request answered in full,
+compressions on every engine, no page mismatch between the scheduler and any rank
+(``kvcompress:page_mismatches_total``), every page free at the end
+(``kvcompress:pages_free`` = ``pages_total``, summed over ranks), the two TP=2 layouts
+give the same tokens at rate 8 (same model, same ranks, another launch), and at rate 1
+(nothing evicted) the same tokens as stock vLLM served at TP=2 (layout ``stock-tp2``).
 
-    python benchmarks/distributed_check.py            # all three layouts, ~2 min on 2 cores
+    python benchmarks/distributed_check.py            # all four layouts, ~3 min on 2 cores
     python benchmarks/distributed_check.py --layouts tp2 tp2-two-nodes
 
 On real nodes the two-node layout is the same two commands, each on its own machine:
@@ -44,7 +46,9 @@ LAYOUTS = {
          {"VLLM_CPU_OMP_THREADS_BIND": "1"}),
     ],
     "dp2": [(["--data-parallel-size", "2"], {})],
+    "stock-tp2": [(["--tensor-parallel-size", "2"], {"VLLM_CPU_OMP_THREADS_BIND": "0|1"})],
 }
+STOCK = "stock-tp2"
 
 
 def tiny_model() -> str:
@@ -88,8 +92,9 @@ def _engines_compressing(port: int) -> int:
 
 def run_layout(name: str, model: str, port: int, requests: list[dict], log_dir: Path) -> dict:
     common = ["--host", HOST, "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len", "1024",
-              "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(1200 * 4096), "--enforce-eager",
-              "--kv-compress-rate", "8", "--kv-compress-protected-window", "16"]
+              "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(1200 * 4096), "--enforce-eager"]
+    if name != STOCK:
+        common += ["--kv-compress-rate", "8", "--kv-compress-protected-window", "16"]
     master_port = str(port + 100)
     processes = []
     started = time.perf_counter()
@@ -112,13 +117,22 @@ def run_layout(name: str, model: str, port: int, requests: list[dict], log_dir: 
                     raise RuntimeError(f"{name}: the server did not come up (logs in {log_dir})")
                 time.sleep(2)
         start_seconds = time.perf_counter() - started
-        with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
-            answers = list(pool.map(lambda body: _post(port, {**body, "model": model}), requests))
-        metrics = _metrics(port)
+        def serve(batch):
+            with concurrent.futures.ThreadPoolExecutor(len(batch)) as pool:
+                answers = pool.map(lambda body: _post(port, {**body, "model": model}), batch)
+                return [answer["choices"][0]["token_ids"] for answer in answers]
+
+        rate_one = [{**body, "vllm_xargs": {"kv_compress_rate": 1}} for body in requests]
+        tokens = serve(requests) if name != STOCK else None
+        tokens_rate_one = serve(rate_one if name != STOCK else requests)
+        metrics = _metrics(port) if name != STOCK else {}
+        if name == STOCK:
+            return {"layout": name, "start_seconds": round(start_seconds, 1), "tokens_rate_one": tokens_rate_one}
         return {
             "layout": name,
             "start_seconds": round(start_seconds, 1),
-            "tokens": [answer["choices"][0]["token_ids"] for answer in answers],
+            "tokens": tokens,
+            "tokens_rate_one": tokens_rate_one,
             "compressions": metrics.get("kvcompress:compressions_total", 0.0),
             "engines_compressing": _engines_compressing(port),
             "page_mismatches": metrics.get("kvcompress:page_mismatches_total", 0.0),
@@ -151,8 +165,14 @@ def make_requests(count: int, max_tokens: int, seed: int = 0) -> list[dict]:
 def check(results: list[dict], requests: list[dict], engines: dict[str, int]) -> list[str]:
     """Problems found (empty: every check holds)."""
     problems = []
+    by_name = {r["layout"]: r for r in results}
+    stock = by_name.get(STOCK)
     for result in results:
         name = result["layout"]
+        if name == STOCK:
+            continue
+        if stock is not None and name.startswith("tp2") and result["tokens_rate_one"] != stock["tokens_rate_one"]:
+            problems.append(f"{name}: tokens at rate 1 differ from stock vLLM's at TP=2")
         lengths = [len(tokens or []) for tokens in result["tokens"]]
         if lengths != [body["max_tokens"] for body in requests]:
             problems.append(f"{name}: answers of {lengths} tokens")
@@ -162,7 +182,6 @@ def check(results: list[dict], requests: list[dict], engines: dict[str, int]) ->
             problems.append(f"{name}: {result['page_mismatches']:g} page mismatches")
         if result["pages_free"] != result["pages_total"]:
             problems.append(f"{name}: {result['pages_free']:g} of {result['pages_total']:g} pages free")
-    by_name = {r["layout"]: r for r in results}
     if "tp2" in by_name and "tp2-two-nodes" in by_name and by_name["tp2"]["tokens"] != by_name["tp2-two-nodes"]["tokens"]:
         problems.append("tp2 and tp2-two-nodes gave different tokens")
     return problems
@@ -184,6 +203,9 @@ def main(argv=None) -> int:
     for name in args.layouts:
         result = run_layout(name, model, args.port, requests, log_dir)
         results.append(result)
+        if name == STOCK:
+            print(f"{name}: up in {result['start_seconds']} s; {len(result['tokens_rate_one'])} answers", flush=True)
+            continue
         print(f"{name}: up in {result['start_seconds']} s; {len(result['tokens'])} answers; "
               f"{result['compressions']:g} compressions on {result['engines_compressing']} engine(s); "
               f"page mismatches {result['page_mismatches']:g}; pages free {result['pages_free']:g} of "

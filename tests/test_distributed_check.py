@@ -18,8 +18,9 @@ def test_the_checks_catch_what_they_claim():
     """The checker itself against hand-made results: each broken field is reported."""
     check = load_benchmark("distributed_check")
     requests = [{"max_tokens": 2}] * 2
-    good = {"layout": "tp2", "tokens": [[1, 2], [3, 4]], "engines_compressing": 1, "page_mismatches": 0.0,
-            "pages_total": 10.0, "pages_free": 10.0}
+    good = {"layout": "tp2", "tokens": [[1, 2], [3, 4]], "tokens_rate_one": [[5, 6], [7, 8]],
+            "engines_compressing": 1, "page_mismatches": 0.0, "pages_total": 10.0, "pages_free": 10.0}
+    stock = {"layout": "stock-tp2", "tokens_rate_one": [[5, 6], [7, 8]]}
     engines = {"tp2": 1, "tp2-two-nodes": 1, "dp2": 2}
     assert check.check([good, {**good, "layout": "tp2-two-nodes"}], requests, engines) == []
     broken = [
@@ -33,3 +34,8 @@ def test_the_checks_catch_what_they_claim():
     other = {**good, "layout": "tp2-two-nodes", "tokens": [[1, 2], [3, 5]]}
     assert check.check([good, other], requests, engines) == ["tp2 and tp2-two-nodes gave different tokens"]
     assert check.check([{**good, "layout": "dp2"}], requests, engines) == ["dp2: 1 of 2 engines compressed"]
+    assert check.check([stock, good], requests, engines) == []
+    drifted = {**good, "tokens_rate_one": [[5, 6], [7, 9]]}
+    assert check.check([stock, drifted], requests, engines) == [
+        "tp2: tokens at rate 1 differ from stock vLLM's at TP=2"
+    ]

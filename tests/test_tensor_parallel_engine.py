@@ -113,7 +113,7 @@ def test_rate_one_and_compression_off_are_token_exact_with_stock_at_the_same_tp(
     assert max(abs(a - b) for x, y in zip(off[1], stock_logprobs) for a, b in zip(x, y)) <= 1e-3
 
 
-@pytest.mark.parametrize("rate", [4, 8])
+@pytest.mark.parametrize("rate", [8])  # rate 4 passes too (checked); one rate keeps CI short
 def test_compression_under_pressure_keeps_every_rank_in_step(kvc_tp_llm, rate):
     """Compression and preemption both happen (uncompressed requests beside compressed
     ones outgrow the pools); the scheduler's count of EVERY rank's pool agreed with that
