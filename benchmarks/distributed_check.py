@@ -70,24 +70,21 @@ def _post(port: int, body: dict) -> dict:
     return json.loads(urllib.request.urlopen(request, timeout=600).read())
 
 
-def _metrics(port: int) -> dict[str, float]:
-    """Sums of the kvcompress series over engines (and labels)."""
+def _metrics(port: int) -> tuple[dict[str, float], int]:
+    """From one scrape of ``/metrics``: the kvcompress series summed over engines (and
+    labels), and how many engines ordered a compression."""
     text = urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=60).read().decode()
     sums: dict[str, float] = {}
+    compressing = set()
     for line in text.splitlines():
-        if line.startswith("kvcompress:"):
-            name = line.split("{")[0].split(" ")[0]
-            sums[name] = sums.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return sums
-
-
-def _engines_compressing(port: int) -> int:
-    text = urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=60).read().decode()
-    engines = set()
-    for line in text.splitlines():
-        if line.startswith("kvcompress:compressions_total{") and not line.endswith(" 0.0"):
-            engines.add(line.split('engine="')[1].split('"')[0])
-    return len(engines)
+        if not line.startswith("kvcompress:"):
+            continue
+        name = line.split("{")[0].split(" ")[0]
+        value = float(line.rsplit(" ", 1)[1])
+        sums[name] = sums.get(name, 0.0) + value
+        if name == "kvcompress:compressions_total" and value:
+            compressing.add(line.split('engine="')[1].split('"')[0])
+    return sums, len(compressing)
 
 
 def run_layout(name: str, model: str, port: int, requests: list[dict], log_dir: Path) -> dict:
@@ -122,19 +119,18 @@ def run_layout(name: str, model: str, port: int, requests: list[dict], log_dir: 
                 answers = pool.map(lambda body: _post(port, {**body, "model": model}), batch)
                 return [answer["choices"][0]["token_ids"] for answer in answers]
 
-        rate_one = [{**body, "vllm_xargs": {"kv_compress_rate": 1}} for body in requests]
-        tokens = serve(requests) if name != STOCK else None
-        tokens_rate_one = serve(rate_one if name != STOCK else requests)
-        metrics = _metrics(port) if name != STOCK else {}
-        if name == STOCK:
-            return {"layout": name, "start_seconds": round(start_seconds, 1), "tokens_rate_one": tokens_rate_one}
+        if name == STOCK:  # nothing evicted: the reference for the rate-1 tokens
+            return {"layout": name, "start_seconds": round(start_seconds, 1), "tokens_rate_one": serve(requests)}
+        tokens = serve(requests)
+        tokens_rate_one = serve([{**body, "vllm_xargs": {"kv_compress_rate": 1}} for body in requests])
+        metrics, engines_compressing = _metrics(port)
         return {
             "layout": name,
             "start_seconds": round(start_seconds, 1),
             "tokens": tokens,
             "tokens_rate_one": tokens_rate_one,
             "compressions": metrics.get("kvcompress:compressions_total", 0.0),
-            "engines_compressing": _engines_compressing(port),
+            "engines_compressing": engines_compressing,
             "page_mismatches": metrics.get("kvcompress:page_mismatches_total", 0.0),
             "pages_total": metrics.get("kvcompress:pages_total", 0.0),
             "pages_free": metrics.get("kvcompress:pages_free", 0.0),

@@ -52,7 +52,11 @@ def stock_tp_outputs(tiny_model):
     from vllm import LLM
 
     previous = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1" if len(os.sched_getaffinity(0)) < 4 else "0|2"
+    from kvcompress.vllm_glue.engine_setup import cpu_worker_binding
+
+    # The binding kvcompress would set on a one-NUMA-node machine: a share of cores per rank.
+    cores = sorted(os.sched_getaffinity(0))
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_worker_binding(TP, cores, 1, "stock TP=2")
     try:
         llm = LLM(model=tiny_model, **ENGINE_ARGS)
         try:
