@@ -29,13 +29,14 @@ def apply_all() -> None:
     """Idempotent: vLLM runs general plugins in every process, often more than once."""
     check_vllm_version()
     from kvcompress.patches import engine_args, engine_core, input_processor, metrics
-    from kvcompress.patches import shutdown
+    from kvcompress.patches import ray_cpu, shutdown
 
     engine_args.apply()
     engine_core.apply()
     input_processor.apply()
     metrics.apply()
     shutdown.apply()
+    ray_cpu.apply()
     from vllm.platforms import current_platform
 
     if current_platform.is_cuda():

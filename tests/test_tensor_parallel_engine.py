@@ -117,29 +117,48 @@ def test_rate_one_and_compression_off_are_token_exact_with_stock_at_the_same_tp(
     assert max(abs(a - b) for x, y in zip(off[1], stock_logprobs) for a, b in zip(x, y)) <= 1e-3
 
 
-@pytest.mark.parametrize("rate", [8])  # rate 4 passes too (checked); one rate keeps CI short
-def test_compression_under_pressure_keeps_every_rank_in_step(kvc_tp_llm, rate):
-    """Compression and preemption both happen (uncompressed requests beside compressed
-    ones outgrow the pools); the scheduler's count of EVERY rank's pool agreed with that
-    rank's worker after every step; all pages of every rank are free at the end."""
-    before = page_stats(kvc_tp_llm)
-    rng = np.random.default_rng(rate)
+PRESSURE_RATE = 8  # rate 4 passes too (checked); one rate keeps CI short
+
+
+def _pressure_run(llm):
+    """3 uncompressed requests beside 12 at PRESSURE_RATE, more than the pools hold:
+    returns (tokens, stats before, stats after)."""
+    before = page_stats(llm)
+    rng = np.random.default_rng(PRESSURE_RATE)
     lengths = [500] * 3 + rng.integers(300, 800, 12).tolist()  # + 160 outputs <= 1024
-    params = [_params(160, kv_compress=False)] * 3 + [_params(160, kv_compress_rate=rate)] * 12
-    outputs = kvc_tp_llm.generate(_prompts(lengths, seed=rate), params, use_tqdm=False)
-    assert all(len(o.outputs[0].token_ids) == 160 for o in outputs)
-    after = page_stats(kvc_tp_llm)
+    params = ([_params(160, kv_compress=False)] * 3
+              + [_params(160, kv_compress_rate=PRESSURE_RATE)] * 12)
+    outputs = llm.generate(_prompts(lengths, seed=PRESSURE_RATE), params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs], before, page_stats(llm)
+
+
+def _assert_pressure_run_kept_every_rank_in_step(run):
+    tokens, before, after = run
+    assert all(len(row) == 160 for row in tokens)
     assert after["compressions"] > before["compressions"]
     assert after["num_preemptions"] > before["num_preemptions"]
     assert after["steps_checked"] - before["steps_checked"] >= 160
     assert after["mismatches"] == 0 and after["evict_mismatches"] == 0
     assert after["free_by_rank"] == [after["num_pages"] // TP] * TP
+
+
+@pytest.fixture(scope="module")
+def mp_pressure_run(kvc_tp_llm):
+    return _pressure_run(kvc_tp_llm)
+
+
+def test_compression_under_pressure_keeps_every_rank_in_step(kvc_tp_llm, mp_pressure_run):
+    """Compression and preemption both happen (uncompressed requests beside compressed
+    ones outgrow the pools); the scheduler's count of EVERY rank's pool agreed with that
+    rank's worker after every step; all pages of every rank are free at the end."""
+    _assert_pressure_run_kept_every_rank_in_step(mp_pressure_run)
     kvc_tp_llm.llm_engine.step()  # tells the workers of the requests the last step finished
     assert page_stats(kvc_tp_llm)["mismatches"] == 0
     workers = _worker_stats(kvc_tp_llm)
     assert len(workers) == TP
+    num_pages = page_stats(kvc_tp_llm)["num_pages"]
     for worker in workers:
-        assert worker["num_free"] == worker["num_pages"] == after["num_pages"] // TP
+        assert worker["num_free"] == worker["num_pages"] == num_pages // TP
         assert worker["kvs_evicted"] > 0  # each rank evicted over its own head
 
 
@@ -185,3 +204,62 @@ def test_the_output_vllm_reads_is_tp_rank_zeros_where_the_reports_are_gathered()
             parallel_config=SimpleNamespace(tensor_parallel_size=tp, prefill_context_parallel_size=1),
         )
         assert MultiprocExecutor._get_output_rank(executor) == 0
+
+
+# --- vLLM's Ray executor (RayExecutorV2) on CPU, through patches/ray_cpu.py -------------
+# Last in this module: its engine starts after the mp engine's tests, and stops that
+# engine first (2 cores; an idle engine's workers still poll).
+
+
+@pytest.fixture(scope="module")
+def ray_tp_llm(tiny_model, kvc_tp_llm, mp_pressure_run):
+    import kvcompress
+    import ray  # noqa: F401  (the [ray] extra; scripts/install_cpu.sh installs it)
+
+    _shutdown(kvc_tp_llm)
+    previous = os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # kvcompress sets it
+    ray_address = os.environ.get("RAY_ADDRESS")
+    os.environ["RAY_ADDRESS"] = "local"  # a cluster of its own, never a running one
+    try:
+        # The engine core is its own process, and starts (and stops) that Ray cluster.
+        llm = kvcompress.LLM(tiny_model, kv_compress_rate=1, kv_compress_protected_window=16,
+                             distributed_executor_backend="ray", **ENGINE_ARGS)
+    finally:
+        if previous is not None:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = previous
+        if ray_address is None:
+            os.environ.pop("RAY_ADDRESS")
+        else:
+            os.environ["RAY_ADDRESS"] = ray_address
+    yield llm
+    _shutdown(llm)
+
+
+def test_ray_executor_runs_a_ray_worker_per_rank_bound_like_mp(ray_tp_llm):
+    """The workers are Ray actors (one per TP rank), each bound to its own core as
+    vLLM's mp executor binds its workers (kvcompress's default binding: one core each)."""
+    workers = ray_tp_llm.collective_rpc("kvcompress_process_info")
+    assert len(workers) == TP
+    assert all(w["ray_actor_id"] for w in workers)
+    assert len({w["pid"] for w in workers}) == TP
+    cores = [tuple(w["cores"]) for w in workers]
+    assert len(set(cores)) == TP  # each its own share of the cores
+    assert all(len(c) == len(cores[0]) == w["threads"] for c, w in zip(cores, workers))
+
+
+def test_ray_executor_rate_one_is_token_exact_with_stock(ray_tp_llm, stock_tp_outputs):
+    tokens, logprobs = _tokens_and_logprobs(
+        ray_tp_llm.generate(_prompts(PROMPT_LENGTHS), _params(OUTPUT_TOKENS), use_tqdm=False)
+    )
+    stock_tokens, stock_logprobs = stock_tp_outputs
+    assert tokens == stock_tokens
+    assert max(abs(a - b) for x, y in zip(logprobs, stock_logprobs) for a, b in zip(x, y)) <= 1e-3
+    assert page_stats(ray_tp_llm)["mismatches"] == 0
+
+
+def test_ray_executor_under_pressure_matches_the_mp_executor(ray_tp_llm, mp_pressure_run):
+    """The same compressed, preempting workload on both executors: every rank in step on
+    Ray too, and the same tokens as on mp (compression is deterministic per rank)."""
+    ray_run = _pressure_run(ray_tp_llm)
+    _assert_pressure_run_kept_every_rank_in_step(ray_run)
+    assert ray_run[0] == mp_pressure_run[0]

@@ -46,3 +46,21 @@ class KVCompressCPUWorker(WorkerProcessGuard, PerHeadMemoryBudget, CPUWorker):
 
     def kvcompress_head_lens(self) -> dict[str, list]:
         return self.model_runner.kvcompress_head_lens()
+
+    def kvcompress_process_info(self) -> dict[str, object]:
+        """Where this worker runs: pid, the cores it may use, torch's thread count, and
+        the Ray actor id when it is a Ray worker (None under the mp executor)."""
+        import os
+
+        import torch
+
+        actor_id = None
+        try:
+            import ray
+
+            if ray.is_initialized():
+                actor_id = ray.get_runtime_context().get_actor_id()
+        except ImportError:
+            pass
+        return {"pid": os.getpid(), "cores": sorted(os.sched_getaffinity(0)),
+                "threads": torch.get_num_threads(), "ray_actor_id": actor_id}
