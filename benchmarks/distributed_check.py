@@ -6,11 +6,12 @@ token-id prompts, greedy, under a small KV pool): at the server's rate 8, and at
 per request (``vllm_xargs``). Checked from the outside: every request answered in full,
 compressions on every engine, no page mismatch between the scheduler and any rank
 (``kvcompress:page_mismatches_total``), every page free at the end
-(``kvcompress:pages_free`` = ``pages_total``, summed over ranks), the two TP=2 layouts
-give the same tokens at rate 8 (same model, same ranks, another launch), and at rate 1
-(nothing evicted) the same tokens as stock vLLM served at TP=2 (layout ``stock-tp2``).
+(``kvcompress:pages_free`` = ``pages_total``, summed over ranks), the TP=2 layouts
+give the same tokens at rate 8 (same model, same ranks, another launch or executor), and at rate 1
+(nothing evicted) the same tokens as stock vLLM served at TP=2 (layout ``stock-tp2``). Layout ``tp2-ray`` is TP=2 on vLLM's Ray executor
+(``--distributed-executor-backend ray``; a Ray cluster of its own, started by the engine).
 
-    python benchmarks/distributed_check.py            # all four layouts, ~3 min on 2 cores
+    python benchmarks/distributed_check.py            # all five layouts, ~4 min on 2 cores
     python benchmarks/distributed_check.py --layouts tp2 tp2-two-nodes
 
 On real nodes the two-node layout is the same two commands, each on its own machine:
@@ -45,10 +46,15 @@ LAYOUTS = {
           "--master-addr", HOST, "--master-port", "{master_port}", "--headless"],
          {"VLLM_CPU_OMP_THREADS_BIND": "1"}),
     ],
+    # vLLM's Ray executor (RayExecutorV2; on CPU through patches/ray_cpu.py), on a Ray
+    # cluster of its own that the engine starts and stops.
+    "tp2-ray": [(["--tensor-parallel-size", "2", "--distributed-executor-backend", "ray"],
+                 {"RAY_ADDRESS": "local"})],
     "dp2": [(["--data-parallel-size", "2"], {})],
     "stock-tp2": [(["--tensor-parallel-size", "2"], {"VLLM_CPU_OMP_THREADS_BIND": "0|1"})],
 }
 STOCK = "stock-tp2"
+ENGINES = {"tp2": 1, "tp2-two-nodes": 1, "tp2-ray": 1, "dp2": 2}  # engines that must compress
 
 
 def tiny_model() -> str:
@@ -178,8 +184,9 @@ def check(results: list[dict], requests: list[dict], engines: dict[str, int]) ->
             problems.append(f"{name}: {result['page_mismatches']:g} page mismatches")
         if result["pages_free"] != result["pages_total"]:
             problems.append(f"{name}: {result['pages_free']:g} of {result['pages_total']:g} pages free")
-    if "tp2" in by_name and "tp2-two-nodes" in by_name and by_name["tp2"]["tokens"] != by_name["tp2-two-nodes"]["tokens"]:
-        problems.append("tp2 and tp2-two-nodes gave different tokens")
+    for other in ("tp2-two-nodes", "tp2-ray"):
+        if "tp2" in by_name and other in by_name and by_name["tp2"]["tokens"] != by_name[other]["tokens"]:
+            problems.append(f"tp2 and {other} gave different tokens")
     return problems
 
 
@@ -206,7 +213,7 @@ def main(argv=None) -> int:
               f"{result['compressions']:g} compressions on {result['engines_compressing']} engine(s); "
               f"page mismatches {result['page_mismatches']:g}; pages free {result['pages_free']:g} of "
               f"{result['pages_total']:g}", flush=True)
-    problems = check(results, requests, {"tp2": 1, "tp2-two-nodes": 1, "dp2": 2})
+    problems = check(results, requests, ENGINES)
     for problem in problems:
         print(f"FAILED: {problem}")
     if not problems:

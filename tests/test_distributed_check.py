@@ -1,5 +1,6 @@
 """`vllm serve` past one device (benchmarks/distributed_check.py): TP=2 on one node and on
-two "nodes" on 127.0.0.1 (vLLM's multi-node mp launch), DP=2. Minutes of server starts,
+two "nodes" on 127.0.0.1 (vLLM's multi-node mp launch), TP=2 on vLLM's Ray executor,
+DP=2. Minutes of server starts,
 so not in the default run: ``pytest -m slow tests``."""
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ def test_the_checks_catch_what_they_claim():
     good = {"layout": "tp2", "tokens": [[1, 2], [3, 4]], "tokens_rate_one": [[5, 6], [7, 8]],
             "engines_compressing": 1, "page_mismatches": 0.0, "pages_total": 10.0, "pages_free": 10.0}
     stock = {"layout": "stock-tp2", "tokens_rate_one": [[5, 6], [7, 8]]}
-    engines = {"tp2": 1, "tp2-two-nodes": 1, "dp2": 2}
+    engines = check.ENGINES
     assert check.check([good, {**good, "layout": "tp2-two-nodes"}], requests, engines) == []
     broken = [
         {**good, "tokens": [[1], [3, 4]]},
@@ -31,8 +32,9 @@ def test_the_checks_catch_what_they_claim():
     ]
     for result in broken:
         assert len(check.check([result], requests, engines)) == 1, result
-    other = {**good, "layout": "tp2-two-nodes", "tokens": [[1, 2], [3, 5]]}
-    assert check.check([good, other], requests, engines) == ["tp2 and tp2-two-nodes gave different tokens"]
+    for name in ("tp2-two-nodes", "tp2-ray"):
+        other = {**good, "layout": name, "tokens": [[1, 2], [3, 5]]}
+        assert check.check([good, other], requests, engines) == [f"tp2 and {name} gave different tokens"]
     assert check.check([{**good, "layout": "dp2"}], requests, engines) == ["dp2: 1 of 2 engines compressed"]
     assert check.check([stock, good], requests, engines) == []
     drifted = {**good, "tokens_rate_one": [[5, 6], [7, 9]]}
