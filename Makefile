@@ -12,7 +12,7 @@ setup: $(PY)
 	bash scripts/install_cpu.sh $(VENV)
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 demo: setup
 	$(PY) benchmarks/demo.py
