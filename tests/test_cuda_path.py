@@ -272,8 +272,9 @@ def test_metadata_formulas_count_every_byte_the_cache_allocates():
 
     cache = PerHeadPagedCache(123, 3, 2, 32, max_seqs=7, max_pages_per_head=9)
     tables = cache.tables
-    tensors = [tables.chunk_tables, tables.chunks, tables.chunk_allocator.free_stack, cache.head_lens,
-               cache.slot_positions, cache.slot_metrics, cache.allocator.free_stack]
+    tensors = [tables.chunk_tables, tables.chunks, tables.chunk_allocator.free_stack, tables.chunk_shares,
+               cache.head_lens, cache.slot_positions, cache.slot_metrics, cache.allocator.free_stack,
+               cache.page_shares]
     assert PerHeadPagedCache.metadata_bytes(123, 3, 2, 32, 7, 9) == sum(t.nbytes for t in tensors)
     buffers = DecodeBuffers.allocate(
         num_layers=3, num_kv_heads=2, max_rows=5, num_slots=7, pad_slot=0, scratch_page=123,
@@ -295,9 +296,10 @@ def test_pages_and_metadata_fit_the_kv_memory_or_the_flags_are_named():
     assert for_pages + layout.metadata_bytes(num_pages) <= available
     # Llama-3.1-8B at 128K x 1024 sequences: flat int64 tables took 16 GiB of the 50. Two
     # levels of int32 ids sized by the pool: < 0.25 GiB; with slot positions and metrics
-    # (8 bytes per KV slot, as in the paper) about 1 GiB, 2% of the KV memory.
+    # (8 bytes per KV slot, as in the paper) and the shares of pages and chunks (prefix
+    # caching) about 1.06 GiB, 2% of the KV memory.
     assert ChunkedPageTables.nbytes_for(num_pages, 1025, 32, 8, 8192) < 1 << 28
-    assert available - for_pages < (21 << 30) // 20
+    assert available - for_pages < (22 << 30) // 20
     # The part fixed by the flags (first-level tables, head lengths, decode buffers) is
     # what can refuse a configuration.
     fixed = layout.metadata_bytes(0)

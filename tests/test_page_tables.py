@@ -134,5 +134,6 @@ def test_two_level_tables_take_a_fraction_of_flat_ones():
     assert nbytes < (50 << 30) // 100 < flat // 10
     # and the formula is what the class allocates (small dimensions)
     tables = ChunkedPageTables(123, 7, 3, 2, 9, torch.device("cpu"))
-    allocated = tables.chunk_tables.nbytes + tables.chunks.nbytes + tables.chunk_allocator.free_stack.nbytes
+    allocated = (tables.chunk_tables.nbytes + tables.chunks.nbytes + tables.chunk_allocator.free_stack.nbytes
+                 + tables.chunk_shares.nbytes)
     assert ChunkedPageTables.nbytes_for(123, 7, 3, 2, 9) == allocated

@@ -80,3 +80,27 @@ class PageAllocator:
             )
         self.free_stack[self.num_free : self.num_free + count] = pages
         self.num_free += count
+
+
+def drop_references(ids: torch.Tensor, shares: torch.Tensor, allocator: PageAllocator) -> int:
+    """Let go of one reference per entry of ``ids`` (page or chunk ids, repeats allowed:
+    one per holder letting go) and free the ids nobody holds any more.
+
+    ``shares``: ``[num_ids]`` int32, holders of each id beyond the first (0 for an id with
+    one holder, as every freshly allocated id). Returns how many ids were freed. An id
+    let go of more often than it has holders is a double free (``RuntimeError``).
+    """
+    ids = ids.reshape(-1).to(device=shares.device, dtype=torch.int64)
+    if ids.numel() == 0:
+        return 0
+    if not bool((shares[ids] > 0).any()):  # nothing shared: every id's only holder lets go
+        allocator.free(ids)
+        return ids.numel()
+    unique, counts = torch.unique(ids, return_counts=True)
+    holders_left = shares[unique].to(torch.int64) + 1 - counts
+    if bool((holders_left < 0).any()):
+        raise RuntimeError("dropping more references than an id has holders: double free")
+    freed = unique[holders_left == 0]
+    shares[unique] = (holders_left - 1).clamp(min=0).to(shares.dtype)
+    allocator.free(freed)
+    return freed.numel()

@@ -15,7 +15,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from kvcompress.ops.allocator import PageAllocator
+from kvcompress.ops.allocator import PageAllocator, drop_references
 
 
 def fill_page_tables(
@@ -84,6 +84,8 @@ class ChunkedPageTables:
         self.chunks = torch.zeros((num_chunks, self.chunk_pages), dtype=torch.int32, device=device)
         # Chunk ids 1..num_chunks-1 (the allocator hands out 0..n-1; +1 on the way out).
         self.chunk_allocator = PageAllocator(num_chunks - 1, device)
+        # Holders of each chunk beyond the first (full chunks of a shared prefix).
+        self.chunk_shares = torch.zeros(num_chunks, dtype=torch.int32, device=device)
 
     @staticmethod
     def num_chunks_for(num_pages: int, num_heads: int, chunk_pages: int) -> int:
@@ -101,7 +103,7 @@ class ChunkedPageTables:
         chunk_pages = chunk_pages_for(max_pages_per_head)
         heads = max_seqs * num_layers * num_kv_heads
         num_chunks = cls.num_chunks_for(num_pages, heads, chunk_pages)
-        return heads * -(-max_pages_per_head // chunk_pages) * 4 + num_chunks * (chunk_pages * 4 + 8) - 8
+        return heads * -(-max_pages_per_head // chunk_pages) * 4 + num_chunks * (chunk_pages * 4 + 8 + 4) - 8
 
     @property
     def flat_chunk_tables(self) -> torch.Tensor:
@@ -200,8 +202,38 @@ class ChunkedPageTables:
         columns = int(old_chunks.max())
         index = torch.arange(columns, device=old_pages.device)
         freed = (index >= new_chunks.unsqueeze(-1)) & (index < old_chunks.unsqueeze(-1))
-        ids = self.chunk_tables[seq_slots, :, :, :columns][freed]
-        self.chunk_allocator.free(ids.to(torch.int64) - 1)
+        ids = self.chunk_tables[seq_slots, :, :, :columns][freed].to(torch.int64)
+        self._drop_chunks(ids)
+
+    def _drop_chunks(self, ids: torch.Tensor) -> None:
+        """Let go of chunks (ids as in the tables: allocator id + 1)."""
+        if not bool((self.chunk_shares[ids] > 0).any()):
+            self.chunk_allocator.free(ids - 1)
+            return
+        # drop_references over allocator ids: the shares are indexed by table id.
+        drop_references(ids - 1, self.chunk_shares[1:], self.chunk_allocator)
+
+    def share_prefix(self, dst_rows: torch.Tensor, src_rows: torch.Tensor, num_pages: int) -> None:
+        """Give head rows ``dst_rows`` (``[R]``, empty heads) the first ``num_pages`` page
+        ids of head rows ``src_rows``: full chunks are shared (one more holder each), the
+        partial chunk at the end is copied into a new chunk of the destination (which
+        appends into it). A head that shares a prefix therefore holds at most one chunk
+        more than its own pages need, and the shared full chunks are counted once."""
+        chunk_pages = self.chunk_pages
+        full, rest = divmod(num_pages, chunk_pages)
+        table = self.flat_chunk_tables
+        if full:
+            shared = table[src_rows, :full]
+            table[dst_rows, :full] = shared
+            self.chunk_shares.index_add_(
+                0, shared.reshape(-1).to(torch.int64),
+                torch.ones(shared.numel(), dtype=self.chunk_shares.dtype, device=shared.device),
+            )
+        if rest:
+            copies = self.chunk_allocator.allocate(dst_rows.numel()) + 1
+            originals = table[src_rows, full].to(torch.int64)
+            table[dst_rows, full] = copies.to(torch.int32)
+            self.chunks[copies, :rest] = self.chunks[originals, :rest]
 
     def heads_lookup_host(self, slots: np.ndarray, columns: np.ndarray) -> np.ndarray:
         """Page ids at column ``columns[s, l, h]`` of every head of sequence slots

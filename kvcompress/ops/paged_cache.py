@@ -13,6 +13,12 @@ The state every other op reads:
 - ``slot_metrics``: ``[num_pages, block_size]`` float32, the eviction metric of the KV
   stored in each slot (accumulated attention; 0 for a freshly written KV). It moves
   with the KV when MoveCache compacts a head.
+- ``page_shares``: ``[num_pages]`` int32, holders of each page beyond the first. A
+  shared prefix (:meth:`PerHeadPagedCache.share_prefix`: the same uncompressed leading
+  pages in several sequence slots, e.g. a prefix-cache hit) is held by every slot that
+  has it; a page returns to the allocator only when its last holder lets go. Holders
+  never write into or move a shared page: new KVs go past it, and compression keeps a
+  shared prefix whole (protect it like sinks: ``sink_tokens >= pages * block_size``).
 
 All updates are tensor ops on the cache's device, batched over sequences, layers
 and heads. Sequences are addressed by a small integer "sequence slot" that the
@@ -27,7 +33,7 @@ import numpy as np
 import torch
 
 from kvcompress.ops import dispatch
-from kvcompress.ops.allocator import PageAllocator
+from kvcompress.ops.allocator import PageAllocator, drop_references
 from kvcompress.ops.dispatch import KernelOps
 from kvcompress.ops.kv_pool import KVPool
 from kvcompress.ops.page_tables import ChunkedPageTables, fill_page_tables
@@ -120,6 +126,7 @@ class PerHeadPagedCache:
         self.slot_metrics = torch.zeros(
             (num_pages, block_size), dtype=torch.float32, device=self.device
         )
+        self.page_shares = torch.zeros(num_pages, dtype=torch.int32, device=self.device)
         self._free_seq_slots = list(range(max_seqs - 1, -1, -1))
         # numpy views sharing the CPU tensors' memory: a decode step's append is a few
         # dozen tiny index ops, ~1 us each in numpy against ~5-10 us each as torch ops.
@@ -136,12 +143,12 @@ class PerHeadPagedCache:
     ) -> int:
         """Bytes of the tensors a cache of these dimensions allocates: the two-level page
         tables (:meth:`ChunkedPageTables.nbytes_for`), head lengths (int64 per sequence
-        slot and head), slot positions and metrics (int32 + float32 per slot) and the
-        allocator's free stack (int64 per page). The engine takes them out of the KV
-        memory budget."""
+        slot and head), slot positions and metrics (int32 + float32 per slot), the
+        allocator's free stack (int64 per page) and the page shares (int32 per page). The
+        engine takes them out of the KV memory budget."""
         heads = max_seqs * num_layers * num_kv_heads
         tables = ChunkedPageTables.nbytes_for(num_pages, max_seqs, num_layers, num_kv_heads, max_pages_per_head)
-        return tables + heads * 8 + num_pages * (block_size * (4 + 4) + 8)
+        return tables + heads * 8 + num_pages * (block_size * (4 + 4) + 8 + 4)
 
     def kv_pool(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> KVPool:
         """The pool the ops take: ``key_cache`` / ``value_cache`` ``[num_buffer_pages,
@@ -178,13 +185,12 @@ class PerHeadPagedCache:
         new_pages = pages_for(new_lens, self.block_size)
         page_index = torch.arange(tables.shape[-1], device=self.device)
         freed = (page_index >= new_pages.unsqueeze(-1)) & (page_index < old_pages.unsqueeze(-1))
-        freed_pages = tables[freed]
-        self.allocator.free(freed_pages)
+        pages_freed = drop_references(tables[freed], self.page_shares, self.allocator)
         self.tables.truncate(seq_slots, old_pages, new_pages)
         self.head_lens[seq_slots] = new_lens
         if self.host is not None:
             self.host.refresh_last_pages(self, seq_slots.numpy())
-        return int(freed_pages.numel())
+        return pages_freed
 
     def pages_held(self, seq_slots: torch.Tensor | None = None) -> torch.Tensor:
         """``[S, num_layers, num_kv_heads]`` pages held (all slots when ``None``)."""
@@ -199,9 +205,9 @@ class PerHeadPagedCache:
         return self.pages_held(slots).sum(dim=(1, 2)).tolist()
 
     def release(self, seq_slots: torch.Tensor) -> int:
-        """Free every page of the given sequence slots and return the slots.
+        """Let go of every page of the given sequence slots and return the slots.
 
-        Returns the number of pages freed.
+        Returns the number of pages freed (a shared page is freed by its last holder).
         """
         seq_slots = seq_slots.to(self.device, torch.int64)
         if seq_slots.numel() == 0:
@@ -212,11 +218,42 @@ class PerHeadPagedCache:
         if num_pages:
             in_use = torch.arange(num_pages, device=self.device) < held.unsqueeze(-1)  # [S, L, H, P]
             pages = self.tables.gather(seq_slots, num_pages)[in_use]
-            self.allocator.free(pages)
+            freed = drop_references(pages, self.page_shares, self.allocator)
             self.tables.truncate(seq_slots, held, torch.zeros_like(held))
+        else:
+            freed = 0
         self.head_lens[seq_slots] = 0
         self._free_seq_slots.extend(seq_slots.tolist())
-        return int(pages.numel())
+        return freed
+
+    def share_prefix(self, dst_slot: int, src_slot: int, num_pages: int) -> None:
+        """Give the empty sequence slot ``dst_slot`` the first ``num_pages`` pages of every
+        head of ``src_slot`` (``num_pages * block_size`` KVs per head), shared: one more
+        holder per page, nothing copied but the page ids.
+
+        Those pages must be full and uncompressed in ``src_slot`` (slot ``i`` of column
+        ``j`` holds position ``j * block_size + i``), which is what a prefix-cache hit
+        reuses; ``dst_slot`` then appends its own tokens after them.
+        """
+        if num_pages <= 0:
+            return
+        self._check_pages_per_head(num_pages)
+        kvs = num_pages * self.block_size
+        if int(self.head_lens[dst_slot].max()) != 0:
+            raise ValueError(f"share_prefix: sequence slot {dst_slot} is not empty")
+        if int(self.head_lens[src_slot].min()) < kvs:
+            raise ValueError(f"share_prefix: a head of slot {src_slot} holds fewer than {kvs} KVs")
+        heads = self.num_layers * self.num_kv_heads
+        head_index = torch.arange(heads, device=self.device)
+        self.tables.share_prefix(dst_slot * heads + head_index, src_slot * heads + head_index, num_pages)
+        pages = self.tables.gather(torch.tensor([src_slot], device=self.device), num_pages)
+        self.page_shares.index_add_(
+            0, pages.reshape(-1).to(torch.int64),
+            torch.ones(pages.numel(), dtype=self.page_shares.dtype, device=self.device),
+        )
+        self.head_lens[dst_slot] = kvs
+        if self.host is not None:
+            self.host.refresh_last_pages(self, np.array([dst_slot]))
 
     def append(
         self,
