@@ -3,10 +3,12 @@ is started once per test session and reused."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -63,6 +65,32 @@ def tiny_model() -> str:
             num_layers=TINY_LAYERS, num_q_heads=8, num_kv_heads=TINY_KV_HEADS, head_dim=TINY_HEAD_DIM
         )
     )
+
+
+@contextlib.contextmanager
+def environment(**values: str | None) -> Iterator[None]:
+    """Set (a string) or unset (None) environment variables for a block; restore after."""
+    def apply(settings: dict[str, str | None]) -> None:
+        for name, value in settings.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+    previous = {name: os.environ.get(name) for name in values}
+    try:
+        apply(values)
+        yield
+    finally:
+        apply(previous)
+
+
+def greedy_tokens_and_logprobs(outputs) -> tuple[list[list[int]], list[list[float]]]:
+    """Each request's tokens and the logprob of each (``SamplingParams(logprobs=0)``)."""
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    logprobs = [[step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                for o in outputs]
+    return tokens, logprobs
 
 
 def _shutdown(llm) -> None:

@@ -12,7 +12,14 @@ import os
 
 import numpy as np
 import pytest
-from conftest import TINY_BYTES_PER_TOKEN, TINY_ENGINE_ARGS, _shutdown, page_stats
+from conftest import (
+    TINY_BYTES_PER_TOKEN,
+    TINY_ENGINE_ARGS,
+    _shutdown,
+    environment,
+    greedy_tokens_and_logprobs,
+    page_stats,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -39,37 +46,23 @@ def _params(max_tokens, **extra):
                           extra_args=extra or None)
 
 
-def _tokens_and_logprobs(outputs):
-    tokens = [list(o.outputs[0].token_ids) for o in outputs]
-    logprobs = [[step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
-                for o in outputs]
-    return tokens, logprobs
-
-
 @pytest.fixture(scope="module")
 def stock_tp_outputs(tiny_model):
     """Stock vLLM at TP=2 (it needs the core-per-rank binding the user would set)."""
     from vllm import LLM
 
-    previous = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
     from kvcompress.vllm_glue.engine_setup import cpu_worker_binding
 
     # The binding kvcompress would set on a one-NUMA-node machine: a share of cores per rank.
-    cores = sorted(os.sched_getaffinity(0))
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_worker_binding(TP, cores, 1, "stock TP=2")
-    try:
+    binding = cpu_worker_binding(TP, sorted(os.sched_getaffinity(0)), 1, "stock TP=2")
+    with environment(VLLM_CPU_OMP_THREADS_BIND=binding):
         llm = LLM(model=tiny_model, **ENGINE_ARGS)
         try:
-            return _tokens_and_logprobs(
+            return greedy_tokens_and_logprobs(
                 llm.generate(_prompts(PROMPT_LENGTHS), _params(OUTPUT_TOKENS), use_tqdm=False)
             )
         finally:
             _shutdown(llm)
-    finally:
-        if previous is None:
-            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-        else:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = previous
 
 
 @pytest.fixture(scope="module")
@@ -78,16 +71,11 @@ def kvc_tp_llm(tiny_model, stock_tp_outputs):  # after stock's engine is gone (2
 
     from benchmark_throughput import engine_core_in_process
 
-    previous = os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # kvcompress sets it
-    try:
-        # The engine core in this process (the TP workers are still their own processes):
-        # a step runs when the test calls it, so scheduler and workers are read between steps.
-        with engine_core_in_process():
-            llm = kvcompress.LLM(tiny_model, kv_compress_rate=1, kv_compress_protected_window=16,
-                                 **ENGINE_ARGS)
-    finally:
-        if previous is not None:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = previous
+    # The engine core in this process (the TP workers are still their own processes): a
+    # step runs when the test calls it, so scheduler and workers are read between steps.
+    with environment(VLLM_CPU_OMP_THREADS_BIND=None), engine_core_in_process():  # kvcompress binds
+        llm = kvcompress.LLM(tiny_model, kv_compress_rate=1, kv_compress_protected_window=16,
+                             **ENGINE_ARGS)
     yield llm
     _shutdown(llm)
 
@@ -98,7 +86,7 @@ def _worker_stats(llm):
 
 def test_rate_one_and_compression_off_are_token_exact_with_stock_at_the_same_tp(kvc_tp_llm, stock_tp_outputs):
     before = page_stats(kvc_tp_llm)
-    tokens, logprobs = _tokens_and_logprobs(
+    tokens, logprobs = greedy_tokens_and_logprobs(
         kvc_tp_llm.generate(_prompts(PROMPT_LENGTHS), _params(OUTPUT_TOKENS), use_tqdm=False)
     )
     stock_tokens, stock_logprobs = stock_tp_outputs
@@ -110,7 +98,7 @@ def test_rate_one_and_compression_off_are_token_exact_with_stock_at_the_same_tp(
     assert after["num_preemptions"] > before["num_preemptions"]  # the pools were tight
     assert after["mismatches"] == 0
     # Compression off for the request (the per-head cache, never compressed): the same.
-    off = _tokens_and_logprobs(kvc_tp_llm.generate(
+    off = greedy_tokens_and_logprobs(kvc_tp_llm.generate(
         _prompts(PROMPT_LENGTHS), _params(OUTPUT_TOKENS, kv_compress=False), use_tqdm=False
     ))
     assert off[0] == stock_tokens
@@ -217,20 +205,11 @@ def ray_tp_llm(tiny_model, kvc_tp_llm, mp_pressure_run):
     import ray  # noqa: F401  (the [ray] extra; scripts/install_cpu.sh installs it)
 
     _shutdown(kvc_tp_llm)
-    previous = os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # kvcompress sets it
-    ray_address = os.environ.get("RAY_ADDRESS")
-    os.environ["RAY_ADDRESS"] = "local"  # a cluster of its own, never a running one
-    try:
-        # The engine core is its own process, and starts (and stops) that Ray cluster.
+    # kvcompress binds the workers; RAY_ADDRESS "local": a Ray cluster of its own, never a
+    # running one (the engine core, its own process, starts and stops it).
+    with environment(VLLM_CPU_OMP_THREADS_BIND=None, RAY_ADDRESS="local"):
         llm = kvcompress.LLM(tiny_model, kv_compress_rate=1, kv_compress_protected_window=16,
                              distributed_executor_backend="ray", **ENGINE_ARGS)
-    finally:
-        if previous is not None:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = previous
-        if ray_address is None:
-            os.environ.pop("RAY_ADDRESS")
-        else:
-            os.environ["RAY_ADDRESS"] = ray_address
     yield llm
     _shutdown(llm)
 
@@ -247,13 +226,18 @@ def test_ray_executor_runs_a_ray_worker_per_rank_bound_like_mp(ray_tp_llm):
     assert all(len(c) == len(cores[0]) == w["threads"] for c, w in zip(cores, workers))
 
 
-def test_ray_executor_rate_one_is_token_exact_with_stock(ray_tp_llm, stock_tp_outputs):
-    tokens, logprobs = _tokens_and_logprobs(
+def test_ray_executor_rate_one_and_compression_off_are_token_exact_with_stock(ray_tp_llm, stock_tp_outputs):
+    tokens, logprobs = greedy_tokens_and_logprobs(
         ray_tp_llm.generate(_prompts(PROMPT_LENGTHS), _params(OUTPUT_TOKENS), use_tqdm=False)
     )
     stock_tokens, stock_logprobs = stock_tp_outputs
     assert tokens == stock_tokens
     assert max(abs(a - b) for x, y in zip(logprobs, stock_logprobs) for a, b in zip(x, y)) <= 1e-3
+    off = greedy_tokens_and_logprobs(ray_tp_llm.generate(
+        _prompts(PROMPT_LENGTHS), _params(OUTPUT_TOKENS, kv_compress=False), use_tqdm=False
+    ))
+    assert off[0] == stock_tokens
+    assert max(abs(a - b) for x, y in zip(off[1], stock_logprobs) for a, b in zip(x, y)) <= 1e-3
     assert page_stats(ray_tp_llm)["mismatches"] == 0
 
 

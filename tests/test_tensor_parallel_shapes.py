@@ -18,7 +18,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import TINY_ENGINE_ARGS, _shutdown
+from conftest import TINY_ENGINE_ARGS, _shutdown, environment, greedy_tokens_and_logprobs
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -32,9 +32,8 @@ def _run(model, engine_args, prompts, params, *, kvcompress_rate=None, then=None
     """Greedy (tokens, logprobs) of one engine, and what ``then(llm)`` returns."""
     from vllm import LLM
 
-    previous = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = _shared_binding(engine_args["tensor_parallel_size"])
-    try:
+    binding = _shared_binding(engine_args["tensor_parallel_size"])
+    with environment(VLLM_CPU_OMP_THREADS_BIND=binding):
         if kvcompress_rate is None:
             llm = LLM(model=model, **engine_args)
         else:
@@ -42,18 +41,10 @@ def _run(model, engine_args, prompts, params, *, kvcompress_rate=None, then=None
 
             llm = kvcompress.LLM(model, kv_compress_rate=kvcompress_rate, **engine_args)
         try:
-            outputs = llm.generate(prompts, params, use_tqdm=False)
-            tokens = [list(o.outputs[0].token_ids) for o in outputs]
-            logprobs = [[s[t].logprob for s, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
-                        for o in outputs]
+            tokens, logprobs = greedy_tokens_and_logprobs(llm.generate(prompts, params, use_tqdm=False))
             return tokens, logprobs, then(llm) if then else None
         finally:
             _shutdown(llm)
-    finally:
-        if previous is None:
-            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-        else:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = previous
 
 
 def _params(max_tokens, **extra):
