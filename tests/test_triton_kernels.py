@@ -21,6 +21,14 @@ from dataclasses import replace
 
 _WANT_CUDA = os.environ.get("KVCOMPRESS_TRITON_TEST_DEVICE", "cpu") == "cuda"
 _PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
+if not _WANT_CUDA and _PREVIOUS_INTERPRET != "1" and "triton" in sys.modules:
+    # Triton's own jit helpers (tl.zeros ...) are built when triton is imported; imported
+    # without the interpreter they fail inside interpreted kernels ("Cannot call
+    # @triton.jit'd outside of the scope of a kernel"), whatever this module reloads.
+    raise RuntimeError(
+        "triton was imported before test_triton_kernels (a test module collected earlier "
+        "imports vLLM or triton at module level): import them inside the tests"
+    )
 if not _WANT_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (module top)
 
