@@ -29,9 +29,9 @@ gets this; stock vLLM keeps refusing Ray on CPU. The legacy compiled-DAG executo
 
 vLLM symbols touched: ``Executor.get_class`` (``vllm.v1.executor.abstract``, wrapped),
 ``CpuPlatform.ray_device_key`` (set to ``"CPU"`` when a kvcompress engine picks Ray),
-``vllm.v1.executor.ray_executor_v2.RayExecutorV2._get_actor_resource_kwargs``
-(private, replaced) and the module-level name ``RayWorkerProc`` there (replaced by the
-subclass below: Ray pickles an actor class by reference, so the actor process
+``vllm.v1.executor.ray_executor_v2.RayExecutorV2`` (subclassed: ``_get_actor_resource_kwargs``,
+private, and ``_init_executor`` overridden) and the module-level name ``RayWorkerProc``
+there (replaced by the subclass below: Ray pickles an actor class by reference, so the actor process
 imports this module and runs its methods), ``RayWorkerProc.initialize_worker`` and
 ``get_node_and_physical_gpu_ids`` (overridden), ``RayWorkerProc._init_kwargs``
 (private, read), ``OMPProcessManager`` (``vllm.utils.ompmultiprocessing``:
@@ -66,12 +66,11 @@ def _patch_get_class() -> None:
     original = Executor.get_class
 
     def get_class(vllm_config):
-        executor_class = original(vllm_config)
         backend = vllm_config.parallel_config.distributed_executor_backend
         if backend == "ray" and _kvcompress_engine(vllm_config):
             _check_ray_v2()
             return cpu_ray_executor_class()
-        return executor_class
+        return original(vllm_config)
 
     get_class.__wrapped__ = original  # type: ignore[attr-defined]
     Executor.get_class = staticmethod(get_class)

@@ -18,7 +18,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import TINY_ENGINE_ARGS, _shutdown, environment, greedy_tokens_and_logprobs
+from conftest import TINY_ENGINE_ARGS, _shutdown, environment, greedy_tokens_and_logprobs, page_stats
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -61,10 +61,6 @@ def _token_prompts(lengths, seed):
     return [TokensPrompt(prompt_token_ids=rng.integers(3, 1000, n).tolist()) for n in lengths]
 
 
-def _stats(llm):
-    return llm.llm_engine.engine_core.call_utility("kvcompress_page_stats")
-
-
 def _pressure(tp, rate, seed):
     """The uncompressed / compressed mix that preempts: run it, return page stats."""
     def then(llm):
@@ -72,7 +68,7 @@ def _pressure(tp, rate, seed):
         lengths = [500] * 3 + rng.integers(300, 800, 12).tolist()
         params = [_params(120, kv_compress=False)] * 3 + [_params(120, kv_compress_rate=rate)] * 12
         llm.generate(_token_prompts(lengths, seed), params, use_tqdm=False)
-        return _stats(llm)
+        return page_stats(llm)
     return then
 
 
@@ -111,7 +107,7 @@ def test_smollm2_at_tp3_is_token_exact_and_compresses_on_every_rank():
 
     def compressed(llm):
         llm.generate(prompts, _params(64, kv_compress_rate=8), use_tqdm=False)
-        return _stats(llm)
+        return page_stats(llm)
 
     stock = _run(model, args, prompts, _params(32))
     kvc = _run(model, args, prompts, _params(32), kvcompress_rate=1, then=compressed)

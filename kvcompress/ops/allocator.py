@@ -82,6 +82,13 @@ class PageAllocator:
         self.num_free += count
 
 
+def add_references(ids: torch.Tensor, shares: torch.Tensor) -> None:
+    """One more holder for each entry of ``ids`` (page or chunk ids; ``shares`` as in
+    :func:`drop_references`)."""
+    ids = ids.reshape(-1).to(device=shares.device, dtype=torch.int64)
+    shares.index_add_(0, ids, torch.ones(ids.numel(), dtype=shares.dtype, device=shares.device))
+
+
 def drop_references(ids: torch.Tensor, shares: torch.Tensor, allocator: PageAllocator) -> int:
     """Let go of one reference per entry of ``ids`` (page or chunk ids, repeats allowed:
     one per holder letting go) and free the ids nobody holds any more.

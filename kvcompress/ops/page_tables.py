@@ -15,7 +15,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from kvcompress.ops.allocator import PageAllocator, drop_references
+from kvcompress.ops.allocator import PageAllocator, add_references, drop_references
 
 
 def fill_page_tables(
@@ -206,11 +206,8 @@ class ChunkedPageTables:
         self._drop_chunks(ids)
 
     def _drop_chunks(self, ids: torch.Tensor) -> None:
-        """Let go of chunks (ids as in the tables: allocator id + 1)."""
-        if not bool((self.chunk_shares[ids] > 0).any()):
-            self.chunk_allocator.free(ids - 1)
-            return
-        # drop_references over allocator ids: the shares are indexed by table id.
+        """Let go of chunks (ids as in the tables: allocator id + 1, hence the shares of
+        table ids 1.. against the allocator's 0..)."""
         drop_references(ids - 1, self.chunk_shares[1:], self.chunk_allocator)
 
     def share_prefix(self, dst_rows: torch.Tensor, src_rows: torch.Tensor, num_pages: int) -> None:
@@ -225,10 +222,7 @@ class ChunkedPageTables:
         if full:
             shared = table[src_rows, :full]
             table[dst_rows, :full] = shared
-            self.chunk_shares.index_add_(
-                0, shared.reshape(-1).to(torch.int64),
-                torch.ones(shared.numel(), dtype=self.chunk_shares.dtype, device=shared.device),
-            )
+            add_references(shared, self.chunk_shares)
         if rest:
             copies = self.chunk_allocator.allocate(dst_rows.numel()) + 1
             originals = table[src_rows, full].to(torch.int64)

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from kvcompress.ops import dispatch
-from kvcompress.ops.allocator import PageAllocator, drop_references
+from kvcompress.ops.allocator import PageAllocator, add_references, drop_references
 from kvcompress.ops.dispatch import KernelOps
 from kvcompress.ops.kv_pool import KVPool
 from kvcompress.ops.page_tables import ChunkedPageTables, fill_page_tables
@@ -247,10 +247,7 @@ class PerHeadPagedCache:
         head_index = torch.arange(heads, device=self.device)
         self.tables.share_prefix(dst_slot * heads + head_index, src_slot * heads + head_index, num_pages)
         pages = self.tables.gather(torch.tensor([src_slot], device=self.device), num_pages)
-        self.page_shares.index_add_(
-            0, pages.reshape(-1).to(torch.int64),
-            torch.ones(pages.numel(), dtype=self.page_shares.dtype, device=self.device),
-        )
+        add_references(pages, self.page_shares)
         self.head_lens[dst_slot] = kvs
         if self.host is not None:
             self.host.refresh_last_pages(self, np.array([dst_slot]))
