@@ -3,10 +3,12 @@
 The scheduler computes, for a sequence of ``context_len`` tokens whose heads hold
 ``held_pages`` pages over ``L`` layers x ``H`` KV heads (``b`` tokens per page):
 
-- ``protected``: tokens never evicted: the first ``sink_tokens`` and the last
-  ``protected_window``: ``min(context_len, sink_tokens + protected_window)``.
+- ``protected``: tokens never evicted: the first ``max(sink_tokens, S)`` (``S`` =
+  ``shared_prefix_tokens``, a prefix held in prefix-cache page groups, 0 without) and
+  the last ``protected_window``: ``min(context_len, max(sink_tokens, S) + protected_window)``.
 - ``keep``: tokens' worth of KVs kept per (layer, head) on average:
-  rate ``r > 1``: ``max(min_cache_tokens, ceil(context_len / r)) + protected``;
+  rate ``r > 1``: ``max(min_cache_tokens, ceil((context_len - S) / r)) + protected``
+  (the rate applies to the private part; the shared prefix is kept whole);
   max cache tokens ``C``: ``max(C, protected)`` (C counts the protected tokens);
   both given: the smaller; never more than ``context_len``.
 - target pages ``ceil(keep * L * H / b)``; blocks to evict
@@ -81,6 +83,8 @@ class RequestFields(BaseModel):
     )
     kv_compress_observation_window: Annotated[int, Field(ge=1), Number] = None
     """prompt queries that score keys in window mode (>= 1)"""
+    kv_compress_shared_prefix_tokens: Annotated[int, Field(ge=0), Number] = None
+    """with prefix caching: the first N prompt tokens (whole blocks) stay uncompressed and cached for later requests (>= 0)"""
 
 
 REQUEST_FIELDS = {name: field.description for name, field in RequestFields.model_fields.items()}
@@ -99,10 +103,20 @@ class RequestBudget:
     min_cache_tokens: int
     policy: str = "kvc"
     observation_window: int | None = None
+    # Prompt tokens to keep uncompressed and cached when a request misses the prefix
+    # cache (``--kv-compress-shared-prefix-tokens``); the scheduler then sets
+    # ``shared_prefix_tokens`` to the prefix the request really shares.
+    cache_prefix_tokens: int = 0
+    shared_prefix_tokens: int = 0
 
     @property
     def compresses(self) -> bool:
         return self.enabled and (self.rate > 1.0 or self.max_cache_tokens is not None)
+
+    @property
+    def protected_prefix(self) -> int:
+        """Leading tokens never evicted: the sinks, or the shared prefix if longer."""
+        return max(self.sink_tokens, self.shared_prefix_tokens)
 
 
 def request_fields(extra_args: dict[str, Any] | None) -> RequestFields:
@@ -153,6 +167,7 @@ def request_budget(
         min_cache_tokens=settings.min_cache_tokens,
         policy=policy,
         observation_window=fields.kv_compress_observation_window,
+        cache_prefix_tokens=chosen(fields.kv_compress_shared_prefix_tokens, settings.shared_prefix_tokens),
     )
 
 
@@ -165,10 +180,11 @@ def keep_tokens(context_len: int, budget: RequestBudget) -> int:
     """Tokens' worth of KVs kept per (layer, KV head) on average (module docstring)."""
     if not budget.compresses:
         return context_len
-    protected = protected_tokens(context_len, budget.protected_window, budget.sink_tokens)
+    protected = protected_tokens(context_len, budget.protected_window, budget.protected_prefix)
+    private = max(0, context_len - budget.shared_prefix_tokens)
     keep = context_len
     if budget.rate > 1.0:
-        keep = min(keep, max(budget.min_cache_tokens, math.ceil(context_len / budget.rate)) + protected)
+        keep = min(keep, max(budget.min_cache_tokens, math.ceil(private / budget.rate)) + protected)
     if budget.max_cache_tokens is not None:
         keep = min(keep, max(budget.max_cache_tokens, protected))
     return min(keep, context_len)
@@ -204,5 +220,5 @@ def blocks_to_evict(
     wanted = held - target
     if wanted <= 0:
         return 0
-    protected = protected_tokens(context_len, budget.protected_window, budget.sink_tokens)
+    protected = protected_tokens(context_len, budget.protected_window, budget.protected_prefix)
     return min(wanted, evictable_blocks(lens, protected, block_size))

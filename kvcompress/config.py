@@ -115,6 +115,12 @@ class KVCompressConfig(BaseModel):
     tokens (prompt metrics are scaled by 1/N to match, so rankings estimate those of
     every query); 1 = every decode query. The metric pass is a cost of its own on
     kernels that return no probabilities."""
+    shared_prefix_tokens: int = Field(0, ge=0)
+    """With --enable-prefix-caching: the first N prompt tokens of a compressed request
+    that misses the prefix cache (whole blocks; e.g. a system prompt's length) stay
+    uncompressed and cached for later requests; blocks a request hits always stay
+    shared. The rate then applies to the rest of the context. Requests not compressed
+    cache every full block, as stock vLLM."""
     max_kv_per_iteration: int = Field(5_000_000, ge=1)
     """Cap on the KVs (summed over layers and heads) sorted in one compression step;
     sequences never compressed, then least recently compressed, go first."""

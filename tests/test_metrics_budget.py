@@ -226,6 +226,7 @@ def test_request_fields_keep_their_parsing_and_name_the_first_bad_key():
     assert list(REQUEST_FIELDS) == [
         "kv_compress", "kv_compress_rate", "kv_compress_max_cache_tokens",
         "kv_compress_protected_window", "kv_compress_policy", "kv_compress_observation_window",
+        "kv_compress_shared_prefix_tokens",
     ]
     server = KVCompressConfig(enabled=True, rate=4)
     budget = request_budget(

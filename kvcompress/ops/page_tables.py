@@ -71,14 +71,19 @@ class ChunkedPageTables:
 
     def __init__(
         self, num_pages: int, max_seqs: int, num_layers: int, num_kv_heads: int,
-        max_pages_per_head: int, device: torch.device,
+        max_pages_per_head: int, device: torch.device, shared_pages_per_head: int = 0,
     ) -> None:
+        """``shared_pages_per_head``: leading pages a head may hold that other heads hold
+        too, written by :meth:`reserve` / :meth:`write_columns` (prefix-cache hits): their
+        ids are copies, so the second level gets ``ceil(shared / C)`` more chunks per head."""
         self.chunk_pages = chunk_pages_for(max_pages_per_head)
         self.max_pages_per_head = max_pages_per_head
         self.shape = (max_seqs, num_layers, num_kv_heads)
         columns = -(-max_pages_per_head // self.chunk_pages)
         self.chunk_tables = torch.zeros((*self.shape, columns), dtype=torch.int32, device=device)
-        num_chunks = self.num_chunks_for(num_pages, max_seqs * num_layers * num_kv_heads, self.chunk_pages)
+        num_chunks = self.num_chunks_for(
+            num_pages, max_seqs * num_layers * num_kv_heads, self.chunk_pages, shared_pages_per_head
+        )
         if max(num_pages, num_chunks) >= 2**31:
             raise ValueError(f"{num_pages} pages / {num_chunks} chunks: page tables hold int32 ids")
         self.chunks = torch.zeros((num_chunks, self.chunk_pages), dtype=torch.int32, device=device)
@@ -88,21 +93,23 @@ class ChunkedPageTables:
         self.chunk_shares = torch.zeros(num_chunks, dtype=torch.int32, device=device)
 
     @staticmethod
-    def num_chunks_for(num_pages: int, num_heads: int, chunk_pages: int) -> int:
+    def num_chunks_for(num_pages: int, num_heads: int, chunk_pages: int, shared_pages_per_head: int = 0) -> int:
         """Chunks for a pool of ``num_pages`` pages and ``num_heads`` (slot, layer, head)
-        rows: one partial chunk per head plus the pool's pages in full chunks, and the
-        null chunk."""
-        return 2 + num_heads + num_pages // chunk_pages
+        rows: one partial chunk per head plus the pool's pages in full chunks, the
+        chunks of copied shared prefixes, and the null chunk."""
+        shared = num_heads * -(-shared_pages_per_head // chunk_pages)
+        return 2 + num_heads + num_pages // chunk_pages + shared
 
     @classmethod
     def nbytes_for(
         cls, num_pages: int, max_seqs: int, num_layers: int, num_kv_heads: int, max_pages_per_head: int,
+        shared_pages_per_head: int = 0,
     ) -> int:
         """Bytes :meth:`__init__` allocates for these dimensions (both levels and the
         chunk allocator's int64 free stack)."""
         chunk_pages = chunk_pages_for(max_pages_per_head)
         heads = max_seqs * num_layers * num_kv_heads
-        num_chunks = cls.num_chunks_for(num_pages, heads, chunk_pages)
+        num_chunks = cls.num_chunks_for(num_pages, heads, chunk_pages, shared_pages_per_head)
         return heads * -(-max_pages_per_head // chunk_pages) * 4 + num_chunks * (chunk_pages * 4 + 8 + 4) - 8
 
     @property
@@ -228,6 +235,24 @@ class ChunkedPageTables:
             originals = table[src_rows, full].to(torch.int64)
             table[dst_rows, full] = copies.to(torch.int32)
             self.chunks[copies, :rest] = self.chunks[originals, :rest]
+
+    def reserve(self, rows: torch.Tensor, num_pages: int) -> None:
+        """Take the chunks of the first ``num_pages`` columns of head rows ``rows``
+        (``[R]``, empty heads); their page ids are written later (:meth:`write_columns`)
+        and read as page 0 until then."""
+        chunks_per_row = -(-num_pages // self.chunk_pages)
+        demand = torch.full((rows.numel(),), chunks_per_row, dtype=torch.int64, device=rows.device)
+        chunk_ids, offsets = self.chunk_allocator.allocate_for(demand)
+        self.chunks[chunk_ids + 1] = 0
+        fill_page_tables(self.flat_chunk_tables, chunk_ids + 1, offsets, torch.zeros_like(rows), rows)
+
+    def write_columns(self, rows: torch.Tensor, pages: torch.Tensor) -> None:
+        """Write page ids ``pages`` (``[R, n]``) into the first ``n`` columns of head rows
+        ``rows`` (``[R]``), whose chunks are held (:meth:`reserve`)."""
+        num_pages = pages.shape[-1]
+        column = torch.arange(num_pages, device=rows.device)
+        chunk = self.flat_chunk_tables[rows.view(-1, 1), column // self.chunk_pages].to(torch.int64)
+        self.chunks.view(-1)[chunk * self.chunk_pages + column % self.chunk_pages] = pages.to(torch.int32)
 
     def heads_lookup_host(self, slots: np.ndarray, columns: np.ndarray) -> np.ndarray:
         """Page ids at column ``columns[s, l, h]`` of every head of sequence slots

@@ -103,9 +103,12 @@ class PerHeadPagedCache:
         max_pages_per_head: int,
         device: torch.device | str = "cpu",
         ops: KernelOps | None = None,
+        max_shared_pages_per_head: int = 0,
     ) -> None:
         """``ops``: the engine's resolved ops, whose ``fill_page_tables`` :meth:`append`
-        uses (None: the backend selected at each call)."""
+        uses (None: the backend selected at each call). ``max_shared_pages_per_head``:
+        the longest prefix of cached page groups a head may adopt
+        (:meth:`reserve_prefix`; 0 without prefix caching)."""
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.block_size = block_size
@@ -115,7 +118,8 @@ class PerHeadPagedCache:
         self.ops = ops
         self.allocator = PageAllocator(num_pages, self.device)
         self.tables = ChunkedPageTables(
-            num_pages, max_seqs, num_layers, num_kv_heads, max_pages_per_head, self.device
+            num_pages, max_seqs, num_layers, num_kv_heads, max_pages_per_head, self.device,
+            shared_pages_per_head=max_shared_pages_per_head,
         )
         self.head_lens = torch.zeros(
             (max_seqs, num_layers, num_kv_heads), dtype=torch.int64, device=self.device
@@ -139,7 +143,7 @@ class PerHeadPagedCache:
     @staticmethod
     def metadata_bytes(
         num_pages: int, num_layers: int, num_kv_heads: int, block_size: int, max_seqs: int,
-        max_pages_per_head: int,
+        max_pages_per_head: int, max_shared_pages_per_head: int = 0,
     ) -> int:
         """Bytes of the tensors a cache of these dimensions allocates: the two-level page
         tables (:meth:`ChunkedPageTables.nbytes_for`), head lengths (int64 per sequence
@@ -147,7 +151,9 @@ class PerHeadPagedCache:
         allocator's free stack (int64 per page) and the page shares (int32 per page). The
         engine takes them out of the KV memory budget."""
         heads = max_seqs * num_layers * num_kv_heads
-        tables = ChunkedPageTables.nbytes_for(num_pages, max_seqs, num_layers, num_kv_heads, max_pages_per_head)
+        tables = ChunkedPageTables.nbytes_for(
+            num_pages, max_seqs, num_layers, num_kv_heads, max_pages_per_head, max_shared_pages_per_head
+        )
         return tables + heads * 8 + num_pages * (block_size * (4 + 4) + 8 + 4)
 
     def kv_pool(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> KVPool:
@@ -251,6 +257,39 @@ class PerHeadPagedCache:
         self.head_lens[dst_slot] = kvs
         if self.host is not None:
             self.host.refresh_last_pages(self, np.array([dst_slot]))
+
+    def _head_rows(self, slot: int) -> torch.Tensor:
+        heads = self.num_layers * self.num_kv_heads
+        return slot * heads + torch.arange(heads, device=self.device)
+
+    def reserve_prefix(self, slot: int, num_pages: int) -> None:
+        """Make the empty sequence slot ``slot`` start with ``num_pages`` pages per head
+        (``num_pages * block_size`` KVs) whose page ids :meth:`fill_prefix` writes later,
+        before anything reads them; appends go after them meanwhile. A prefix-cache hit
+        reserves, the step's appends run, then the hit's page groups are filled in (a
+        group may be one this very step's appends created)."""
+        if num_pages <= 0:
+            return
+        self._check_pages_per_head(num_pages)
+        if int(self.head_lens[slot].max()) != 0:
+            raise ValueError(f"reserve_prefix: sequence slot {slot} is not empty")
+        self.tables.reserve(self._head_rows(slot), num_pages)
+        self.head_lens[slot] = num_pages * self.block_size
+
+    def fill_prefix(self, slot: int, pages: torch.Tensor) -> None:
+        """Point the first ``n`` columns of every head of ``slot`` (reserved by
+        :meth:`reserve_prefix`) at ``pages`` (``[n, L, H]`` page ids: full, uncompressed
+        blocks of the same tokens), one more holder each."""
+        num_pages = pages.shape[0]
+        if num_pages <= 0:
+            return
+        if int(self.head_lens[slot].min()) < num_pages * self.block_size:
+            raise ValueError(f"fill_prefix: slot {slot} reserved fewer than {num_pages} pages")
+        columns = pages.to(self.device).reshape(num_pages, -1).T  # [L*H, n]
+        self.tables.write_columns(self._head_rows(slot), columns)
+        add_references(columns, self.page_shares)
+        if self.host is not None:
+            self.host.refresh_last_pages(self, np.array([slot]))
 
     def append(
         self,
