@@ -180,6 +180,17 @@ class CompressionPlanner:
     def budget(self, request: PlannableRequest) -> RequestBudget:
         return self.state(request).compression.budget
 
+    def share_prefix(self, request: PlannableRequest, tokens: int) -> None:
+        """The request's first ``tokens`` tokens are prefix-cache page groups, kept whole
+        by its compressions (set at each admission)."""
+        planned = self.state(request)
+        budget = planned.compression.budget
+        if budget.shared_prefix_tokens != tokens:
+            planned.compression = dataclasses.replace(
+                planned.compression,
+                budget=dataclasses.replace(budget, shared_prefix_tokens=tokens),
+            )
+
     # ------------------------------------------------------------------ decisions
 
     def begin_step(self) -> None:

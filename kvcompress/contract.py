@@ -68,6 +68,34 @@ class CompressionOrder:
         return self.evict_pages_by_rank[rank]
 
 
+@dataclass(frozen=True)
+class CachedBlocks:
+    """vLLM's prefix cache took blocks of a request this step: columns
+    ``first_column ..`` of its heads become the page groups of ``block_ids``."""
+
+    request_id: str
+    first_column: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass
+class PrefixCacheStep:
+    """What vLLM's prefix cache did since the last step (prefix caching on).
+
+    Attributes:
+        hits: admitted request -> the cached blocks it starts with (vLLM block ids, in
+            column order): its first columns point at their page groups.
+        cached: blocks the cache took this step, in the order vLLM cached them.
+        uncached: blocks whose hashes vLLM evicted since the last step (idle: no
+            request holds them): the cache lets go of their page groups. Applied
+            before ``cached`` (vLLM may reuse a block id at once).
+    """
+
+    hits: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    cached: list[CachedBlocks] = field(default_factory=list)
+    uncached: list[int] = field(default_factory=list)
+
+
 @dataclass
 class StepCompression:
     """Scheduler -> worker, once per step.
@@ -78,11 +106,13 @@ class StepCompression:
         orders: requests to compress before this step's forward -> their order.
         report_pages_held: the worker reports every live request's pages this step
             (``WorkerReport.pages_held``); free pages are reported every step.
+        prefix_cache: the prefix cache's changes (None: prefix caching off).
     """
 
     admitted: dict[str, RequestCompression] = field(default_factory=dict)
     orders: dict[str, CompressionOrder] = field(default_factory=dict)
     report_pages_held: bool = True
+    prefix_cache: PrefixCacheStep | None = None
 
 
 @dataclass
@@ -113,8 +143,9 @@ class WorkerReport:
 
     Attributes:
         free_pages: pages on the worker's free-page stack.
-        pages_held: request id -> pages its heads hold, for every live request; None
-            on steps whose ``StepCompression.report_pages_held`` was False.
+        pages_held: request id -> pages its heads hold past their prefix-cache page
+            groups, for every live request; None on steps whose
+            ``StepCompression.report_pages_held`` was False.
         head_lens: request id -> ``[layers, kv_heads]`` int64 KVs per head, for the
             requests compressed this step (the scheduler adopts them).
         compressions: the step's batched compressions, one per policy (metrics).

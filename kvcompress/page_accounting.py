@@ -13,6 +13,12 @@ rank r holding heads ``[r*H_r, (r+1)*H_r)`` of every layer in its own pool of
 rank (``pages_held_per_row[:, r]``, ``free_pages[r]``) and a request fits only when
 every rank has the pages its heads there need (:meth:`shortfall`). With T = 1 every
 per-rank array has one column and the counts are those of the single pool.
+
+With prefix caching a cached token block is a *page group*: its ``L x H`` pages (``L x
+H_r`` on each rank) belong to the prefix cache, counted once (:meth:`cache_groups`)
+however many requests hold it; a request's first ``shared_blocks`` token blocks are
+such groups (hits, or its own blocks the cache took) and only its pages past them
+are its own.
 """
 
 from __future__ import annotations
@@ -65,6 +71,8 @@ class PageAccounting:
         self.pages_held_per_row = np.zeros((max_requests, num_ranks), np.int64)
         self.room = np.zeros(max_requests, np.int64)
         self.pending = np.zeros(max_requests, bool)
+        self.shared_blocks = np.zeros(max_requests, np.int64)
+        self.cached_groups = 0
         self._row_of: dict[str, int] = {}
         self._free_rows = list(range(max_requests - 1, -1, -1))
         # request id -> logical_len + room (absent while pending): the fast path's bound.
@@ -119,10 +127,17 @@ class PageAccounting:
         )
         self.room = np.concatenate([self.room, np.zeros(old, np.int64)])
         self.pending = np.concatenate([self.pending, np.zeros(old, bool)])
+        self.shared_blocks = np.concatenate([self.shared_blocks, np.zeros(old, np.int64)])
         self._free_rows.extend(range(2 * old - 1, old - 1, -1))
 
     def _pages(self, lens: np.ndarray) -> np.ndarray:
         return (lens + self.block_size - 1) // self.block_size
+
+    def _held(self, lens: np.ndarray, shared: np.ndarray | int) -> np.ndarray:
+        """``[..., T]`` pages of heads ``lens`` (``[..., L, H]``) past their first
+        ``shared`` (``[...]``) pages, which are prefix-cache page groups."""
+        shared = np.asarray(shared, np.int64)[..., None, None]
+        return self._per_rank(np.maximum(self._pages(lens) - shared, 0))
 
     def _room(self, lens: np.ndarray) -> int:
         """Tokens every head of ``lens`` can take before one of them needs a page."""
@@ -196,7 +211,7 @@ class PageAccounting:
             return np.zeros(self.num_ranks, np.int64)
         if self.pending[row]:
             return self._pending_growth_bound(growth)
-        new_pages = self._per_rank(self._pages(self.head_lens[row] + growth))
+        new_pages = self._held(self.head_lens[row] + growth, self.shared_blocks[row])
         return new_pages - self.pages_held_per_row[row]
 
     def shortfall(self, request_id: str, target_tokens: int, reserve_per_rank: int = 0) -> int:
@@ -229,7 +244,7 @@ class PageAccounting:
         if self.pending[row]:
             held = self.pages_held_per_row[row] + self._pending_growth_bound(growth)
         else:
-            held = self._per_rank(self._pages(new_lens))
+            held = self._held(new_lens, self.shared_blocks[row])
         taken = held - self.pages_held_per_row[row]
         if (taken > self.free_pages).any():
             if is_new:  # refused before it held anything: no row
@@ -276,7 +291,7 @@ class PageAccounting:
         row = self._row_of.get(request_id)
         if row is None:
             return 0
-        held = self._per_rank(self._pages(np.asarray(head_lens, np.int64)))
+        held = self._held(np.asarray(head_lens, np.int64), self.shared_blocks[row])
         surplus = self.pages_held_per_row[row] - held
         self.head_lens[row] = head_lens
         self.pages_held_per_row[row] = held
@@ -297,7 +312,7 @@ class PageAccounting:
         row = self._row_of[request_id]
         if np.any(head_lens > self.head_lens[row]):
             raise ValueError("set_head_lens can only shrink heads")
-        held = self._per_rank(self._pages(head_lens))
+        held = self._held(head_lens, self.shared_blocks[row])
         freed = self.pages_held_per_row[row] - held
         self.head_lens[row] = head_lens
         self.pages_held_per_row[row] = held
@@ -323,9 +338,41 @@ class PageAccounting:
         self.pages_held_per_row[row] = 0
         self.room[row] = 0
         self.pending[row] = False
+        self.shared_blocks[row] = 0
         self._free_rows.append(row)
         self.free_pages += freed
         return freed
+
+    def share_blocks(self, request_id: str, num_blocks: int) -> None:
+        """The request's first ``num_blocks`` token blocks are prefix-cache page groups
+        from now on (blocks it hit, or its own blocks the cache took): their pages stop
+        counting as the request's (never fewer than before)."""
+        self.sync()
+        row = self._row(request_id)
+        old = int(self.shared_blocks[row])
+        if num_blocks <= old:
+            return
+        pages = self._pages(self.head_lens[row])
+        moved = self._per_rank(np.clip(pages, old, num_blocks) - old)
+        self.shared_blocks[row] = num_blocks
+        self.pages_held_per_row[row] -= moved
+        self.free_pages += moved
+
+    def shared_blocks_of(self, request_id: str) -> int:
+        row = self._row_of.get(request_id)
+        return 0 if row is None else int(self.shared_blocks[row])
+
+    def cache_groups(self, count: int) -> None:
+        """The prefix cache took ``count`` page groups (``L x H_r`` pages on each rank)."""
+        self.cached_groups += count
+        self.free_pages -= count * self.pages_per_token_block_per_rank
+
+    def uncache_groups(self, count: int) -> None:
+        """The prefix cache let go of ``count`` page groups nobody else holds."""
+        if count > self.cached_groups:
+            raise RuntimeError(f"uncaching {count} page groups, {self.cached_groups} cached")
+        self.cached_groups -= count
+        self.free_pages += count * self.pages_per_token_block_per_rank
 
     def request_ids(self) -> list[str]:
         return list(self._row_of)
@@ -347,7 +394,7 @@ class PageAccounting:
             if self.capacity.get(request_id) != expected:
                 raise AssertionError(f"capacity of {request_id} drifted from its room")
         rows = np.fromiter(self._row_of.values(), np.int64, len(self._row_of))
-        recount = self._per_rank(self._pages(self.head_lens[rows]))  # [rows, T]
+        recount = self._held(self.head_lens[rows], self.shared_blocks[rows])  # [rows, T]
         exact = ~self.pending[rows]
         if not np.array_equal(recount[exact], self.pages_held_per_row[rows][exact]):
             raise AssertionError("per-request page counts drifted from head lengths")
@@ -356,8 +403,9 @@ class PageAccounting:
         if not np.array_equal(np.where(exact, room, 0), self.room[rows]):
             raise AssertionError("per-request room drifted from head lengths")
         held = self.pages_held_per_row[rows].sum(axis=0)
-        if not np.array_equal(self.num_pages - held, self.free_pages):
+        cached = self.cached_groups * self.pages_per_token_block_per_rank
+        if not np.array_equal(self.num_pages - held - cached, self.free_pages):
             raise AssertionError(
                 f"free pages {self.free_pages.tolist()} != pool {self.num_pages} - held "
-                f"{held.tolist()} (per rank)"
+                f"{held.tolist()} (per rank) - {cached} in cached page groups"
             )

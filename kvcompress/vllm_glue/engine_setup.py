@@ -116,10 +116,13 @@ def prepare_engine_args(engine_args: Any, platform: Any = None) -> KVCompressCon
             )
         settings = settings.model_copy(update={"block_size": chosen})
     flag = FLAGS["enabled"]
-    if engine_args.enable_prefix_caching:
+    # Prefix caching only when asked for (stock vLLM's default is on): cached blocks
+    # are kept uncompressed, which a plain compression server does not want by default.
+    prefix_caching = bool(engine_args.enable_prefix_caching)
+    if settings.shared_prefix_tokens and not prefix_caching:
         raise KVCompressConfigError(
-            f"--enable-prefix-caching cannot be combined with {flag}: compressed "
-            "per-head pages are not addressable by token hashes (leave prefix caching off)"
+            f"{FLAGS['shared_prefix_tokens']} {settings.shared_prefix_tokens} needs "
+            "--enable-prefix-caching (it says how much of a prompt to cache)"
         )
     if engine_args.speculative_config:
         raise KVCompressConfigError(f"speculative decoding cannot be combined with {flag}")
@@ -145,7 +148,7 @@ def prepare_engine_args(engine_args: Any, platform: Any = None) -> KVCompressCon
         raise KVCompressConfigError(
             f"--worker-cls {engine_args.worker_cls} cannot be combined with {flag}"
         )
-    engine_args.enable_prefix_caching = False
+    engine_args.enable_prefix_caching = prefix_caching
     engine_args.block_size = settings.block_size
     engine_args.scheduler_cls = SCHEDULER_CLS
     engine_args.worker_cls = worker_cls

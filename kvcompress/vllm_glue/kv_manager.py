@@ -26,6 +26,7 @@ class _AllocateArgs(NamedTuple):
 
     num_new_tokens: int
     num_new_computed_tokens: int
+    new_computed_blocks: object
     num_lookahead_tokens: int
     num_external_computed_tokens: int
     full_sequence_must_fit: bool
@@ -42,7 +43,7 @@ def _allocate_args(
     # Binds like vLLM's signature (checked at import) at Python call speed; inspect's
     # Signature.bind cost tens of microseconds per call, twice per request per step.
     return _AllocateArgs(
-        num_new_tokens, num_new_computed_tokens, num_lookahead_tokens,
+        num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
         num_external_computed_tokens, full_sequence_must_fit, reserved_blocks, has_scheduled_reqs,
     )
 
@@ -74,6 +75,7 @@ class PerHeadKVCacheManager:
         watermark_pages: int,
         relieve=None,
         on_release=None,
+        prefix_cache=None,
     ) -> None:
         self._inner = inner
         self._inner_allocate = inner.allocate_slots
@@ -86,6 +88,9 @@ class PerHeadKVCacheManager:
         # on_release(request_id, pages) hears of every request whose pages go back
         # (``[num_ranks]`` pages per rank's pool).
         self.on_release = on_release
+        # PrefixCacheGlue with --enable-prefix-caching: idle cached page groups are
+        # evicted before any request is compressed or preempted for pages.
+        self.prefix_cache = prefix_cache
         self.scheduled_this_step: set[str] = set()
         self._refusal_logged = False
 
@@ -136,13 +141,18 @@ class PerHeadKVCacheManager:
         )
         # Pages left free on every rank (each TP rank's pool is its own resource).
         reserve = arg.reserved_blocks * accounting.pages_per_token_block_per_rank
-        if arg.has_scheduled_reqs and request.status.name in ("WAITING", "PREEMPTED"):
+        admitting = request.status.name in ("WAITING", "PREEMPTED")
+        if arg.has_scheduled_reqs and admitting:
             reserve += self.watermark_pages
+        prefix_cache = self.prefix_cache
+        if prefix_cache is not None and admitting:
+            # Hit blocks are the cache's page groups: only the rest is counted.
+            prefix_cache.admit(request, arg.new_computed_blocks, arg.num_new_computed_tokens)
         if arg.full_sequence_must_fit:
             full_tokens = max(min(request.num_tokens, self.max_model_len), target_tokens)
-            if accounting.shortfall(request_id, full_tokens, reserve) > 0:
+            if self._shortfall(request_id, full_tokens, reserve) > 0:
                 return None
-        short = accounting.shortfall(request_id, target_tokens, reserve)
+        short = self._shortfall(request_id, target_tokens, reserve)
         if short > 0 and self.relieve is not None and request.status.name == "RUNNING":
             self.relieve(request, short)
             short = accounting.shortfall(request_id, target_tokens, reserve)
@@ -154,6 +164,14 @@ class PerHeadKVCacheManager:
         accounting.grow(request_id, target_tokens)
         self.scheduled_this_step.add(request_id)
         return blocks
+
+    def _shortfall(self, request_id: str, target_tokens: int, reserve: int) -> int:
+        """``PageAccounting.shortfall`` after evicting idle cached page groups for it."""
+        short = self.accounting.shortfall(request_id, target_tokens, reserve)
+        if short > 0 and self.prefix_cache is not None:
+            if self.prefix_cache.reclaim(short, keep=self.prefix_cache.protected_hits(request_id)):
+                short = self.accounting.shortfall(request_id, target_tokens, reserve)
+        return short
 
     def _refused(self, request) -> None:
         """vLLM's logical block pool refused a request the pages allow: the running
@@ -170,6 +188,8 @@ class PerHeadKVCacheManager:
 
     def _release(self, request_id: str) -> None:
         pages = self.accounting.release_by_rank(request_id)
+        if self.prefix_cache is not None:
+            self.prefix_cache.on_freed(request_id)
         if self.on_release is not None:
             self.on_release(request_id, pages)
 

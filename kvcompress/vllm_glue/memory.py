@@ -37,6 +37,8 @@ class PerHeadLayout:
             padding rows' empty one).
         max_model_len: the longest sequence (sizes each head's page table).
         max_rows: rows of the decode buffers (max_num_seqs or the largest CUDA graph).
+        prefix_caching: prefix-cache hits copy page ids of shared prefixes into each
+            holder's tables (``max_shared_pages_per_head``).
     """
 
     num_layers: int
@@ -47,6 +49,7 @@ class PerHeadLayout:
     max_num_seqs: int
     max_model_len: int
     max_rows: int
+    prefix_caching: bool = False
 
     @classmethod
     def from_vllm_config(cls, vllm_config) -> "PerHeadLayout":
@@ -62,6 +65,7 @@ class PerHeadLayout:
             max_num_seqs=max_num_seqs,
             max_model_len=model.max_model_len,
             max_rows=max(max_num_seqs, capture),
+            prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
         )
 
     @property
@@ -77,11 +81,20 @@ class PerHeadLayout:
     def max_pages_per_head(self) -> int:
         return -(-self.max_model_len // self.block_size)
 
-    def metadata_bytes(self, num_pages: int) -> int:
+    def max_shared_pages_per_head(self, kv_bytes: int) -> int:
+        """The longest shared prefix a head can adopt (pages) in ``kv_bytes`` of KV
+        memory: every token block of the pool, at most a whole sequence; 0 without
+        prefix caching. The page tables have room for every sequence slot's copy."""
+        if not self.prefix_caching:
+            return 0
+        blocks = kv_bytes // (self.page_bytes * self.num_layers * self.num_kv_heads)
+        return min(self.max_pages_per_head, blocks)
+
+    def metadata_bytes(self, num_pages: int, shared_pages_per_head: int = 0) -> int:
         """Everything but the pages, for a pool of ``num_pages`` allocatable pages."""
         cache = PerHeadPagedCache.metadata_bytes(
             num_pages, self.num_layers, self.num_kv_heads, self.block_size, self.max_seqs,
-            self.max_pages_per_head,
+            self.max_pages_per_head, shared_pages_per_head,
         )
         buffers = DecodeBuffers.nbytes_for(self.num_layers, self.num_kv_heads, self.max_rows, self.max_seqs)
         return cache + buffers
@@ -90,10 +103,11 @@ class PerHeadLayout:
         """Of ``available`` bytes of KV memory, what may go to pages so that the pages'
         own metadata fits in the rest; raises naming the flags when the fixed part (the
         page tables) does not fit at all."""
-        fixed = self.metadata_bytes(0)
+        shared = self.max_shared_pages_per_head(available)
+        fixed = self.metadata_bytes(0, shared)
         # Linear but for whole chunks of page ids: the slope over one chunk bounds it.
         span = chunk_pages_for(self.max_pages_per_head)
-        per_page = -(-(self.metadata_bytes(span) - fixed) // span)
+        per_page = -(-(self.metadata_bytes(span, shared) - fixed) // span)
         room = available - fixed
         # At least one page per (layer, KV head) and the scratch page.
         least = (self.num_layers * self.num_kv_heads + 1) * (self.page_bytes + per_page)

@@ -34,6 +34,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 
 from kvcompress.config import KVCompressConfig
 from kvcompress.contract import (
+    PrefixCacheStep,
     CompressionOrder,
     CompressionRecord,
     RequestCompression,
@@ -42,6 +43,7 @@ from kvcompress.contract import (
 from kvcompress.ops import PerHeadPagedCache, compress_sequences
 from kvcompress.ops import cpu_attention
 from kvcompress.ops.dispatch import resolve_ops
+from kvcompress.ops.prefix_groups import PrefixGroups
 from kvcompress.vllm_glue.step import (
     DecodeBuffers,
     MetricQueries,
@@ -77,6 +79,7 @@ class WorkerRequest:
 
     compression: RequestCompression
     seq_slot: int | None = None
+    prefix_hits: tuple[int, ...] = ()
 
 
 @dataclass
@@ -172,6 +175,10 @@ class PerHeadRunnerMixin:
         max_pages_per_head = -(-max_model_len // block_size)
         # Kernels chosen once for the engine's life (CUDA extension > Triton > reference).
         ops = resolve_ops(pool.device)
+        prefix_caching = bool(self.vllm_config.cache_config.enable_prefix_caching)
+        shared_pages = 0
+        if prefix_caching:  # within what PerHeadLayout reserved for the tables
+            shared_pages = min(max_pages_per_head, num_pages // (num_layers * num_kv_heads))
         cache = PerHeadPagedCache(
             num_pages=num_pages,
             num_layers=num_layers,
@@ -181,8 +188,14 @@ class PerHeadRunnerMixin:
             max_pages_per_head=max_pages_per_head,
             device=pool.device,
             ops=ops,
+            max_shared_pages_per_head=shared_pages,
         )
         pad_slot = cache.new_sequence()
+        # Page groups of the blocks vLLM's prefix cache holds (None: prefix caching off).
+        self.kvc_prefix_groups = PrefixGroups(cache) if prefix_caching else None
+        self.kvc_prefix_step: PrefixCacheStep | None = None
+        # Hit requests of this step: (sequence slot, hit block ids), filled after appends.
+        self.kvc_prefix_fills: list[tuple[int, tuple[int, ...]]] = []
         self.kvc_cache = cache
         self.kvc_settings = KVCompressConfig.from_additional_config(
             self.vllm_config.additional_config
@@ -195,6 +208,8 @@ class PerHeadRunnerMixin:
         self.kvc_logical_lens = np.zeros(cache.max_seqs, dtype=np.int64)
         self.kvc_slot_prompt_lens = np.zeros(cache.max_seqs, dtype=np.int64)
         self.kvc_slot_compresses = np.zeros(cache.max_seqs, dtype=bool)
+        # Leading pages per head of each slot that are prefix-cache page groups.
+        self.kvc_slot_shared_pages = np.zeros(cache.max_seqs, dtype=np.int64)
         # The running batch's rows while its composition holds (None: rebuild).
         self.kvc_rows: BatchRows | None = None
         # request id -> sequence slot of every request holding pages (the report's keys).
@@ -253,6 +268,7 @@ class PerHeadRunnerMixin:
         for request_id in gone:
             self.kvc_live_slots.pop(request_id, None)
         if slots:
+            self.kvc_slot_shared_pages[slots] = 0
             self.kvc_cache.release(torch.tensor(slots, dtype=torch.int64))
 
     def _update_states(self, scheduler_output):
@@ -264,8 +280,13 @@ class PerHeadRunnerMixin:
             gone |= set(getattr(scheduler_output, "preempted_req_ids", None) or ())
             gone |= set(scheduler_output.scheduled_cached_reqs.resumed_req_ids or ())
             self._kvc_release(gone)
+            prefix_step = self.kvc_prefix_step = step.prefix_cache
+            if prefix_step is not None:
+                # Before this step's cached blocks: vLLM may reuse an evicted block id.
+                self.kvc_prefix_groups.drop(prefix_step.uncached)
             for request_id, compression in step.admitted.items():
-                self.kvc_requests[request_id] = WorkerRequest(compression)
+                hits = () if prefix_step is None else prefix_step.hits.get(request_id, ())
+                self.kvc_requests[request_id] = WorkerRequest(compression, prefix_hits=hits)
             if gone or step.admitted:
                 self.kvc_rows = None  # slots changed hands
             self.kvc_report = None
@@ -309,7 +330,7 @@ class PerHeadRunnerMixin:
                 self._kvc_column([orders[r].evict_pages_on(rank) for r in group]),
                 self._kvc_column([orders[r].context_len for r in group]),
                 self._kvc_column([orders[r].compression.budget.protected_window for r in group]),
-                self._kvc_column([orders[r].compression.budget.sink_tokens for r in group]),
+                self._kvc_column([orders[r].compression.budget.protected_prefix for r in group]),
                 block_cost=self.kvc_settings.block_cost,
                 policy=policy,
                 generator=self._kvc_random(),
@@ -360,8 +381,14 @@ class PerHeadRunnerMixin:
         cache = self.kvc_cache
         live = self.kvc_live_slots
         held = None
-        if with_pages_held:
-            held = dict(zip(live, cache.pages_held_per_sequence(list(live.values())))) if live else {}
+        if with_pages_held and live:
+            slots = list(live.values())
+            pages = np.asarray(cache.pages_held_per_sequence(slots), np.int64)
+            # Pages of prefix-cache groups are the cache's, not the request's.
+            pages -= self.kvc_slot_shared_pages[slots] * cache.num_layers * cache.num_kv_heads
+            held = dict(zip(live, pages.tolist()))
+        elif with_pages_held:
+            held = {}
         report = WorkerReport(
             free_pages=cache.allocator.num_free,
             pages_held=held,
@@ -417,6 +444,8 @@ class PerHeadRunnerMixin:
             positions = np.repeat(computed - query_start[:-1], num_new) + np.arange(query_start[-1])
             positions_t = torch.from_numpy(positions).to(device)
             plan = cache.append(rows.seq_slots, torch.from_numpy(num_new).to(device), positions_t)
+        if self.kvc_prefix_step is not None:
+            self._kvc_apply_prefix_cache(self.kvc_prefix_step)
         seq_slots = rows.seq_slots
         if rows.decode_only(computed, num_new):
             self._kvc_plan_decode_step(rows, computed, positions_t, plan, query_start)
@@ -435,6 +464,21 @@ class PerHeadRunnerMixin:
                 metrics=self._kvc_metric_queries(req_ids, computed, num_new, query_start),
             )
         )
+
+    def _kvc_apply_prefix_cache(self, step: PrefixCacheStep) -> None:
+        """After this step's appends: the cache takes the blocks vLLM cached (their
+        pages exist now), then this step's hits point at their groups (one may be a
+        group just taken)."""
+        groups, requests = self.kvc_prefix_groups, self.kvc_requests
+        shared = self.kvc_slot_shared_pages
+        for record in step.cached:
+            slot = requests[record.request_id].seq_slot
+            groups.register(slot, record.first_column, list(record.block_ids))
+            shared[slot] = max(shared[slot], record.first_column + len(record.block_ids))
+        for slot, hits in self.kvc_prefix_fills:
+            self.kvc_cache.fill_prefix(slot, groups.pages_of(list(hits)))
+        self.kvc_prefix_fills = []
+        self.kvc_prefix_step = None
 
     def _kvc_batch_rows(self, req_ids, computed: np.ndarray, num_new: np.ndarray) -> BatchRows:
         """This step's rows (rebuilt when the batch's requests or their order changed),
@@ -474,13 +518,19 @@ class PerHeadRunnerMixin:
                 "sent how it is compressed (StepCompression.admitted)"
             )
         if request.seq_slot is None:
-            if computed != 0:
+            hit_tokens = len(request.prefix_hits) * self.kvc_cache.block_size
+            if computed != hit_tokens:
                 raise RuntimeError(
                     f"kvcompress: request {request_id} starts with {computed} computed "
-                    "tokens but holds no pages (prefix caching must be off)"
+                    f"tokens but {hit_tokens} tokens of prefix-cache hits"
                 )
             slot = request.seq_slot = self.kvc_cache.new_sequence()
-            self.kvc_logical_lens[slot] = 0
+            if request.prefix_hits:
+                # Reserved now (appends go after them), filled after the appends.
+                self.kvc_cache.reserve_prefix(slot, len(request.prefix_hits))
+                self.kvc_prefix_fills.append((slot, request.prefix_hits))
+                self.kvc_slot_shared_pages[slot] = len(request.prefix_hits)
+            self.kvc_logical_lens[slot] = computed
             self.kvc_slot_prompt_lens[slot] = self.requests[request_id].num_prompt_tokens
             self.kvc_slot_compresses[slot] = request.compression.compresses
             self.kvc_live_slots[request_id] = slot

@@ -24,6 +24,7 @@ from kvcompress.vllm_glue.kv_layout import pages_in_pool
 from kvcompress.vllm_glue.kv_manager import PerHeadKVCacheManager, logical_block_count
 from kvcompress.vllm_glue.metrics import with_kvcompress_stats
 from kvcompress.vllm_glue.outputs import report_of, with_step_compression
+from kvcompress.vllm_glue.prefix_cache import PrefixCacheGlue
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -58,6 +59,11 @@ class KVCompressScheduler(Scheduler):
         self.planner = CompressionPlanner(settings, accounting)
         if self.log_stats:  # vLLM takes stats every step (make_stats): count for them
             self.planner.enable_metrics()
+        self.prefix_cache: PrefixCacheGlue | None = None
+        if self.cache_config.enable_prefix_caching:
+            self.prefix_cache = PrefixCacheGlue(
+                self.kv_cache_manager.block_pool, accounting, block_size, self.planner
+            )
         self.kv_cache_manager = PerHeadKVCacheManager(
             self.kv_cache_manager,
             accounting,
@@ -65,6 +71,7 @@ class KVCompressScheduler(Scheduler):
             watermark_pages=int(self.scheduler_config.watermark * num_pages),
             relieve=self._relieve if settings.enabled else None,
             on_release=self.planner.on_released,
+            prefix_cache=self.prefix_cache,
         )
         logger.info(
             "kvcompress scheduler: %d pages per rank x %d TP rank(s) (%d layers x %d KV "
@@ -95,6 +102,18 @@ class KVCompressScheduler(Scheduler):
         admitted_ids = [new.req_id for new in output.scheduled_new_reqs]
         admitted_ids += list(output.scheduled_cached_reqs.resumed_req_ids or ())
         planner = self.planner
+        prefix_cache = self.prefix_cache
+        prefix_step = None
+        if prefix_cache is not None:
+            for request_id in admitted_ids:
+                request = self.requests[request_id]
+                planner.share_prefix(request, prefix_cache.shared_prefix_tokens(request))
+            prefix_step = prefix_cache.take_step()
+            prefix_step.hits = {
+                request_id: prefix_cache.hits[request_id]
+                for request_id in admitted_ids
+                if prefix_cache.hits.get(request_id)
+            }
         return StepCompression(
             admitted={
                 request_id: planner.state(self.requests[request_id]).compression
@@ -102,6 +121,7 @@ class KVCompressScheduler(Scheduler):
             },
             orders=planner.take_orders(),
             report_pages_held=planner.report_pages_held(),
+            prefix_cache=prefix_step,
         )
 
     def update_from_output(self, scheduler_output, model_runner_output):
