@@ -347,11 +347,11 @@ class PageAccounting:
         """The request's first ``num_blocks`` token blocks are prefix-cache page groups
         from now on (blocks it hit, or its own blocks the cache took): their pages stop
         counting as the request's (never fewer than before)."""
+        if num_blocks <= self.shared_blocks_of(request_id):
+            return
         self.sync()
         row = self._row(request_id)
         old = int(self.shared_blocks[row])
-        if num_blocks <= old:
-            return
         pages = self._pages(self.head_lens[row])
         moved = self._per_rank(np.clip(pages, old, num_blocks) - old)
         self.shared_blocks[row] = num_blocks

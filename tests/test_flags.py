@@ -99,9 +99,15 @@ def test_bad_rate_fails_in_engine_args(tmp_path):
         _engine_config(_write_config(tmp_path), **_kvc(rate=0))
 
 
-def test_prefix_caching_with_compression_is_refused(tmp_path):
-    with pytest.raises(KVCompressConfigError, match="--enable-prefix-caching"):
-        _engine_config(_write_config(tmp_path), enable_prefix_caching=True, **_kvc(rate=4))
+def test_prefix_caching_is_opt_in_with_compression(tmp_path):
+    """Stock vLLM turns prefix caching on by default; with kvcompress it is on only when
+    asked for, and the shared-prefix flag without it names both flags."""
+    model = _write_config(tmp_path)
+    assert _engine_config(model, **_kvc(rate=4)).cache_config.enable_prefix_caching is False
+    config = _engine_config(model, enable_prefix_caching=True, **_kvc(rate=4))
+    assert config.cache_config.enable_prefix_caching is True
+    with pytest.raises(KVCompressConfigError, match="--kv-compress-shared-prefix-tokens 256 needs --enable-prefix-caching"):
+        _engine_config(model, **_kvc(rate=4, shared_prefix_tokens=256))
 
 
 def test_cpu_worker_binding_gives_each_worker_its_cores():

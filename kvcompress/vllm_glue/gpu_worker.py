@@ -51,3 +51,6 @@ class KVCompressGPUWorker(WorkerProcessGuard, PerHeadMemoryBudget, Worker):
 
     def kvcompress_head_lens(self) -> dict[str, list]:
         return self.model_runner.kvcompress_head_lens()
+
+    def kvcompress_page_dump(self) -> dict:
+        return self.model_runner.kvcompress_page_dump()

@@ -128,6 +128,14 @@ class PerHeadKVCacheManager:
 
     def _allocate_counted(self, request, *args, **kwargs):
         """``allocate_slots`` when pages may be needed: counted, reserved, relieved."""
+        blocks = self._allocate_counted_or_none(request, *args, **kwargs)
+        if blocks is None and self.prefix_cache is not None:
+            request_id = request.request_id
+            if self.accounting.logical_len(request_id) == 0:
+                self.accounting.release(request_id)  # refused before it held a page: no row
+        return blocks
+
+    def _allocate_counted_or_none(self, request, *args, **kwargs):
         arg = _allocate_args(request, *args, **kwargs)
         accounting = self.accounting
         request_id = request.request_id

@@ -41,6 +41,7 @@ from kvcompress.contract import (
     WorkerReport,
 )
 from kvcompress.ops import PerHeadPagedCache, compress_sequences
+from kvcompress.ops.paged_cache import pages_for
 from kvcompress.ops import cpu_attention
 from kvcompress.ops.dispatch import resolve_ops
 from kvcompress.ops.prefix_groups import PrefixGroups
@@ -673,6 +674,40 @@ class PerHeadRunnerMixin:
             return {}
         lens = self.kvc_cache.head_lens
         return {r: lens[slot].tolist() for r, slot in self.kvc_live_slots.items()}
+
+    def kvcompress_page_dump(self) -> dict:
+        """Every page reference the worker holds, for tests' brute-force recounts:
+        ``slots`` (request id -> ``[L*H]`` lists of the page ids its heads hold),
+        ``groups`` (cached block id -> ``[L*H]`` page ids), ``page_shares``, the
+        ``free`` page ids, and ``group_checksums`` (block id -> float64 sum of its
+        pages' K, V and slot positions)."""
+        cache = self.kvc_cache
+        if cache is None:
+            return {}
+        slots = {}
+        for request_id, slot in self.kvc_live_slots.items():
+            held = pages_for(cache.head_lens[slot], cache.block_size).reshape(-1)
+            table = cache.tables.gather(torch.tensor([slot]), cache.max_pages_per_head)[0]
+            table = table.reshape(held.numel(), -1)
+            slots[request_id] = [table[head, : int(held[head])].tolist() for head in range(held.numel())]
+        groups, checksums = {}, {}
+        pool = get_worker_state().pool
+        for block_id, pages in (self.kvc_prefix_groups.pages if self.kvc_prefix_groups else {}).items():
+            ids = pages.reshape(-1).to(torch.int64)
+            groups[block_id] = ids.tolist()
+            checksums[block_id] = float(
+                pool.key_cache[ids].double().sum() + pool.value_cache[ids].double().sum()
+                + cache.slot_positions[ids].double().sum()
+            )
+        allocator = cache.allocator
+        return {
+            "num_pages": cache.num_pages,
+            "slots": slots,
+            "groups": groups,
+            "group_checksums": checksums,
+            "page_shares": cache.page_shares.tolist(),
+            "free": allocator.free_stack[: allocator.num_free].tolist(),
+        }
 
     def kvcompress_pages_used(self) -> dict[str, int]:
         """Worker-side page counts (for tests and the consistency check)."""

@@ -47,6 +47,9 @@ class KVCompressCPUWorker(WorkerProcessGuard, PerHeadMemoryBudget, CPUWorker):
     def kvcompress_head_lens(self) -> dict[str, list]:
         return self.model_runner.kvcompress_head_lens()
 
+    def kvcompress_page_dump(self) -> dict:
+        return self.model_runner.kvcompress_page_dump()
+
     def kvcompress_process_info(self) -> dict[str, object]:
         """Where this worker runs: pid, the cores it may use, torch's thread count, and
         the Ray actor id when it is a Ray worker (None under the mp executor)."""
