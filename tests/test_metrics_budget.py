@@ -250,3 +250,31 @@ def test_request_fields_keep_their_parsing_and_name_the_first_bad_key():
         with pytest.raises(RequestFieldError, match=field) as error:
             request_budget(server, extra)
         assert error.value.field == field
+
+
+def test_a_shared_prefix_is_kept_whole_and_the_rate_applies_to_the_rest():
+    """Brute force over small cases: with a shared prefix S the protected tokens are
+    max(sinks, S) + window, and the rate budget counts only the L - S private tokens;
+    a prefix covering most of the context leaves nothing to evict."""
+    import dataclasses
+    import math
+
+    from kvcompress.budget import blocks_to_evict, keep_tokens, protected_tokens
+
+    base = request_budget(KVCompressConfig(enabled=True, rate=4, min_cache_tokens=16,
+                                           protected_window=8), None)
+    for context in (64, 100, 300):
+        for shared in (0, 32, 64, 96):
+            if shared > context:
+                continue
+            budget = dataclasses.replace(base, shared_prefix_tokens=shared)
+            protected = min(context, max(base.sink_tokens, shared) + 8)
+            expected = min(context, max(16, math.ceil((context - shared) / 4)) + protected)
+            assert keep_tokens(context, budget) == expected
+            assert protected_tokens(context, 8, budget.protected_prefix) == protected
+            lens = np.full((2, 2), context)
+            evict = blocks_to_evict(lens, context, budget, 16)
+            # Never past the shared prefix: what stays per head covers it.
+            assert context - evict * 16 // 4 >= min(context, shared)
+    nearly_all_shared = dataclasses.replace(base, shared_prefix_tokens=288)
+    assert blocks_to_evict(np.full((2, 2), 300), 300, nearly_all_shared, 16) == 0

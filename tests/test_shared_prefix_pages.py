@@ -188,3 +188,119 @@ def test_sharing_refuses_a_slot_in_use_or_a_too_short_source():
     empty = model.cache.new_sequence()
     with pytest.raises(ValueError, match="fewer than"):
         model.cache.share_prefix(empty, first, 3)
+
+
+class _GroupCacheModel(_SharedCacheModel):
+    """The same cache with vLLM's prefix cache on top: ``PrefixGroups`` takes a slot's
+    uncompressed leading pages as page groups of block ids (one reference each), a hit
+    reserves its prefix, appends its own tokens and then points at the groups (as the
+    model runner orders it), and the cache lets go of a chain's tail blocks."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(seed)
+        from kvcompress.ops.prefix_groups import PrefixGroups
+
+        self.groups = PrefixGroups(self.cache)
+        self.chain: dict[int, list[int]] = {}  # live slot -> block ids of its frozen prefix
+        self.chains: list[tuple[list[int], int]] = []  # cached chains (block ids, origin)
+        self.next_block = 1
+
+    def take(self, slot: int) -> None:
+        """The cache takes the slot's clean (uncompressed, full) pages past its chain."""
+        have = self.chain.get(slot, [])
+        if self.compressed(slot):
+            return
+        clean = min(int(self.cache.head_lens[slot].min()), self.tokens[slot]) // BLOCK
+        if clean <= len(have):
+            return
+        new = list(range(self.next_block, self.next_block + clean - len(have)))
+        self.next_block += len(new)
+        self.groups.register(slot, len(have), new)
+        self.chain[slot] = have + new
+        self.frozen[slot] = max(self.frozen[slot], clean)
+        self.chains.append((self.chain[slot], self.origin[slot]))
+
+    def hit(self, pages: int, own_tokens: int) -> int | None:
+        usable = [(ids, origin) for ids, origin in self.chains if ids and ids[0] in self.groups.pages]
+        if not usable or not self.cache._free_seq_slots:
+            return None
+        ids, origin = usable[int(self.rng.integers(len(usable)))]
+        alive = next((i for i, block in enumerate(ids) if block not in self.groups.pages), len(ids))
+        pages = min(pages, alive)
+        if pages_for(pages * BLOCK + own_tokens, BLOCK) > MAX_PAGES:
+            return None
+        dst = self.cache.new_sequence()
+        self.tokens[dst], self.frozen[dst], self.origin[dst] = pages * BLOCK, pages, origin
+        self.cache.reserve_prefix(dst, pages)
+        self.append(dst, own_tokens)
+        self.cache.fill_prefix(dst, self.groups.pages_of(ids[:pages]))
+        self.chain[dst] = ids[:pages]
+        return dst
+
+    def uncache_tail(self) -> None:
+        ids, _ = self.chains[int(self.rng.integers(len(self.chains)))]
+        cached = [block for block in ids if block in self.groups.pages]
+        self.groups.drop(cached[-int(self.rng.integers(1, 3)):] if cached else [])
+
+    def release(self, slot: int) -> None:
+        super().release(slot)
+        self.chain.pop(slot, None)
+
+    def check(self) -> None:
+        # Group references count like holders: fold them into the recount.
+        extra = Counter()
+        for pages in self.groups.pages.values():
+            extra.update(pages.reshape(-1).tolist())
+        cache = self.cache
+        free = cache.allocator.num_free
+        shares = cache.page_shares.clone()
+        for page, count in extra.items():
+            shares[page] -= count  # what the live slots alone would hold beyond one
+        referenced_by_slots = Counter()
+        for slot in self.tokens:
+            held = pages_for(cache.head_lens[slot], BLOCK)
+            flat = cache.page_tables_of(torch.tensor([slot]))[0]
+            for layer in range(LAYERS):
+                for head in range(HEADS):
+                    referenced_by_slots.update(flat[layer, head, : int(held[layer, head])].tolist())
+                    self._check_frozen(slot, layer, head, flat[layer, head])
+        references = referenced_by_slots + extra
+        assert free == NUM_PAGES - len(references)
+        free_ids = set(cache.allocator.free_stack[:free].tolist())
+        assert not free_ids & set(references)
+        assert all(int(cache.page_shares[p]) == references.get(p, 1) - 1 for p in range(NUM_PAGES))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_prefix_groups_keep_held_pages_through_random_interleavings(seed):
+    model = _GroupCacheModel(seed)
+    rng = model.rng
+    hits = 0
+    for _ in range(80):
+        live = list(model.tokens)
+        action = rng.choice(["new", "take", "hit", "append", "compress", "release", "uncache"],
+                            p=[.15, .2, .25, .1, .15, .1, .05])
+        if action == "new" or not live:
+            if model.cache._free_seq_slots and model.cache.allocator.num_free > 60:
+                model.new(int(rng.integers(1, 30)))
+        elif action == "take":
+            model.take(int(rng.choice(live)))
+        elif action == "hit" and model.cache.allocator.num_free > 40:
+            hits += model.hit(int(rng.integers(1, 6)), int(rng.integers(1, 9))) is not None
+        elif action == "append" and model.cache.allocator.num_free > 30:
+            model.append(int(rng.choice(live)), int(rng.integers(1, 9)))
+        elif action == "compress":
+            model.compress(int(rng.choice(live)), int(rng.integers(1, 4)))
+        elif action == "release":
+            model.release(int(rng.choice(live)))
+        elif action == "uncache" and model.chains:
+            model.uncache_tail()
+        model.check()
+    assert hits > 3
+    for slot in list(model.tokens):
+        model.release(slot)
+        model.check()
+    model.groups.drop(list(model.groups.pages))
+    model.check()
+    assert model.cache.allocator.num_free == NUM_PAGES
+    assert int(model.cache.page_shares.abs().sum()) == 0
