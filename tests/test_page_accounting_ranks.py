@@ -217,3 +217,87 @@ def _prefilled_request(request_id: str, prompt: int):
     from test_compression_planner import Req
 
     return Req(request_id, prompt, num_computed_tokens=prompt, output_tokens=1)
+
+
+def _private_pages(lens: np.ndarray, shared: int, ranks: int, block: int) -> np.ndarray:
+    """``[T]`` pages of heads ``lens`` past their first ``shared`` pages (loops)."""
+    layers, heads = lens.shape
+    out = np.zeros(ranks, np.int64)
+    for layer in range(layers):
+        for head in range(heads):
+            out[head // (heads // ranks)] += max(-(-int(lens[layer, head]) // block) - shared, 0)
+    return out
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_prefix_cache_groups_are_counted_once(ranks):
+    """Brute force: a request's first ``shared`` pages per head are the cache's page
+    groups (counted once, ``L x H_r`` pages per group on every rank); free = pool - the
+    requests' pages past their shared prefix - the cache's groups."""
+    rng = np.random.default_rng(10 + ranks)
+    layers, heads, block, pool = 2, 4, 4, 120
+    per_group = layers * heads // ranks
+    accounting = PageAccounting(pool, layers, heads, block, max_requests=2, num_ranks=ranks)
+    lens: dict[str, np.ndarray] = {}
+    shared: dict[str, int] = {}
+    logical: dict[str, int] = {}
+    groups = 0
+
+    def free():
+        held = sum((_private_pages(lens[r], shared[r], ranks, block) for r in lens), np.zeros(ranks, np.int64))
+        return pool - held - groups * per_group
+
+    for step in range(500):
+        op = rng.random()
+        request_id = f"r{int(rng.integers(0, 5))}"
+        if op < 0.2 and request_id not in lens and groups:
+            hits = int(rng.integers(1, groups + 1))  # admitted with hits on cached groups
+            accounting.share_blocks(request_id, hits)
+            target = hits * block + int(rng.integers(1, 9))
+            need = _private_pages(np.full((layers, heads), target), hits, ranks, block)
+            assert np.array_equal(accounting.pages_to_grow_per_rank(request_id, target), need), step
+            if (need <= free()).all():
+                accounting.grow(request_id, target)
+                lens[request_id], shared[request_id] = np.full((layers, heads), target), hits
+                logical[request_id] = target
+            else:
+                accounting.release(request_id)
+        elif op < 0.55:
+            current = lens.get(request_id, np.zeros((layers, heads), np.int64))
+            s = shared.get(request_id, 0)
+            growth = int(rng.integers(1, 9))
+            target = logical.get(request_id, 0) + growth
+            need = _private_pages(current + growth, s, ranks, block) - _private_pages(current, s, ranks, block)
+            if request_id in lens:
+                assert np.array_equal(accounting.pages_to_grow_per_rank(request_id, target), need), step
+            if (need <= free()).all():
+                accounting.grow(request_id, target)
+                lens[request_id], shared[request_id], logical[request_id] = current + growth, s, target
+        elif op < 0.7 and request_id in lens and (lens[request_id] == lens[request_id].max()).all():
+            # The cache takes the request's full uncompressed pages past its shared ones.
+            full = int(lens[request_id].max()) // block
+            if full > shared[request_id]:
+                new = full - shared[request_id]
+                accounting.cache_groups(new)
+                accounting.share_blocks(request_id, full)
+                groups += new
+                shared[request_id] = full
+        elif op < 0.8 and request_id in lens:
+            # A compression that keeps the shared prefix whole.
+            floor = shared[request_id] * block
+            new_lens = np.maximum(floor, lens[request_id] - rng.integers(0, 9, (layers, heads)))
+            accounting.set_head_lens(request_id, new_lens)
+            lens[request_id] = new_lens
+        elif op < 0.9 and groups:
+            count = int(rng.integers(1, groups + 1))
+            accounting.uncache_groups(count)
+            groups -= count
+        elif request_id in lens:
+            accounting.release(request_id)
+            del lens[request_id], shared[request_id], logical[request_id]
+        assert np.array_equal(accounting.free_pages, free()), step
+        for r in lens:
+            assert accounting.pages_held(r) == int(_private_pages(lens[r], shared[r], ranks, block).sum())
+        accounting.check_consistent()
+    with pytest.raises(RuntimeError):
+        accounting.uncache_groups(groups + 1)

@@ -1,8 +1,10 @@
 """Prefix caching with compression in the real engine (issue 17), tiny model.
 
 - Rate 1 with ``--enable-prefix-caching``: greedy tokens identical to stock vLLM with
-  prefix caching, and the same cached tokens per request (vLLM's own hit counts), for
-  a request sequence with hits across steps and within one step.
+  prefix caching, the same cached tokens per request and the same
+  ``vllm:prefix_cache_queries`` / ``_hits`` counters, for a request sequence with hits
+  across steps and within one step; a request compressed at rate 8 caches its first
+  128 tokens and a later uncompressed request that hits them gets stock's tokens.
 - Rate 8 under KV pressure, requests of two system prompts added, aborted and finished
   in a random interleaving driven step by step: after every step a brute-force recount
   of every page reference the worker holds (live requests' tables + the cache's page
@@ -31,15 +33,27 @@ def _prompts(seed: int, prefix_len: int, suffixes: list[int]) -> list[list[int]]
     return [prefix + [rng.randrange(5, 1000) for _ in range(n)] for n in suffixes]
 
 
-def _waves(llm, waves, max_tokens: int = 24):
-    """Generate wave after wave (each wave's requests together); every output in order."""
+def _waves(llm, waves, max_tokens: int = 24, with_extra: bool = True):
+    """Generate wave after wave (each wave's requests together); every output in order.
+    A wave entry is a prompt or ``(prompt, extra_args)`` (extra args dropped for stock)."""
     from vllm import SamplingParams, TokensPrompt
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=0, ignore_eos=True)
     outputs = []
     for wave in waves:
-        outputs += llm.generate([TokensPrompt(prompt_token_ids=p) for p in wave], params, use_tqdm=False)
+        prompts, params = [], []
+        for entry in wave:
+            prompt, extra = entry if isinstance(entry, tuple) else (entry, None)
+            prompts.append(TokensPrompt(prompt_token_ids=prompt))
+            params.append(SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=0,
+                                         ignore_eos=True, extra_args=extra if with_extra else None))
+        outputs += llm.generate(prompts, params, use_tqdm=False)
     return outputs
+
+
+def _prefix_cache_counters(llm) -> dict[str, float]:
+    """vLLM's own ``vllm:prefix_cache_queries`` / ``_hits`` (what ``/metrics`` serves)."""
+    names = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits")
+    return {m.name: m.value for m in llm.get_metrics() if m.name in names}
 
 
 def test_rate_1_with_prefix_caching_matches_stock_tokens_and_hits(tiny_model):
@@ -50,24 +64,35 @@ def test_rate_1_with_prefix_caching_matches_stock_tokens_and_hits(tiny_model):
 
     a = _prompts(1, 300, [40, 47, 54, 200])
     b = _prompts(2, 150, [10, 70])
+    c = _prompts(3, 130, [300, 90])
     # Wave 1 computes a's prefix; wave 2 hits it (and b's copies hit each other in one
-    # step); wave 3 repeats whole prompts (hits up to the last full block).
-    waves = [[a[0]], [a[1], a[2], b[0], b[1], b[0]], [a[3], a[0], b[1]]]
-    stock = LLM(model=tiny_model, **PREFIX_ARGS)
+    # step); wave 3 repeats whole prompts (hits up to the last full block). Then c[0] is
+    # compressed at rate 8 keeping (and caching) its first 128 tokens, and c[1] at rate 1
+    # hits them: the compressed request never touched the pages it shares, so c[1]'s
+    # tokens are stock's (stock caches c[0]'s first 2 blocks too: the third differs).
+    compressed = {"kv_compress_rate": 8, "kv_compress_shared_prefix_tokens": 128}
+    waves = [[a[0]], [a[1], a[2], b[0], b[1], b[0]], [a[3], a[0], b[1]], [(c[0], compressed)], [c[1]]]
+    args = dict(PREFIX_ARGS, disable_log_stats=False)
+    stock = LLM(model=tiny_model, **args)
     try:
-        expected = _waves(stock, waves)
+        expected = _waves(stock, waves, with_extra=False)
+        expected_counters = _prefix_cache_counters(stock)
     finally:
         _shutdown(stock)
-    llm = kvcompress.LLM(tiny_model, kv_compress_rate=1, **PREFIX_ARGS)
+    llm = kvcompress.LLM(tiny_model, kv_compress_rate=1, **args)
     try:
         got = _waves(llm, waves)
+        counters = _prefix_cache_counters(llm)
         stats = page_stats(llm)
     finally:
         _shutdown(llm)
-    assert greedy_tokens_and_logprobs(got)[0] == greedy_tokens_and_logprobs(expected)[0]
+    tokens, expected_tokens = greedy_tokens_and_logprobs(got)[0], greedy_tokens_and_logprobs(expected)[0]
+    assert stats["compressions"] == 1  # c[0], and only it
+    assert tokens[:-2] + tokens[-1:] == expected_tokens[:-2] + expected_tokens[-1:]
     hits = [o.num_cached_tokens for o in got]
     assert hits == [o.num_cached_tokens for o in expected]
-    assert sum(hits) >= 4 * 256  # the sequence really hits
+    assert sum(hits) >= 4 * 256 and hits[-1] == 128  # the sequence really hits
+    assert counters == expected_counters and counters["vllm:prefix_cache_hits"] == sum(hits)
     assert stats["mismatches"] == 0
 
 
