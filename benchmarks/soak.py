@@ -104,6 +104,7 @@ DEFAULT_MIX: dict[str, float] = {
     "xargs": 0.70,  # kvcompress only: per-request vllm_xargs
     "uncompressed": 0.07,  # of those: kv_compress false
     "short_max_tokens": 0.20,  # max_tokens 1..8 (else 1..max)
+    "shared_prefix": 0.30,  # passages from one of 3 fixed starts: prompts share prefixes (prefix caching)
 }
 
 OUTCOMES = ("ok", "cancelled", "bad_request_expected", "error", "hung", "not_sent")
@@ -237,6 +238,10 @@ def plan_requests(
         tags.append(endpoint)
         body: dict[str, Any] = {"model": SERVED_NAME, "max_tokens": max_tokens}
         start = rng.choice(sentence_offsets) if sentence_offsets else 0
+        if sentence_offsets and rng.random() < mix["shared_prefix"]:
+            # The shorter of two prompts from one start is a prefix of the longer one.
+            start = sentence_offsets[rng.randrange(min(3, len(sentence_offsets)))]
+            tags.append("shared_prefix")
         if has_tokenizer:
             passage = text[start:start + 4 * target]
             question = rng.choice(QUESTIONS)
@@ -825,6 +830,8 @@ VLLM_METRICS = (
     "vllm:num_requests_running",
     "vllm:num_requests_waiting",
     "vllm:kv_cache_usage_perc",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
 )
 
 
@@ -880,13 +887,25 @@ def worker_pages(base: str) -> dict[str, Any] | None:
     return results[0] or None
 
 
-def wait_idle(base: str, kvcompress: bool, timeout: float) -> tuple[bool, float]:
-    """Until nothing runs or waits (and, with kvcompress, the worker holds no request)."""
+def clear_prefix_cache(base: str) -> bool:
+    """``POST /reset_prefix_cache`` (dev mode), then one request shorter than a block, so
+    the worker steps and lets go of the cached page groups; whether the reset worked."""
+    reply = requests.post(f"{base}/reset_prefix_cache", timeout=60)
+    reset = reply.ok and reply.json().get("success", True) is not False
+    requests.post(f"{base}/v1/completions", json={"model": SERVED_NAME, "prompt": [5, 6, 7],
+                                                  "max_tokens": 1}, timeout=120).raise_for_status()
+    return reset
+
+
+def wait_idle(base: str, kvcompress: bool, timeout: float, cached_pages_ok: bool = False) -> tuple[bool, float]:
+    """Until nothing runs or waits (and, with kvcompress, the worker holds no request);
+    ``cached_pages_ok``: pages held by idle prefix-cache groups do not count as busy."""
     started = time.monotonic()
     while True:
         metrics = scrape_metrics(base)
         busy = metrics.get("vllm:num_requests_running", 0) + metrics.get("vllm:num_requests_waiting", 0)
-        busy += metrics.get("kvcompress:pages_held", 0)  # the scheduler's pages (when published)
+        if not cached_pages_ok:
+            busy += metrics.get("kvcompress:pages_held", 0)  # the scheduler's pages (when published)
         live = worker_pages(base).get("live_requests", 0) if kvcompress else 0
         if busy == 0 and live == 0:
             return True, time.monotonic() - started
@@ -1332,6 +1351,12 @@ def main(argv: list[str] | None = None) -> int:
         metrics_after = metrics_before
         if alive:
             try:
+                if "--enable-prefix-caching" in command:
+                    # Idle cached groups hold pages by design: idle first, then cleared.
+                    idle, waited = wait_idle(base, kvcompress, args.idle_timeout, cached_pages_ok=True)
+                    pages["prefix_cache_reset"] = idle and clear_prefix_cache(base)
+                    if not pages["prefix_cache_reset"]:
+                        failed.append("the prefix cache could not be reset at idle")
                 idle, waited = wait_idle(base, kvcompress, args.idle_timeout)
                 pages.update(idle=idle, idle_wait_s=round(waited, 1))
                 metrics_after = scrape_metrics(base)

@@ -117,6 +117,7 @@ class _Step:
         released_in_flight: request id -> ``[num_ranks]`` pages the scheduler released
             after the step was dispatched and before the workers' reports were adopted
             (vLLM processes aborts there); the workers still held them when they reported.
+        released_shared_blocks: request id -> its prefix-cache blocks (same requests).
     """
 
     number: int = 0
@@ -124,6 +125,7 @@ class _Step:
     kvs_sorted: int = 0
     dispatched: bool = False
     released_in_flight: dict[str, np.ndarray] = field(default_factory=dict)
+    released_shared_blocks: dict[str, int] = field(default_factory=dict)
 
 
 class CompressionPlanner:
@@ -328,13 +330,16 @@ class CompressionPlanner:
         self.requests.pop(request_id, None)
         self.due.discard(request_id)
 
-    def on_released(self, request_id: str, pages) -> None:
+    def on_released(self, request_id: str, pages, shared_blocks: int = 0) -> None:
         """The scheduler gave back the ``pages`` of ``request_id`` (finished, aborted
-        or preempted): an int with one rank, else ``[num_ranks]`` per rank's pool.
-        Between dispatch and the report, the workers still hold them."""
+        or preempted): an int with one rank, else ``[num_ranks]`` per rank's pool; its
+        first ``shared_blocks`` token blocks were prefix-cache page groups (not in
+        ``pages``). Between dispatch and the report, the workers still hold them."""
         by_rank = np.asarray(pages, np.int64).reshape(-1)
-        if self.step.dispatched and by_rank.any():  # 0: it never held pages (never ran)
+        # Nothing held: it never ran (a request whose pages are all shared did).
+        if self.step.dispatched and (by_rank.any() or shared_blocks):
             self.step.released_in_flight[request_id] = by_rank
+            self.step.released_shared_blocks[request_id] = shared_blocks
             self.stats.released_in_flight += 1
 
     def note_batch(self, running: Sequence[PlannableRequest]) -> None:
@@ -377,10 +382,15 @@ class CompressionPlanner:
             ):
                 continue
             agree = False
+            accounting = self.accounting
             logger.error(
                 "kvcompress: worker pages of rank %d (free %d, held %s) differ from the "
-                "scheduler's (free %d, held %s)",
+                "scheduler's (free %d, held %s; shared blocks %s, pending %s, cached groups %d, "
+                "released in flight %s)",
                 rank, rank_report.free_pages, rank_report.pages_held, free, held,
+                {r: accounting.shared_blocks_of(r) for r in accounting.request_ids()},
+                accounting.pending_request_ids(), accounting.cached_groups,
+                list(self.step.released_in_flight),
             )
         self._count_reports(reports, agree)
         if not agree:
@@ -450,9 +460,10 @@ class CompressionPlanner:
         for request_id, by_rank in self.step.released_in_flight.items():
             pages = int(by_rank[rank])
             lens = report.head_lens.get(request_id)
-            if lens is not None:
-                pages = int(((np.asarray(lens, np.int64) + accounting.block_size - 1)
-                             // accounting.block_size).sum())
+            if lens is not None:  # pages past its shared blocks, from the reported lengths
+                head_pages = (np.asarray(lens, np.int64) + accounting.block_size - 1) // accounting.block_size
+                shared = self.step.released_shared_blocks.get(request_id, 0)
+                pages = int(np.maximum(head_pages - shared, 0).sum())
             if held is not None:
                 held[request_id] = pages
             free -= pages

@@ -303,3 +303,29 @@ def test_batch_peaks_match_a_brute_force_count():
         want_running = max(want_running, len(batch))
         want_decoding = max(want_decoding, sum(r.num_computed_tokens >= 10 for r in batch))
         assert (planner.stats.max_running, planner.stats.max_decoding) == (want_running, want_decoding)
+
+
+def test_a_request_with_prefix_cache_blocks_released_in_flight_is_counted_past_them():
+    """A request whose first 2 token blocks are prefix-cache page groups, compressed and
+    then aborted while the step ran: the worker counts its pages past its shared
+    blocks, and so must the expectation built from its reported head lengths."""
+    planner = _planner(rate=4, protected_window=8, min_cache_tokens=16)
+    a = _prefilled(planner, "a", 600)
+    accounting = planner.accounting
+    accounting.cache_groups(2)
+    accounting.share_blocks("a", 2)
+    planner.share_prefix(a, 2 * BLOCK)
+    orders = _dispatch(planner, [a])
+    assert orders["a"].compression.budget.protected_prefix == 2 * BLOCK
+    lens = accounting.head_lens_of("a").copy()
+    pages = -(-lens // BLOCK)
+    for index in range(orders["a"].evict_pages):
+        pages.flat[index % pages.size] -= 1
+    shrunk = np.minimum(lens, pages * BLOCK)
+    assert (shrunk >= 2 * BLOCK).all()  # the shared prefix stayed whole
+    private = int(np.maximum(-(-shrunk // BLOCK) - 2, 0).sum())
+    groups = 2 * LAYERS * HEADS
+    report = WorkerReport(accounting.num_pages - private - groups, {"a": private}, {"a": shrunk})
+    planner.on_released("a", accounting.release_by_rank("a"), shared_blocks=2)
+    assert planner.adopt(report) is True
+    assert planner.stats.mismatches == 0

@@ -195,11 +195,12 @@ class PerHeadKVCacheManager:
             )
 
     def _release(self, request_id: str) -> None:
+        shared = self.accounting.shared_blocks_of(request_id)
         pages = self.accounting.release_by_rank(request_id)
         if self.prefix_cache is not None:
             self.prefix_cache.on_freed(request_id)
         if self.on_release is not None:
-            self.on_release(request_id, pages)
+            self.on_release(request_id, pages, shared)
 
     def free(self, request) -> None:
         self._release(request.request_id)
