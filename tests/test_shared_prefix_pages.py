@@ -105,6 +105,7 @@ class _SharedCacheModel:
                     chunks = -(-count // tables.chunk_pages)
                     chunk_refs.update(tables.chunk_tables[slot, layer, head, :chunks].tolist())
                     self._check_frozen(slot, layer, head, flat[layer, head])
+        page_refs.update(self.other_references())
         assert cache.allocator.num_free == NUM_PAGES - len(page_refs)
         free = set(cache.allocator.free_stack[: cache.allocator.num_free].tolist())
         assert not free & set(page_refs) and len(free) == cache.allocator.num_free
@@ -114,6 +115,10 @@ class _SharedCacheModel:
         assert chunk_free == tables.chunk_allocator.num_pages - len(chunk_refs)
         chunk_shares = tables.chunk_shares.tolist()
         assert all(chunk_shares[c] == chunk_refs.get(c, 1) - 1 for c in range(1, len(chunk_shares)))
+
+    def other_references(self) -> Counter:
+        """Page references held by something other than the live slots (none here)."""
+        return Counter()
 
     def _check_frozen(self, slot: int, layer: int, head: int, pages: torch.Tensor) -> None:
         """The frozen prefix holds, slot for slot, the KVs its writer put there."""
@@ -127,30 +132,54 @@ class _SharedCacheModel:
                 assert float(self.value_cache[page, offset, 0]) == -value
 
 
+def _random_walk(model: _SharedCacheModel, steps: int, actions: dict) -> Counter:
+    """``steps`` random operations (``actions``: name -> (weight, do(live slots) ->
+    whether it happened)), a brute-force check after each, then every slot released
+    and checked again; returns how often each action happened."""
+    rng = model.rng
+    names = list(actions)
+    weights = np.array([actions[name][0] for name in names], float)
+    done = Counter()
+    for _ in range(steps):
+        live = list(model.tokens)
+        name = names[rng.choice(len(names), p=weights / weights.sum())]
+        if name == "new" or not live:
+            if model.cache._free_seq_slots and model.cache.allocator.num_free > 60:
+                model.new(int(rng.integers(1, 30)))
+        elif actions[name][1](live):
+            done[name] += 1
+        model.check()
+    for slot in list(model.tokens):
+        model.release(slot)
+        model.check()
+    return done
+
+
+def _common_actions(model: _SharedCacheModel) -> dict:
+    rng = model.rng
+
+    def append(live):
+        if model.cache.allocator.num_free <= 30:
+            return False
+        model.append(int(rng.choice(live)), int(rng.integers(1, 9)))
+        return True
+
+    return {
+        "new": (.2, None),
+        "append": (.25, append),
+        "compress": (.2, lambda live: model.compress(int(rng.choice(live)), int(rng.integers(1, 4))) or True),
+        "release": (.1, lambda live: model.release(int(rng.choice(live))) or True),
+    }
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_random_interleavings_never_free_or_touch_a_held_shared_page(seed):
     model = _SharedCacheModel(seed)
     rng = model.rng
-    shared = 0
-    for _ in range(70):
-        live = list(model.tokens)
-        action = rng.choice(["new", "share", "append", "compress", "release"], p=[.2, .25, .25, .2, .1])
-        if action == "new" or not live:
-            if model.cache._free_seq_slots and model.cache.allocator.num_free > 60:
-                model.new(int(rng.integers(1, 30)))
-        elif action == "share":
-            shared += model.share(int(rng.choice(live)), int(rng.integers(1, 6))) is not None
-        elif action == "append" and model.cache.allocator.num_free > 30:
-            model.append(int(rng.choice(live)), int(rng.integers(1, 9)))
-        elif action == "compress":
-            model.compress(int(rng.choice(live)), int(rng.integers(1, 4)))
-        elif action == "release":
-            model.release(int(rng.choice(live)))
-        model.check()
-    assert shared > 3  # the interleavings did share
-    for slot in list(model.tokens):
-        model.release(slot)
-        model.check()
+    actions = _common_actions(model)
+    actions["share"] = (.35, lambda live: model.share(int(rng.choice(live)), int(rng.integers(1, 6))) is not None)
+    done = _random_walk(model, 90, actions)
+    assert done["share"] > 3  # the interleavings did share
     assert model.cache.allocator.num_free == NUM_PAGES
     assert int(model.cache.page_shares.abs().sum()) == 0
     assert int(model.cache.tables.chunk_shares.abs().sum()) == 0
@@ -246,60 +275,35 @@ class _GroupCacheModel(_SharedCacheModel):
         super().release(slot)
         self.chain.pop(slot, None)
 
-    def check(self) -> None:
-        # Group references count like holders: fold them into the recount.
-        extra = Counter()
+    def other_references(self) -> Counter:
+        """The cache's reference on every page of every group."""
+        references = Counter()
         for pages in self.groups.pages.values():
-            extra.update(pages.reshape(-1).tolist())
-        cache = self.cache
-        free = cache.allocator.num_free
-        shares = cache.page_shares.clone()
-        for page, count in extra.items():
-            shares[page] -= count  # what the live slots alone would hold beyond one
-        referenced_by_slots = Counter()
-        for slot in self.tokens:
-            held = pages_for(cache.head_lens[slot], BLOCK)
-            flat = cache.page_tables_of(torch.tensor([slot]))[0]
-            for layer in range(LAYERS):
-                for head in range(HEADS):
-                    referenced_by_slots.update(flat[layer, head, : int(held[layer, head])].tolist())
-                    self._check_frozen(slot, layer, head, flat[layer, head])
-        references = referenced_by_slots + extra
-        assert free == NUM_PAGES - len(references)
-        free_ids = set(cache.allocator.free_stack[:free].tolist())
-        assert not free_ids & set(references)
-        assert all(int(cache.page_shares[p]) == references.get(p, 1) - 1 for p in range(NUM_PAGES))
+            references.update(pages.reshape(-1).tolist())
+        return references
 
 
 @pytest.mark.parametrize("seed", range(5))
 def test_prefix_groups_keep_held_pages_through_random_interleavings(seed):
     model = _GroupCacheModel(seed)
     rng = model.rng
-    hits = 0
-    for _ in range(80):
-        live = list(model.tokens)
-        action = rng.choice(["new", "take", "hit", "append", "compress", "release", "uncache"],
-                            p=[.15, .2, .25, .1, .15, .1, .05])
-        if action == "new" or not live:
-            if model.cache._free_seq_slots and model.cache.allocator.num_free > 60:
-                model.new(int(rng.integers(1, 30)))
-        elif action == "take":
-            model.take(int(rng.choice(live)))
-        elif action == "hit" and model.cache.allocator.num_free > 40:
-            hits += model.hit(int(rng.integers(1, 6)), int(rng.integers(1, 9))) is not None
-        elif action == "append" and model.cache.allocator.num_free > 30:
-            model.append(int(rng.choice(live)), int(rng.integers(1, 9)))
-        elif action == "compress":
-            model.compress(int(rng.choice(live)), int(rng.integers(1, 4)))
-        elif action == "release":
-            model.release(int(rng.choice(live)))
-        elif action == "uncache" and model.chains:
-            model.uncache_tail()
-        model.check()
-    assert hits > 3
-    for slot in list(model.tokens):
-        model.release(slot)
-        model.check()
+
+    def hit(live):
+        if model.cache.allocator.num_free <= 40:
+            return False
+        return model.hit(int(rng.integers(1, 6)), int(rng.integers(1, 9))) is not None
+
+    def uncache(live):
+        if not model.chains:
+            return False
+        model.uncache_tail()
+        return True
+
+    actions = _common_actions(model)
+    actions.update(take=(.2, lambda live: model.take(int(rng.choice(live))) or True),
+                   hit=(.25, hit), uncache=(.15, uncache))
+    done = _random_walk(model, 120, actions)
+    assert done["hit"] > 3 and done["take"] and done["uncache"]
     model.groups.drop(list(model.groups.pages))
     model.check()
     assert model.cache.allocator.num_free == NUM_PAGES
