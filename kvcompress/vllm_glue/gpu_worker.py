@@ -54,3 +54,6 @@ class KVCompressGPUWorker(WorkerProcessGuard, PerHeadMemoryBudget, Worker):
 
     def kvcompress_page_dump(self) -> dict:
         return self.model_runner.kvcompress_page_dump()
+
+    def kvcompress_kept_positions(self) -> dict[str, list[list[int]]]:
+        return self.model_runner.kvcompress_kept_positions()

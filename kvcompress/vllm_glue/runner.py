@@ -675,6 +675,31 @@ class PerHeadRunnerMixin:
         lens = self.kvc_cache.head_lens
         return {r: lens[slot].tolist() for r, slot in self.kvc_live_slots.items()}
 
+    def _kvc_head_pages(self, slot: int) -> list[list[int]]:
+        """``[L*H]`` lists of the page ids each head of ``slot`` holds, in column order."""
+        cache = self.kvc_cache
+        held = pages_for(cache.head_lens[slot], cache.block_size).reshape(-1)
+        table = cache.tables.gather(torch.tensor([slot]), cache.max_pages_per_head)[0]
+        table = table.reshape(held.numel(), -1)
+        return [table[head, : int(held[head])].tolist() for head in range(held.numel())]
+
+    def kvcompress_kept_positions(self) -> dict[str, list[list[int]]]:
+        """Token positions of the KVs every head of every live request holds, in slot
+        order: request id -> ``[L*H]`` lists (tests: which KVs survived a compression)."""
+        cache = self.kvc_cache
+        if cache is None:
+            return {}
+        lens = cache.head_lens
+        positions = {}
+        for request_id, slot in self.kvc_live_slots.items():
+            heads = []
+            for head, pages in enumerate(self._kvc_head_pages(slot)):
+                count = int(lens[slot].reshape(-1)[head])
+                slots = cache.slot_positions[torch.tensor(pages, dtype=torch.int64)].reshape(-1)
+                heads.append(slots[:count].tolist())
+            positions[request_id] = heads
+        return positions
+
     def kvcompress_page_dump(self) -> dict:
         """Every page reference the worker holds, for tests' brute-force recounts:
         ``slots`` (request id -> ``[L*H]`` lists of the page ids its heads hold),
@@ -684,12 +709,7 @@ class PerHeadRunnerMixin:
         cache = self.kvc_cache
         if cache is None:
             return {}
-        slots = {}
-        for request_id, slot in self.kvc_live_slots.items():
-            held = pages_for(cache.head_lens[slot], cache.block_size).reshape(-1)
-            table = cache.tables.gather(torch.tensor([slot]), cache.max_pages_per_head)[0]
-            table = table.reshape(held.numel(), -1)
-            slots[request_id] = [table[head, : int(held[head])].tolist() for head in range(held.numel())]
+        slots = {request_id: self._kvc_head_pages(slot) for request_id, slot in self.kvc_live_slots.items()}
         groups, checksums = {}, {}
         pool = get_worker_state().pool
         for block_id, pages in (self.kvc_prefix_groups.pages if self.kvc_prefix_groups else {}).items():
