@@ -723,7 +723,10 @@ def test_kernels_compile_for_sm90_without_a_gpu():
     result = subprocess.run(
         [sys.executable, "-c", _AOT_SCRIPT, "90"], capture_output=True, text=True, env=env, timeout=300
     )
-    expected = (
-        "compiled 9 _decode_kernel _decode_metric_kernel _decode_reduce_kernel _move_cache_kernel _varlen_kernel"
-    )
-    assert result.returncode == 0 and result.stdout.strip() == expected, (result.stdout + result.stderr)[-3000:]
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    # "compiled <launches> <kernel names>": every kernel, each launch (one per
+    # specialisation the calls above make) compiled to a cubin (asserted in the script).
+    word, count, *names = result.stdout.split()
+    assert word == "compiled" and int(count) >= len(names)
+    assert names == ["_decode_kernel", "_decode_metric_kernel", "_decode_reduce_kernel",
+                     "_move_cache_kernel", "_varlen_kernel"]
