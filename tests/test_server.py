@@ -126,23 +126,37 @@ def test_invalid_per_request_field_is_http_400_naming_it(server, xargs, field):
 
 
 def test_per_request_compression_over_http(server):
-    """A long prompt compressed at rate 4 for this request only, then an uncompressed one."""
+    """A long prompt compressed at rate 4 for this request only (the worker counts one
+    compression that frees pages), then the same prompt with compression off for its
+    request, the rate given too (no compression); then a chat answer that must survive eviction: a long
+    essay before the question, compressed at rate 4, still gives the fact asked for."""
     from offline_assets import paul_graham_essays
 
     essay = paul_graham_essays()[0][:6000]
-    for xargs in ({"kv_compress_rate": 4, "kv_compress_protected_window": 32}, {"kv_compress": False}):
+    compressed = {"kv_compress_rate": 4, "kv_compress_protected_window": 32}
+    uncompressed = {**compressed, "kv_compress": False}  # off wins over the rate
+    for xargs, compressions in ((compressed, 1), (uncompressed, 0)):
+        before = _worker_stats(server)
         reply = _post(f"{server}/v1/completions", {
             "model": "smollm2", "prompt": essay + "\n\nIn one sentence, this essay is about",
             "temperature": 0, "max_tokens": 12, "vllm_xargs": xargs,
         })
+        after = _worker_stats(server)
         assert reply["usage"]["prompt_tokens"] > 1000
         assert reply["usage"]["completion_tokens"] == 12
         assert reply["choices"][0]["text"].strip()
+        assert after["compressions"] - before["compressions"] == compressions, xargs
+        assert (after["pages_freed"] > before["pages_freed"]) == bool(compressions)
+    before = _worker_stats(server)
     reply = _post(f"{server}/v1/chat/completions", {
         "model": "smollm2", "temperature": 0, "max_tokens": 24,
-        "messages": [{"role": "user", "content": "What is the capital of France?"}],
-        "vllm_xargs": {"kv_compress_rate": 2},
+        "messages": [{"role": "user", "content": essay + "\n\nWhat is the capital of France?"}],
+        "vllm_xargs": {"kv_compress_rate": 4},
     })
+    after = _worker_stats(server)
+    assert reply["usage"]["prompt_tokens"] > 1000
+    assert after["compressions"] - before["compressions"] == 1
+    assert after["kvs_evicted"] - before["kvs_evicted"] > 0
     assert "Paris" in reply["choices"][0]["message"]["content"]
 
 
