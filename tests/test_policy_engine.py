@@ -10,6 +10,7 @@ import random
 import pytest
 
 from conftest import TINY_KV_HEADS, TINY_LAYERS, load_benchmark, worker_page_stats
+from eviction_oracle import check_what_survived, compress_one_and_read
 from kvcompress.policies import POLICY_NAMES, load_layer_profile
 
 pytestmark = pytest.mark.engine
@@ -115,4 +116,13 @@ def test_per_request_observation_window(kvc_tiny_llm):
     assert first == again
     assert first != wide
     assert [len(head) for head in first] == [len(head) for head in wide]
+    assert worker_page_stats(kvc_tiny_llm)["evict_mismatches"] == 0
+
+
+@pytest.mark.parametrize("policy", ["kvc", "snapkv", "pyramidkv", "ada-snapkv", "h2o", "xkv", "streamingllm"])
+def test_what_survives_a_compression_matches_an_independent_recount(kvc_tiny_llm, policy):
+    """The engine's eviction checked by what survives, against the metrics the worker
+    held just before (``eviction_oracle``: plain Python, no kvcompress op)."""
+    recorded, kept = compress_one_and_read(kvc_tiny_llm, _prompt(500 + len(policy)), policy)
+    check_what_survived(recorded, kept, policy, _block(kvc_tiny_llm))
     assert worker_page_stats(kvc_tiny_llm)["evict_mismatches"] == 0

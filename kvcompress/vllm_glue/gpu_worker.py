@@ -57,3 +57,6 @@ class KVCompressGPUWorker(WorkerProcessGuard, PerHeadMemoryBudget, Worker):
 
     def kvcompress_kept_positions(self) -> dict[str, list[list[int]]]:
         return self.model_runner.kvcompress_kept_positions()
+
+    def kvcompress_record_compressions(self, on: bool) -> dict[str, dict]:
+        return self.model_runner.kvcompress_record_compressions(on)

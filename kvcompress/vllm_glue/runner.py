@@ -233,6 +233,8 @@ class PerHeadRunnerMixin:
             device=pool.device,
         )
         self.kvc_generator: torch.Generator | None = None
+        # request id -> a compression's inputs, while tests record them (None: off).
+        self.kvc_recorded: dict[str, dict] | None = None
         state = WorkerCacheState(
             cache=cache,
             pool=cache.kv_pool(*self._kvc_page_views(pool, ops)),
@@ -323,6 +325,8 @@ class PerHeadRunnerMixin:
             by_policy.setdefault(orders[request_id].compression.policy.name, []).append(request_id)
         for group in by_policy.values():
             policy = orders[group[0]].compression.policy
+            if self.kvc_recorded is not None:
+                self._kvc_record_inputs(group, orders)
             group_started = time.perf_counter()
             result = compress_sequences(
                 cache,
@@ -365,6 +369,39 @@ class PerHeadRunnerMixin:
             )
         stats.compress_seconds += time.perf_counter() - started
         return request_ids
+
+    def _kvc_record_inputs(self, request_ids: list[str], orders: dict[str, CompressionOrder]) -> None:
+        """What a compression of ``request_ids`` is about to read (tests' oracles):
+        per head the (position, metric) of every KV it holds, and the order."""
+        metrics = self.kvc_cache.slot_metrics
+        for request_id in request_ids:
+            slot = self.kvc_requests[request_id].seq_slot
+            order = orders[request_id]
+            heads = []
+            for head, pages in enumerate(self._kvc_head_pages(slot)):
+                count = int(self.kvc_cache.head_lens[slot].reshape(-1)[head])
+                ids = torch.tensor(pages, dtype=torch.int64)
+                positions = self.kvc_cache.slot_positions[ids].reshape(-1)[:count].tolist()
+                values = metrics[ids].reshape(-1)[:count].tolist()
+                heads.append(list(zip(positions, values)))
+            budget = order.compression.budget
+            self.kvc_recorded[request_id] = {
+                "policy": order.compression.policy.name,
+                "evict_pages": order.evict_pages_on(self.kvc_tp_rank),
+                "context_len": order.context_len,
+                "protected_window": budget.protected_window,
+                "protected_prefix": budget.protected_prefix,
+                "block_cost": self.kvc_settings.block_cost,
+                "heads": heads,
+            }
+
+    def kvcompress_record_compressions(self, on: bool) -> dict[str, dict]:
+        """Start (``on``) or stop recording each compression's inputs
+        (``_kvc_record_inputs``; off by default: it copies every KV's metric); returns
+        and forgets what was recorded so far."""
+        recorded = self.kvc_recorded or {}
+        self.kvc_recorded = {} if on else None
+        return recorded
 
     def _kvc_column(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.kvc_cache.device)

@@ -53,6 +53,9 @@ class KVCompressCPUWorker(WorkerProcessGuard, PerHeadMemoryBudget, CPUWorker):
     def kvcompress_kept_positions(self) -> dict[str, list[list[int]]]:
         return self.model_runner.kvcompress_kept_positions()
 
+    def kvcompress_record_compressions(self, on: bool) -> dict[str, dict]:
+        return self.model_runner.kvcompress_record_compressions(on)
+
     def kvcompress_process_info(self) -> dict[str, object]:
         """Where this worker runs: pid, the cores it may use, torch's thread count, and
         the Ray actor id when it is a Ray worker (None under the mp executor)."""
