@@ -29,13 +29,14 @@ from vllm.v1.worker.gpu_worker import Worker
 from kvcompress.patches.shutdown import WorkerProcessGuard
 from kvcompress.vllm_glue.memory import PerHeadMemoryBudget
 from kvcompress.vllm_glue.runner import PerHeadRunnerMixin
+from kvcompress.vllm_glue.worker_rpcs import PerHeadWorkerRPCs
 
 
 class KVCompressGPUModelRunner(PerHeadRunnerMixin, GPUModelRunner):
     """vLLM's V1 GPU model runner over the per-(layer, KV head) page pool."""
 
 
-class KVCompressGPUWorker(WorkerProcessGuard, PerHeadMemoryBudget, Worker):
+class KVCompressGPUWorker(WorkerProcessGuard, PerHeadWorkerRPCs, PerHeadMemoryBudget, Worker):
     """vLLM's worker building the per-head runner; bounded exit (patches/shutdown.py);
     the per-head metadata inside the KV memory (``memory.py``)."""
 
@@ -45,18 +46,3 @@ class KVCompressGPUWorker(WorkerProcessGuard, PerHeadMemoryBudget, Worker):
                 "--kv-compress needs vLLM's V1 model runner; set VLLM_USE_V2_MODEL_RUNNER=0"
             )
         return KVCompressGPUModelRunner(self.vllm_config, self.device)
-
-    def kvcompress_pages_used(self) -> dict[str, int]:
-        return self.model_runner.kvcompress_pages_used()
-
-    def kvcompress_head_lens(self) -> dict[str, list]:
-        return self.model_runner.kvcompress_head_lens()
-
-    def kvcompress_page_dump(self) -> dict:
-        return self.model_runner.kvcompress_page_dump()
-
-    def kvcompress_kept_positions(self) -> dict[str, list[list[int]]]:
-        return self.model_runner.kvcompress_kept_positions()
-
-    def kvcompress_record_compressions(self, on: bool) -> dict[str, dict]:
-        return self.model_runner.kvcompress_record_compressions(on)

@@ -15,6 +15,7 @@ from kvcompress.patches.shutdown import WorkerProcessGuard
 from kvcompress.patches.util import swapped_attribute
 from kvcompress.vllm_glue.memory import PerHeadMemoryBudget
 from kvcompress.vllm_glue.runner import PerHeadRunnerMixin
+from kvcompress.vllm_glue.worker_rpcs import PerHeadWorkerRPCs
 
 
 class KVCompressCPUModelRunner(CPUSeededChunkRewind, PerHeadRunnerMixin, CPUModelRunner):
@@ -22,7 +23,7 @@ class KVCompressCPUModelRunner(CPUSeededChunkRewind, PerHeadRunnerMixin, CPUMode
     for seeded sampling under chunked prefill, ``patches/cpu_sampling.py``)."""
 
 
-class KVCompressCPUWorker(WorkerProcessGuard, PerHeadMemoryBudget, CPUWorker):
+class KVCompressCPUWorker(WorkerProcessGuard, PerHeadWorkerRPCs, PerHeadMemoryBudget, CPUWorker):
     """vLLM's worker building the per-head runner; bounded exit (patches/shutdown.py);
     the per-head metadata inside the KV memory (``memory.py``)."""
 
@@ -40,21 +41,6 @@ class KVCompressCPUWorker(WorkerProcessGuard, PerHeadMemoryBudget, CPUWorker):
         # Attention layers pick their backend while the model is built.
         with per_head_attention_backend():
             super().load_model(*args, **kwargs)
-
-    def kvcompress_pages_used(self) -> dict[str, int]:
-        return self.model_runner.kvcompress_pages_used()
-
-    def kvcompress_head_lens(self) -> dict[str, list]:
-        return self.model_runner.kvcompress_head_lens()
-
-    def kvcompress_page_dump(self) -> dict:
-        return self.model_runner.kvcompress_page_dump()
-
-    def kvcompress_kept_positions(self) -> dict[str, list[list[int]]]:
-        return self.model_runner.kvcompress_kept_positions()
-
-    def kvcompress_record_compressions(self, on: bool) -> dict[str, dict]:
-        return self.model_runner.kvcompress_record_compressions(on)
 
     def kvcompress_process_info(self) -> dict[str, object]:
         """Where this worker runs: pid, the cores it may use, torch's thread count, and
