@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test demo bench eval clean
+.PHONY: setup test demo serve bench eval clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -16,6 +16,10 @@ test: setup
 
 demo: setup
 	$(PY) benchmarks/demo.py
+
+# The OpenAI-compatible server on SmolLM2 with compression (prints curl / openai examples).
+serve: setup
+	VENV=$(VENV) bash scripts/serve.sh
 
 # Throughput + max decode batch vs stock vLLM (tiny model, ~8 min on 2 CPU cores).
 bench: setup
