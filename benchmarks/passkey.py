@@ -26,6 +26,7 @@ import os
 import random
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from offline_assets import essay_text, sentence_starts
@@ -391,6 +392,43 @@ def format_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def write_plot(results: dict, path: str) -> str | None:
+    """Accuracy and KVs kept by engine and rate (``path``, a PNG); None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    runs = results["kvcompress"]
+    labels = ["stock"] + [f"r={float(rate):g}" for rate in runs]
+    accuracy = [results["stock"]["accuracy"]] + [run["accuracy"] for run in runs.values()]
+    kept = [1.0] + [run["kvs_held_fraction_mean"] or 0.0 for run in runs.values()]
+    figure, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    axes[0].bar(labels, accuracy, color="tab:blue")
+    axes[0].set_ylim(0, 1.05)
+    axes[0].set_ylabel("passkeys found")
+    axes[1].bar(labels, kept, color="tab:green")
+    axes[1].set_ylabel("KVs kept (fraction of full)")
+    config = results["config"]
+    figure.suptitle(f"passkey retrieval, ~{config['context_tokens']} tokens, "
+                    f"{len(results['prompts'])} prompts, kvcompress vs stock vLLM")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+def summary_line(results: dict) -> str:
+    """One line: what was found at each rate, against stock."""
+    total = len(results["prompts"])
+    parts = [f"stock {results['stock']['num_found']}/{total}"] + [
+        f"r{float(rate):g} {run['num_found']}/{total}" for rate, run in results["kvcompress"].items()
+    ]
+    return "summary: passkeys found: " + ", ".join(parts) + f"; rate 1 identical to stock: {results['rate1_identical']}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -405,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--protected-window", type=int, default=None,
                         help="kvcompress protected window (default: the server default, 64)")
     parser.add_argument("--show-outputs", action="store_true", help="print every answer")
-    parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--json", default=None, help="also write the results here (and a PNG beside it)")
     args = parser.parse_args(argv)
     results = run_passkey(
         context_tokens=args.context_tokens, depths=args.depths, rates=args.rates,
@@ -424,6 +462,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(results, handle, indent=2, default=str)
+        png = write_plot(results, str(Path(args.json).with_suffix(".png")))
+        if png:
+            print(f"plot: {png}")
+    print(summary_line(results))
     return 0
 
 

@@ -65,3 +65,11 @@ def test_compressed_requests_evict_kvs(passkey_results):
     # Rate 1 held everything.
     for p in passkey_results["kvcompress"][1.0]["pages_after_compression"]:
         assert p is not None and p["pages_held"] == p["full_pages"]
+
+
+def test_plot_and_summary_line(passkey_results, tmp_path):
+    passkey = load_benchmark("passkey")
+    png = passkey.write_plot(passkey_results, str(tmp_path / "passkey.png"))
+    assert png and (tmp_path / "passkey.png").stat().st_size > 0
+    line = passkey.summary_line(passkey_results)
+    assert line.startswith("summary: passkeys found: stock ") and "r8 " in line
