@@ -51,6 +51,7 @@ from benchmark_throughput import (
     synthetic_prompts,
 )
 from machine import cpu_model_name, usable_cores
+from plots import two_bar_charts
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -194,29 +195,13 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(results: dict[str, Any], path: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
+def plot(results: dict[str, Any], path: Path) -> str | None:
     rows = results["rows"]
     labels = ["stock+APC" if r["engine"] == STOCK else f"kvc+APC r={r['rate']:g}" for r in rows]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    axes[0].bar(labels, [r["output_tokens_per_s"] for r in rows], color="tab:blue")
-    axes[0].set_ylabel("output tokens/s")
-    axes[1].bar(labels, [r["max_decode_batch"] for r in rows], color="tab:green")
-    axes[1].set_ylabel("max decode batch")
-    for ax in axes:
-        ax.tick_params(axis="x", rotation=30)
-    fig.suptitle(f"{results['num_prompts']} x ({results['shared']} shared + {results['private']} private) "
-                 f"tokens, {results['output_len']} out, {results['kv_tokens_uncompressed']} KV tokens")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    title = (f"{results['num_prompts']} x ({results['shared']} shared + {results['private']} private) "
+             f"tokens, {results['output_len']} out, {results['kv_tokens_uncompressed']} KV tokens")
+    return two_bar_charts(str(path), labels, ([r["output_tokens_per_s"] for r in rows], "output tokens/s"),
+                          ([r["max_decode_batch"] for r in rows], "max decode batch"), title)
 
 
 def main(argv: list[str] | None = None) -> int:

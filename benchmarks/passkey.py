@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from offline_assets import essay_text, sentence_starts
+from plots import two_bar_charts
 from kvcompress.vllm_glue.llm import page_stats, shutdown
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -394,30 +395,15 @@ def format_table(results: dict) -> str:
 
 def write_plot(results: dict, path: str) -> str | None:
     """Accuracy and KVs kept by engine and rate (``path``, a PNG); None without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
     runs = results["kvcompress"]
     labels = ["stock"] + [f"r={float(rate):g}" for rate in runs]
     accuracy = [results["stock"]["accuracy"]] + [run["accuracy"] for run in runs.values()]
     kept = [1.0] + [run["kvs_held_fraction_mean"] or 0.0 for run in runs.values()]
-    figure, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-    axes[0].bar(labels, accuracy, color="tab:blue")
-    axes[0].set_ylim(0, 1.05)
-    axes[0].set_ylabel("passkeys found")
-    axes[1].bar(labels, kept, color="tab:green")
-    axes[1].set_ylabel("KVs kept (fraction of full)")
     config = results["config"]
-    figure.suptitle(f"passkey retrieval, ~{config['context_tokens']} tokens, "
-                    f"{len(results['prompts'])} prompts, kvcompress vs stock vLLM")
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    return path
+    title = (f"passkey retrieval, ~{config['context_tokens']} tokens, "
+             f"{len(results['prompts'])} prompts, kvcompress vs stock vLLM")
+    return two_bar_charts(path, labels, (accuracy, "passkeys found"),
+                          (kept, "KVs kept (fraction of full)"), title, left_ylim=1.05)
 
 
 def summary_line(results: dict) -> str:

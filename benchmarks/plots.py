@@ -1,0 +1,28 @@
+"""Plot helpers shared by the benchmark scripts (matplotlib, optional)."""
+
+from __future__ import annotations
+
+
+def two_bar_charts(path: str, labels: list[str], left: tuple[list[float], str],
+                   right: tuple[list[float], str], title: str, left_ylim: float | None = None) -> str | None:
+    """Two bar charts side by side over the same ``labels`` (``(values, y label)``
+    each), written to ``path`` (PNG); None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    figure, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, (values, ylabel), color in zip(axes, (left, right), ("tab:blue", "tab:green")):
+        ax.bar(labels, values, color=color)
+        ax.set_ylabel(ylabel)
+        ax.tick_params(axis="x", rotation=30)
+    if left_ylim is not None:
+        axes[0].set_ylim(0, left_ylim)
+    figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
