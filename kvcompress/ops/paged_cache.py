@@ -249,9 +249,7 @@ class PerHeadPagedCache:
             raise ValueError(f"share_prefix: sequence slot {dst_slot} is not empty")
         if int(self.head_lens[src_slot].min()) < kvs:
             raise ValueError(f"share_prefix: a head of slot {src_slot} holds fewer than {kvs} KVs")
-        heads = self.num_layers * self.num_kv_heads
-        head_index = torch.arange(heads, device=self.device)
-        self.tables.share_prefix(dst_slot * heads + head_index, src_slot * heads + head_index, num_pages)
+        self.tables.share_prefix(self._head_rows(dst_slot), self._head_rows(src_slot), num_pages)
         pages = self.tables.gather(torch.tensor([src_slot], device=self.device), num_pages)
         add_references(pages, self.page_shares)
         self.head_lens[dst_slot] = kvs
@@ -259,6 +257,7 @@ class PerHeadPagedCache:
             self.host.refresh_last_pages(self, np.array([dst_slot]))
 
     def _head_rows(self, slot: int) -> torch.Tensor:
+        """``[L*H]`` rows of ``slot``'s heads in the flat page tables."""
         heads = self.num_layers * self.num_kv_heads
         return slot * heads + torch.arange(heads, device=self.device)
 

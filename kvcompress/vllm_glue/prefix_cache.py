@@ -95,7 +95,6 @@ class PrefixCacheGlue:
         if not stale:
             return
         step.cached = [record for record in step.cached if record.request_id != request_id]
-        step.hits.pop(request_id, None)
         for record in stale:
             for block_id in record.block_ids:
                 block = self.groups.get(block_id)
@@ -159,10 +158,6 @@ class PrefixCacheGlue:
         return reset
 
     # ------------------------------------------------------------------ capacity
-
-    @property
-    def num_idle_groups(self) -> int:
-        return sum(1 for block in self.groups.values() if block.ref_cnt == 0)
 
     def reclaim(self, pages_short: int, keep: set[int] = frozenset()) -> int:
         """Evict idle cached groups (vLLM's eviction order) until ``pages_short`` pages

@@ -34,9 +34,9 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 
 from kvcompress.config import KVCompressConfig
 from kvcompress.contract import (
-    PrefixCacheStep,
     CompressionOrder,
     CompressionRecord,
+    PrefixCacheStep,
     RequestCompression,
     WorkerReport,
 )
@@ -373,17 +373,17 @@ class PerHeadRunnerMixin:
     def _kvc_record_inputs(self, request_ids: list[str], orders: dict[str, CompressionOrder]) -> None:
         """What a compression of ``request_ids`` is about to read (tests' oracles):
         per head the (position, metric) of every KV it holds, and the order."""
-        metrics = self.kvc_cache.slot_metrics
+        cache = self.kvc_cache
         for request_id in request_ids:
             slot = self.kvc_requests[request_id].seq_slot
             order = orders[request_id]
-            heads = []
-            for head, pages in enumerate(self._kvc_head_pages(slot)):
-                count = int(self.kvc_cache.head_lens[slot].reshape(-1)[head])
-                ids = torch.tensor(pages, dtype=torch.int64)
-                positions = self.kvc_cache.slot_positions[ids].reshape(-1)[:count].tolist()
-                values = metrics[ids].reshape(-1)[:count].tolist()
-                heads.append(list(zip(positions, values)))
+            heads = [
+                list(zip(positions, metrics))
+                for positions, metrics in zip(
+                    self._kvc_head_slots(slot, cache.slot_positions),
+                    self._kvc_head_slots(slot, cache.slot_metrics),
+                )
+            ]
             budget = order.compression.budget
             self.kvc_recorded[request_id] = {
                 "policy": order.compression.policy.name,
@@ -720,22 +720,25 @@ class PerHeadRunnerMixin:
         table = table.reshape(held.numel(), -1)
         return [table[head, : int(held[head])].tolist() for head in range(held.numel())]
 
+    def _kvc_head_slots(self, slot: int, per_slot: torch.Tensor) -> list[list]:
+        """``per_slot`` (``[num_pages, block_size]``: slot positions or metrics) of the
+        KVs each head of ``slot`` holds, in slot order: ``[L*H]`` lists."""
+        lens = self.kvc_cache.head_lens[slot].reshape(-1).tolist()
+        return [
+            per_slot[torch.tensor(pages, dtype=torch.int64)].reshape(-1)[:count].tolist()
+            for pages, count in zip(self._kvc_head_pages(slot), lens)
+        ]
+
     def kvcompress_kept_positions(self) -> dict[str, list[list[int]]]:
         """Token positions of the KVs every head of every live request holds, in slot
         order: request id -> ``[L*H]`` lists (tests: which KVs survived a compression)."""
         cache = self.kvc_cache
         if cache is None:
             return {}
-        lens = cache.head_lens
-        positions = {}
-        for request_id, slot in self.kvc_live_slots.items():
-            heads = []
-            for head, pages in enumerate(self._kvc_head_pages(slot)):
-                count = int(lens[slot].reshape(-1)[head])
-                slots = cache.slot_positions[torch.tensor(pages, dtype=torch.int64)].reshape(-1)
-                heads.append(slots[:count].tolist())
-            positions[request_id] = heads
-        return positions
+        return {
+            request_id: self._kvc_head_slots(slot, cache.slot_positions)
+            for request_id, slot in self.kvc_live_slots.items()
+        }
 
     def kvcompress_page_dump(self) -> dict:
         """Every page reference the worker holds, for tests' brute-force recounts:
