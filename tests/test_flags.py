@@ -196,16 +196,20 @@ def test_cli_flags_reach_the_engine_config(tmp_path):
          "--kv-compress-block-cost", "sum", "--kv-compress-interval", "32",
          "--kv-compress-sink-tokens", "4", "--kv-compress-pool-kernel", "5",
          "--kv-compress-max-kv-per-iteration", "100000", "--kv-compress-min-cache-tokens", "64",
-         "--kv-compress-observation-window", "16", "--kv-compress-full-skip-nearest", "4"]
+         "--kv-compress-observation-window", "16", "--kv-compress-full-skip-nearest", "4",
+         "--no-kv-compress-pool-words"]
     )
     section = AsyncEngineArgs.from_cli_args(every).create_engine_config().additional_config["kvcompress"]
     assert {k: section[k] for k in ("metric", "metric_queries", "block_cost", "interval", "sink_tokens",
             "pool_kernel", "max_kv_per_iteration", "min_cache_tokens", "observation_window",
-            "full_skip_nearest")} == {
+            "full_skip_nearest", "pool_words")} == {
         "metric": "l1", "metric_queries": "full", "block_cost": "sum", "interval": 32, "sink_tokens": 4,
         "pool_kernel": 5, "max_kv_per_iteration": 100000, "min_cache_tokens": 64,
-        "observation_window": 16, "full_skip_nearest": 4,
+        "observation_window": 16, "full_skip_nearest": 4, "pool_words": False,
     }
+    words = parser.parse_args(["--model", model, "--skip-tokenizer-init", "--kv-compress-pool-words"])
+    section = AsyncEngineArgs.from_cli_args(words).create_engine_config().additional_config["kvcompress"]
+    assert section["pool_words"] is True and section["enabled"] is True
     with pytest.raises(SystemExit):  # argparse names the flag and its choices
         parser.parse_args(["--model", model, "--kv-compress-metric", "l3"])
 
@@ -252,7 +256,8 @@ def test_policy_flags_reach_the_engine_config_and_help_lists_them(tmp_path):
                            text=True, timeout=300, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
     help_text = " ".join(shown.stdout.split())
     for flag in ("--kv-compress-policy", "--kv-compress-pyramid-beta", "--kv-compress-ada-floor",
-                 "--kv-compress-xkv-profile", "--kv-compress-pool "):
+                 "--kv-compress-xkv-profile", "--kv-compress-pool ", "--kv-compress-pool-words",
+                 "--no-kv-compress-pool-words"):
         assert flag in help_text
     assert "{" + ",".join(POLICY_NAMES) + "}" in help_text
     assert "(default: 20.0)" in help_text and "(default: 0.5)" in help_text

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvcompress.ops.word_spans import span_max_pool
+
 
 def _logical_slots(block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
     """``[H, P]`` page ids -> ``[H, P*b]`` flat slot ids (``page * b + offset``)."""
@@ -115,15 +117,20 @@ def pool_metrics(
     head_lens: torch.Tensor,
     kernel: int,
     mode: str = "max",
+    word_starts: torch.Tensor | None = None,
 ) -> None:
     """Pool each head's metrics over neighbouring key positions, in place.
 
     ``mode``: ``max`` (SnapKV, PyramidKV, Ada-KV, KV-Compress) or ``avg`` (XKV; the
     mean over the window's held KVs, edges included). Only valid while a head is
     uncompressed (logical slot order = position order), which is when prompt metrics
-    are final. ``kernel`` odd; 1 = no-op.
+    are final. ``kernel`` odd; 1 = no kernel pooling.
+
+    ``word_starts``: ``[T]`` int64, the first position of the word span of each of the
+    first T positions (``kvcompress.ops.word_spans.span_starts``); after the kernel,
+    each of those positions gets its span's largest (pooled) metric.
     """
-    if kernel <= 1:
+    if kernel <= 1 and word_starts is None:
         return
     if mode not in ("max", "avg"):
         raise ValueError(f"pool mode must be 'max' or 'avg', got {mode!r}")
@@ -131,7 +138,9 @@ def pool_metrics(
     slots = _logical_slots(block_tables, block_size)
     held = torch.arange(slots.shape[1], device=slots.device) < head_lens.unsqueeze(-1)
     values = slot_metrics.view(-1)[slots]
-    if mode == "max":
+    if kernel <= 1:
+        pooled = values
+    elif mode == "max":
         values = values.masked_fill(~held, float("-inf"))
         pooled = F.max_pool1d(values.unsqueeze(1), kernel, stride=1, padding=kernel // 2).squeeze(1)
     else:
@@ -139,6 +148,11 @@ def pool_metrics(
         total = F.conv1d(values.masked_fill(~held, 0.0).unsqueeze(1), ones, padding=kernel // 2)
         count = F.conv1d(held.to(values.dtype).unsqueeze(1), ones, padding=kernel // 2)
         pooled = (total / count.clamp(min=1)).squeeze(1)
+    if word_starts is not None:
+        span = min(len(word_starts), pooled.shape[1])
+        within = pooled[:, :span].masked_fill(~held[:, :span], float("-inf"))
+        pooled = pooled.clone()
+        pooled[:, :span] = span_max_pool(within, word_starts[:span])
     slot_metrics.view(-1)[slots[held]] = pooled[held]
 
 

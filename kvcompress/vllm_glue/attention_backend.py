@@ -341,7 +341,7 @@ class PerHeadAttentionImpl(AttentionImpl):
                 scored = scored * metrics.prompt_weight
             accumulate_metrics(pool.slot_metrics, tables, lens, scored)
             if rows.prompt_done:
-                pool_metrics(pool.slot_metrics, tables, lens, spec.pool_kernel, spec.pool)
+                pool_metrics(pool.slot_metrics, tables, lens, spec.pool_kernel, spec.pool, rows.word_starts)
 
 
 class PerHeadAttentionBackend(AttentionBackend):

@@ -258,3 +258,6 @@ def check_model_supported(vllm_config: Any, settings: KVCompressConfig) -> None:
             f"{flag} does not support head size {head_size} of model {name} "
             f"(supported on this platform: {list(head_sizes)})"
         )
+    from kvcompress.vllm_glue.tokenizer_checks import warn_if_pooling_unsafe
+
+    warn_if_pooling_unsafe(model_config, settings)  # e.g. per-digit numbers, no word pooling

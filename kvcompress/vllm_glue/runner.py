@@ -45,6 +45,7 @@ from kvcompress.ops.paged_cache import pages_for
 from kvcompress.ops import cpu_attention
 from kvcompress.ops.dispatch import resolve_ops
 from kvcompress.ops.prefix_groups import PrefixGroups
+from kvcompress.ops.word_spans import WordEdges, span_starts
 from kvcompress.vllm_glue.step import (
     DecodeBuffers,
     MetricQueries,
@@ -63,6 +64,7 @@ from kvcompress.vllm_glue.kv_layout import (
     single_full_attention_group,
 )
 from kvcompress.vllm_glue.batch_rows import BatchRows
+from kvcompress.vllm_glue.tokenizer_checks import word_edges
 from kvcompress.vllm_glue.outputs import step_compression_of, with_report
 
 logger = init_logger(f"vllm.{__name__}")
@@ -233,6 +235,9 @@ class PerHeadRunnerMixin:
             device=pool.device,
         )
         self.kvc_generator: torch.Generator | None = None
+        # The vocabulary's word edges, loaded at the first prompt pooled over words
+        # (False: no tokenizer, pooling over tokens only).
+        self.kvc_word_edges: WordEdges | bool | None = None
         # request id -> a compression's inputs, while tests record them (None: off).
         self.kvc_recorded: dict[str, dict] | None = None
         state = WorkerCacheState(
@@ -680,7 +685,9 @@ class PerHeadRunnerMixin:
             hi = min(first + count, prompt_len)
             if hi > lo:
                 start = int(query_start[index]) - first
-                prompt_rows.append(PromptMetricRows(index, start + lo, start + hi, hi == prompt_len, spec))
+                done = hi == prompt_len
+                words = self._kvc_word_starts(request_id) if done and spec.pool_words else None
+                prompt_rows.append(PromptMetricRows(index, start + lo, start + hi, done, spec, words))
         if not prompt_rows and not decode_seqs.any():
             return None
         return MetricQueries(
@@ -690,6 +697,17 @@ class PerHeadRunnerMixin:
             power=self.kvc_decode_metric_power,
             prompt_weight=1.0 / settings.decode_metric_stride,
         )
+
+    def _kvc_word_starts(self, request_id: str) -> torch.Tensor | None:
+        """``[prompt_len]`` first position of each prompt token's word span (None
+        without a tokenizer or token ids, e.g. prompt embeddings: token pooling only)."""
+        if self.kvc_word_edges is None:
+            self.kvc_word_edges = word_edges(self.vllm_config.model_config) or False
+        token_ids = self.requests[request_id].prompt_token_ids
+        if not self.kvc_word_edges or token_ids is None:
+            return None
+        starts = span_starts(token_ids, self.kvc_word_edges)
+        return torch.from_numpy(starts).to(self.kvc_cache.device)
 
     def _kvc_decode_metric_due(self, position: int) -> bool:
         """Whether the decode query at ``position`` adds to the metrics

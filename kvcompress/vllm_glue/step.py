@@ -165,6 +165,9 @@ class PromptMetricRows:
         prompt_done: this chunk ends the prompt, so the prompt metrics are final and
             get pooled.
         spec: the request's policy metric (power, skip_nearest, pooling).
+        word_starts: ``[prompt_len]`` int64, the first position of each prompt
+            position's word span, when the prompt is done and the spec pools over
+            words (``kvcompress.ops.word_spans``); else None.
     """
 
     seq_index: int
@@ -172,6 +175,7 @@ class PromptMetricRows:
     row_end: int
     prompt_done: bool
     spec: MetricSpec
+    word_starts: torch.Tensor | None = None
 
 
 @dataclass
