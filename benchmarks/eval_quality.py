@@ -1109,9 +1109,10 @@ def format_table(results: dict, markdown: bool = False) -> str:
     ]
     if any(r["task"] == MULTITURN for r in rows):
         notes.append(
-            f"{MULTITURN}: two needles; the prompt asks for the first (compressed with that "
-            "question in view), the first answer and a question about the second needle are "
-            f"teacher-forced, then {MULTITURN_ANSWER_TOKENS} tokens are generated and scored."
+            f"{MULTITURN}: a magic number and a vault's access code; the prompt asks for the "
+            "number (compressed with that question in view), the answer and a question about "
+            f"the code are teacher-forced, then {MULTITURN_ANSWER_TOKENS} tokens are generated "
+            "and scored."
         )
     ppl_rows = [r for r in rows if r["task"] == "ppl" and r["policy"] == policies[0]]
     if ppl_rows:
@@ -1250,7 +1251,8 @@ QUICK_ARGS = (
     "--tasks", "niah_single", MULTITURN, "ppl", "--lengths", "2048", "--rates", "8",
     "--limit", "3", "--ppl-samples", "1",
 )
-"""``--quick``: about 3 minutes on 2 cores (SmolLM2, one policy)."""
+"""``--quick``: about 3 minutes on 2 cores (SmolLM2, one policy; 4.5 min measured while
+another run shared the cores)."""
 
 
 def main(argv: list[str] | None = None) -> dict:
