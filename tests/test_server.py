@@ -251,8 +251,14 @@ def test_prometheus_metrics_agree_with_the_worker(server):
         headers={"Content-Type": "application/json"},
     )
     with urllib.request.urlopen(request, timeout=120) as stream:
-        for _ in range(6):  # three tokens ("data: ..." and a blank line each): the
-            stream.readline()  # prefill ran, the compression after it too
+        chunks = []  # three tokens streamed: the prefill ran, the compression after it too
+        while len(chunks) < 3:
+            line = stream.readline().decode()
+            assert line, f"the stream ended after {chunks}"
+            if line.startswith("data: "):
+                payload = line[len("data: "):].strip()
+                assert payload != "[DONE]" and "error" not in json.loads(payload), (chunks, payload)
+                chunks.append(payload)
         running = _metrics(server)
         assert _worker_stats(server)["live_requests"] == 1
     ratio = _metric(running, "kvcompress:kvs_kept_ratio")
