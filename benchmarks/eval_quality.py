@@ -286,6 +286,18 @@ NIAH_INTRO = (
 NIAH_NEEDLE = "One of the special magic numbers for {key} is: {value}."
 
 
+def _question(subject: str) -> str:
+    """RULER's question and answer prefix about ``subject`` ("special magic number for X")."""
+    return (
+        f"What is the {subject} mentioned in the provided text? "
+        f"The {subject} mentioned in the provided text is"
+    )
+
+
+def _niah_question(key: str) -> str:
+    return _question(f"special magic number for {key}")
+
+
 def _niah(task, tokenizer, essays, length, depth, rng) -> dict:
     keys, values = set(), set()
     key = _key(rng, keys)
@@ -303,10 +315,7 @@ def _niah(task, tokenizer, essays, length, depth, rng) -> dict:
         if task == "niah_multikey":
             for _ in range(3):
                 inserts.append((rng.random(), NIAH_NEEDLE.format(key=_key(rng, keys), value=_number(rng, values))))
-        question = (
-            f"What is the special magic number for {key} mentioned in the provided text? "
-            f"The special magic number for {key} mentioned in the provided text is"
-        )
+        question = _niah_question(key)
     prompt = _fit_essay_prompt(
         tokenizer, essays, rng.randrange(len(essays)), length, inserts,
         lambda body: f"{NIAH_INTRO}{body}\n\n{question}",
@@ -314,21 +323,7 @@ def _niah(task, tokenizer, essays, length, depth, rng) -> dict:
     return {**prompt, "depth": depth, "answers": answers, "query": key}
 
 
-def _niah_question(key: str) -> str:
-    return (
-        f"What is the special magic number for {key} mentioned in the provided text? "
-        f"The special magic number for {key} mentioned in the provided text is"
-    )
-
-
 SECOND_NEEDLE = "The access code of the {key} vault is {value}."
-
-
-def _second_question(key: str) -> str:
-    return (
-        f"What is the access code of the {key} vault mentioned in the provided text? "
-        f"The access code of the {key} vault mentioned in the provided text is"
-    )
 
 
 def _niah_multiturn(tokenizer, essays, length, depth, rng) -> dict:
@@ -349,7 +344,8 @@ def _niah_multiturn(tokenizer, essays, length, depth, rng) -> dict:
         tokenizer, essays, rng.randrange(len(essays)), length, inserts,
         lambda body: f"{NIAH_INTRO}{body}\n\n{_niah_question(first_key)}",
     )
-    forced = _encode(tokenizer, f" {first}.\n\n{_second_question(second_key)}")
+    second_question = _question(f"access code of the {second_key} vault")
+    forced = _encode(tokenizer, f" {first}.\n\n{second_question}")
     return {**prompt, "depth": depth, "answers": [second], "query": second_key, "forced": forced}
 
 

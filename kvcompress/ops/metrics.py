@@ -151,7 +151,6 @@ def pool_metrics(
     if word_starts is not None:
         span = min(len(word_starts), pooled.shape[1])
         within = pooled[:, :span].masked_fill(~held[:, :span], float("-inf"))
-        pooled = pooled.clone()
         pooled[:, :span] = span_max_pool(within, word_starts[:span])
     slot_metrics.view(-1)[slots[held]] = pooled[held]
 
