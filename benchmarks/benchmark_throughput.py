@@ -979,6 +979,25 @@ def print_report(results: dict[str, Any]) -> None:
         print(repeats)
 
 
+def summary_line(results: dict[str, Any]) -> str:
+    """One line: per input length, kvcompress's best rate by throughput over stock, its
+    max-batch ratio, and rate 1 (the per-head cache alone)."""
+    parts = []
+    for n in sorted({row["input_len"] for row in results["rows"]}):
+        kvc = [r for r in results["rows"] if r["input_len"] == n and r["engine"] == KVC
+               and r.get("throughput_multiplier") is not None]
+        if not kvc:
+            continue
+        best = max(kvc, key=lambda r: r["throughput_multiplier"])
+        text = (f"input {n}: rate {best['rate']:g} {best['throughput_multiplier']:.2f}x stock's tokens/s, "
+                f"max decode batch {best['max_batch_multiplier']:.1f}x")
+        rate1 = next((r for r in kvc if r["rate"] == 1), None)
+        if rate1 is not None and rate1 is not best:
+            text += f", rate 1 {rate1['throughput_multiplier']:.2f}x"
+        parts.append(text)
+    return "summary: " + ("; ".join(parts) if parts else "no kvcompress rows (see kvcompress_error)")
+
+
 # --------------------------------------------------------------------------------------
 # CLI
 
@@ -1079,6 +1098,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         prefix = Path(__file__).resolve().parent / "results" / f"throughput-{device}"
     for path in write_outputs(results, prefix, plots=not args.no_plots):
         print(f"wrote {path}")
+    print(summary_line(results))
     return results
 
 

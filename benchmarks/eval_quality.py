@@ -568,12 +568,15 @@ def build_ppl_samples(tokenizer, count, context, forced, seed=0) -> list[dict]:
 # Engines
 
 
-def _generate(llm, samples, rate: float | None, kvc: bool, policy: str | None = None) -> dict[str, Any]:
-    """Every sample in one batch (added, then stepped to completion). ``rate`` None: no
+def _generate(llm, samples, rate: float | None, kvc: bool, policy: str | None = None,
+              desc: str | None = None) -> dict[str, Any]:
+    """Every sample in one batch (added, then stepped to completion; with ``desc``, a
+    tqdm bar of finished samples on stderr under that title). ``rate`` None: no
     kvcompress field (stock); ``policy``: the request's ``kv_compress_policy`` (None:
     the engine's). With ``kvc``, also reads the scheduler's page counts in the
     step after each request's prefill: the fraction of its KVs held just after its prompt
     was compressed (``kv_kept``)."""
+    from tqdm import tqdm
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -604,12 +607,15 @@ def _generate(llm, samples, rate: float | None, kvc: bool, policy: str | None = 
     before = page_stats(llm) if kvc else None
     started = time.perf_counter()
     poll: set[int] = set()  # requests whose prompt was compressed in this step
+    bar = tqdm(total=len(samples), desc=desc, unit="sample", file=sys.stderr, leave=False,
+               disable=desc is None)
     while engine.has_unfinished_requests():
         first: set[int] = set()
         for output in engine.step():
             index = int(output.request_id.split("-")[1])
             if output.finished:
                 outputs[index] = output.outputs[0]
+                bar.update(1)
             if len(output.outputs[0].token_ids) == 1:
                 first.add(index)  # prefill done: compressed in the next step
         if kvc and poll:
@@ -621,6 +627,7 @@ def _generate(llm, samples, rate: float | None, kvc: bool, policy: str | None = 
                     held = sum(map(sum, request["head_lens"]))
                     kept[index] = held / (heads * request["logical_len"])
         poll = first
+    bar.close()
     texts = [o.text for o in outputs]
     for index, (sample, output) in enumerate(zip(samples, outputs)):
         if sample["task"] != "ppl" and "forced" in sample:
@@ -685,10 +692,12 @@ def run_quality(
     kvc_settings: dict | None = None,
     engine_args: dict | None = None,
     log=print,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """Stock vLLM once, then kvcompress once per (policy, rate), on the same samples.
     Rate 1 evicts nothing whatever the policy: it is run once, under ``policies[0]``,
-    and that same run is stored as every policy's rate 1.
+    and that same run is stored as every policy's rate 1. ``progress``: a tqdm bar per
+    run (stderr).
 
     Returns ``{"config", "machine", "samples", "runs": {"full": run, policy: {rate: run},
     ...}, "rows", "rate1_identical", "timings"}``; ``rows`` as in :func:`score_rows`.
@@ -732,7 +741,8 @@ def run_quality(
     stock = LLM(model=path, **args)
     timings["full_engine_start"] = time.perf_counter() - started
     try:
-        full = _generate(stock, samples, None, kvc=False)
+        full = _generate(stock, samples, None, kvc=False,
+                         desc=f"full cache: {len(samples)} samples" if progress else None)
     finally:
         shutdown(stock)
     log(f"full cache (stock vLLM): engine up in {timings['full_engine_start']:.0f} s, "
@@ -751,7 +761,8 @@ def run_quality(
                 if rate == 1.0 and rate1 is not None:
                     runs[policy][rate] = rate1
                     continue
-                run = runs[policy][rate] = _generate(kvc, samples, rate, kvc=True, policy=policy)
+                desc = f"{policy} rate {rate:g}: {len(samples)} samples" if progress else None
+                run = runs[policy][rate] = _generate(kvc, samples, rate, kvc=True, policy=policy, desc=desc)
                 if rate == 1.0:
                     rate1 = run
                 log(f"kvcompress {policy} rate {rate:g}: {run['seconds']:.0f} s, "
@@ -1067,6 +1078,23 @@ def ranking_lines(results: dict, markdown: bool) -> list[str]:
     return lines
 
 
+def summary_line(results: dict) -> str:
+    """One line: per policy at its highest rate, the RULER tasks' and the perplexity's %
+    of the full cache (95% intervals), the wall time."""
+    rows, parts = results["rows"], []
+    for policy in _policies(results):
+        rate = max(_rates(results, policy))
+        ruler = _row(rows, policy, rate, "all", "all")
+        ppl = [r for r in rows if r["policy"] == policy and r["rate"] == rate and r["task"] == "ppl"]
+        text = f"{policy} r{rate:g}: RULER {_pct_text(ruler)}"
+        if ppl:
+            text += f", perplexity {_pct_text(ppl[0])}"
+        parts.append(text)
+    wall = results.get("timings", {}).get("wall")
+    timing = f" ({wall / 60:.1f} min)" if wall else ""
+    return "summary: % of the full cache: " + "; ".join(parts) + timing
+
+
 def format_table(results: dict, markdown: bool = False) -> str:
     """One policy: full-cache score per (task, length), then % of it per rate. Several:
     a summary (policies x rates: all RULER cells, perplexity and KVs kept), then that
@@ -1281,6 +1309,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="kvcompress engine: tokens per page (default: the engine's)")
     parser.add_argument("--out", default=None, help="write <OUT>.json/.md/.png")
     parser.add_argument("--show-outputs", action="store_true")
+    parser.add_argument("--no-progress", action="store_true", help="no tqdm bars")
     raw = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(raw)
     if args.quick:  # the quick settings, under any flag given explicitly
@@ -1292,7 +1321,7 @@ def main(argv: list[str] | None = None) -> dict:
         model=args.model, tasks=args.tasks, lengths=args.lengths, rates=args.rates,
         policies=args.policies, limit=args.limit, depths=args.depths, seed=args.seed, ppl_samples=args.ppl_samples,
         ppl_context=args.ppl_context, ppl_tokens=args.ppl_tokens,
-        interval=args.kv_compress_interval, log=log,
+        interval=args.kv_compress_interval, log=log, progress=not args.no_progress,
         kvc_settings={"pool_kernel": args.kv_compress_pool_kernel,
                       "observation_window": args.kv_compress_observation_window,
                       "decode_metric_stride": args.kv_compress_decode_metric_stride,
@@ -1312,6 +1341,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(format_table(results))
     if args.out:
         write_outputs(results, args.out, log=log)
+    print(summary_line(results))
     return results
 
 

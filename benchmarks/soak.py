@@ -638,10 +638,14 @@ def send(base: str, plan: Plan, deadline: float) -> Result:
 
 
 def run_load(base: str, plans: list[Plan], concurrency: int, deadline: float, progress: bool) -> list[Result]:
+    """Send every plan from ``concurrency`` threads; with ``progress``, a tqdm bar of
+    answered requests with the outcomes so far."""
+    from tqdm import tqdm
+
     results: list[Result | None] = [None] * len(plans)
     cursor = iter(range(len(plans)))
     lock = threading.Lock()
-    done_count = [0]
+    bar = tqdm(total=len(plans), desc="soak: requests", unit="req", file=sys.stderr, disable=not progress)
 
     def worker() -> None:
         while True:
@@ -651,10 +655,9 @@ def run_load(base: str, plans: list[Plan], concurrency: int, deadline: float, pr
                 return
             results[index] = send(base, plans[index], deadline)
             with lock:
-                done_count[0] += 1
-                if progress and done_count[0] % 10 == 0:
-                    counts = Counter(r.outcome for r in results if r is not None)
-                    print(f"  {done_count[0]}/{len(plans)} {dict(counts)}", file=sys.stderr, flush=True)
+                counts = Counter(r.outcome for r in results if r is not None)
+                bar.set_postfix_str(" ".join(f"{k} {v}" for k, v in sorted(counts.items())), refresh=False)
+                bar.update(1)
 
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
     for thread in threads:
@@ -662,6 +665,7 @@ def run_load(base: str, plans: list[Plan], concurrency: int, deadline: float, pr
     for thread in threads:
         # Every socket read is bounded by the deadline; the margin covers a last connect.
         thread.join(timeout=max(0.0, deadline - time.monotonic()) + 30.0)
+    bar.close()
     final = []
     for plan, result in zip(plans, results):
         if result is None:  # a thread stuck past every bound
@@ -1177,6 +1181,43 @@ def render_markdown(report: dict[str, Any]) -> str:
 # Main
 
 
+def write_plot(report: dict[str, Any], path: Path) -> Path | None:
+    """Per request (in plan order): latency of the ok ones, and outcome counts."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    requests_ = report["requests"]
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 3.8), gridspec_kw={"width_ratios": [2, 1]})
+    ok = [(r["index"], r["latency_s"]) for r in requests_ if r["outcome"] == "ok" and r["latency_s"] is not None]
+    left.scatter([i for i, _ in ok], [t for _, t in ok], s=6)
+    left.set_xlabel("request (plan order)")
+    left.set_ylabel("latency of ok requests (s)")
+    outcomes = {k: v for k, v in report["summary"]["outcomes"].items() if v}
+    right.bar(list(outcomes), list(outcomes.values()),
+              color=["tab:red" if k in ("error", "hung", "not_sent") else "tab:blue" for k in outcomes])
+    right.set_title("outcomes")
+    right.tick_params(axis="x", rotation=30)
+    config = report["config"]
+    engine = f"kvcompress rate {config['kv_compress_rate']}" if config["kvcompress"] else "stock vLLM"
+    figure.suptitle(f"soak: {engine}, {config['requests']} requests, concurrency {config['concurrency']}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+def summary_line(report: dict[str, Any]) -> str:
+    summary, failed = report["summary"], report["failed_checks"]
+    outcomes = ", ".join(f"{k} {v}" for k, v in summary["outcomes"].items() if v)
+    verdict = "all checks passed" if not failed else f"{len(failed)} checks FAILED: {'; '.join(failed)}"
+    return (f"summary: {outcomes} in {summary['wall_s']} s, {summary['output_tokens_per_s']} output tokens/s, "
+            f"latency p50 {summary['latency_s']['p50']} s; {verdict}")
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     if "--" in argv:
         split = argv.index("--")
@@ -1448,9 +1489,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         args.markdown.write_text(markdown)
+        plot = write_plot(report, args.markdown.with_suffix(".png"))
+        if plot:
+            say(f"soak: wrote {plot}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1) + "\n")
+    print(summary_line(report))
     return 1 if failed else 0
 
 

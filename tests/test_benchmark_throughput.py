@@ -44,6 +44,9 @@ def test_benchmark_throughput_smoke(tmp_path):
         ("stock vLLM", 1.0), ("kvcompress", 1.0), ("kvcompress", 4.0),
     ]  # fmt: skip
     assert "| 512 | kvcompress | 4 |" in prefix.with_suffix(".md").read_text()
+    for figure in ("throughput-multiplier", "max-batch", "throughput-by-input"):
+        assert (tmp_path / f"throughput-{figure}.png").stat().st_size > 10_000, figure
+    assert done.stdout.strip().splitlines()[-1].startswith("summary: input 512: rate ")
 
     rows = {(r["engine"], r["rate"]): r for r in saved["rows"]}
     for row in rows.values():

@@ -76,6 +76,9 @@ def test_rows_and_ranking(bench):
     lines = bench.ranking_lines(results, markdown=False)
     assert lines[0].startswith("RULER r8: good 75%") and "> bad 25%" in lines[0]
     assert lines[1].startswith("multi-turn r8: good 75%")
+    line = bench.summary_line(results)
+    assert line.startswith("summary: % of the full cache: good r8: RULER 75% (")
+    assert "; bad r8: RULER 25% (" in line
 
 
 @pytest.mark.assets

@@ -33,6 +33,7 @@ def soak_report(tmp_path_factory):
         "--kv-compress-rate", "8", "--max-tokens", "16", "--time-limit", "180",
         "--startup-timeout", "300", "--seed", "1",
         "--json", str(report_path), "--log", str(log_path), "--quiet",
+        "--markdown", str(out / "soak.md"),
     ]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=900)
     if not report_path.exists():
@@ -41,7 +42,18 @@ def soak_report(tmp_path_factory):
     report = json.loads(report_path.read_text())
     report["exit_code"] = completed.returncode
     report["stdout"] = completed.stdout
+    report["out"] = out
     return report
+
+
+def test_report_table_plot_and_summary_line(soak_report):
+    out = soak_report["out"]
+    assert "| wall time of the load |" in (out / "soak.md").read_text()
+    assert (out / "soak.png").stat().st_size > 10_000
+    last = soak_report["stdout"].strip().splitlines()[-1]
+    ok = soak_report["summary"]["outcomes"]["ok"]
+    assert last.startswith(f"summary: ok {ok}, ")
+    assert last.endswith("all checks passed") == (soak_report["exit_code"] == 0), last
 
 
 def test_every_answer_is_well_formed(soak_report):
