@@ -1,0 +1,52 @@
+"""benchmarks/bench_serve.py without servers (a whole run is ~25 min: README "Benchmarks"):
+the dataset it hands to ``vllm bench serve`` and how it picks and prints the median runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import load_benchmark
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_benchmark("bench_serve")
+
+
+@pytest.mark.assets
+def test_dataset_prompts_are_long_documents_that_retokenize_to_their_length(bench, tmp_path):
+    from transformers import AutoTokenizer
+
+    from offline_assets import smollm2_checkpoint
+
+    model = str(smollm2_checkpoint())
+    path = tmp_path / "documents.jsonl"
+    lengths = bench.write_dataset(path, model, count=3, length=1024, seed=0)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(lines) == 3 and all(set(line) == {"prompt"} for line in lines)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    for line, length in zip(lines, lengths):
+        assert 900 <= length <= 1024
+        # vllm bench serve re-tokenizes the text: it must come back at (about) the same length.
+        assert abs(len(tokenizer(line["prompt"], add_special_tokens=False)["input_ids"]) - length) <= 4
+        assert "special magic number" in line["prompt"]
+
+
+def _run(bench, label, rate, throughput, repeat):
+    metrics = {key: throughput * 10 for key, _ in bench.METRICS}
+    return {"label": label, "rate": rate, "repeat": repeat, "peak_running_requests": 3, "completed": 8,
+            "failed": 0, **metrics, "output_throughput": throughput, "request_throughput": throughput / 100}
+
+
+def test_median_run_per_configuration_and_its_table(bench):
+    runs = [_run(bench, "stock vLLM", None, 10.0, 0), _run(bench, "kvcompress rate 8", 8.0, 30.0, 0),
+            _run(bench, "kvcompress rate 8", 8.0, 20.0, 1), _run(bench, "stock vLLM", None, 12.0, 1),
+            _run(bench, "kvcompress rate 8", 8.0, 25.0, 2), _run(bench, "stock vLLM", None, 11.0, 2)]
+    rows = bench.median_runs(runs)
+    assert [(r["label"], r["output_throughput"]) for r in rows] == [("stock vLLM", 11.0), ("kvcompress rate 8", 25.0)]
+    lines = bench.table(rows)
+    assert lines[0].startswith("| server | peak running | requests/s | output tokens/s |")
+    assert lines[2].startswith("| stock vLLM | 3 | 0.11 (1.00x) | 11 (1.00x) |")
+    assert lines[3].startswith("| kvcompress rate 8 | 3 | 0.25 (2.27x) | 25 (2.27x) |")
