@@ -168,25 +168,13 @@ def table(rows: list[dict]) -> list[str]:
 
 
 def write_plot(rows: list[dict], path: str) -> str | None:
-    try:
-        import matplotlib
+    from plots import bar_panels
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
     labels = ["stock" if r["rate"] is None else f"kvc r{r['rate']:g}" for r in rows]
     panels = [("output_throughput", "output tokens/s"), ("p50_ttft_ms", "TTFT p50 (ms)"),
               ("p50_tpot_ms", "TPOT p50 (ms)"), ("peak_running_requests", "peak running requests")]
-    figure, axes = plt.subplots(1, len(panels), figsize=(14, 3.6))
-    for ax, (key, title) in zip(axes, panels):
-        ax.bar(labels, [r[key] for r in rows], color=["tab:gray"] + ["tab:blue"] * (len(rows) - 1))
-        ax.set_title(title)
-    figure.suptitle("vllm bench serve, SmolLM2-135M on CPU, same KV memory")
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    return path
+    return bar_panels(path, labels, [([r[key] for r in rows], title) for key, title in panels],
+                      "vllm bench serve, SmolLM2-135M on CPU, same KV memory")
 
 
 def parse_args(argv=None) -> argparse.Namespace:

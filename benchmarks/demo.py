@@ -290,30 +290,16 @@ def answers_table(documents, runs: list[EngineRun]) -> list[str]:
 
 def write_plot(runs: list[EngineRun], path: str) -> str | None:
     """Three bar charts: KV MiB per request, max concurrent requests, output tokens/s."""
-    try:
-        import matplotlib
+    from plots import bar_panels
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
     labels = ["stock" if r.rate is None else f"kvc r{r.rate:g}" for r in runs]
     panels = [
         ([r.kv_bytes_per_request / 2**20 for r in runs], "KV held per request (MiB)"),
         ([r.max_concurrent for r in runs], "max concurrent requests"),
         ([r.output_tokens_per_s for r in runs], "output tokens/s"),
     ]
-    figure, axes = plt.subplots(1, 3, figsize=(12, 3.8))
-    for ax, (values, title) in zip(axes, panels):
-        colors = ["tab:gray"] + ["tab:blue"] * (len(values) - 1)
-        ax.bar(labels, values, color=colors)
-        ax.set_title(title)
     answers = ", ".join(f"{label} {sum(r.correct)}/{len(r.correct)}" for label, r in zip(labels, runs))
-    figure.suptitle(f"SmolLM2-135M on CPU, same KV memory; answers right: {answers}")
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    return path
+    return bar_panels(path, labels, panels, f"SmolLM2-135M on CPU, same KV memory; answers right: {answers}")
 
 
 def summary_line(runs: list[EngineRun]) -> str:

@@ -26,3 +26,25 @@ def two_bar_charts(path: str, labels: list[str], left: tuple[list[float], str],
     figure.savefig(path, dpi=100)
     plt.close(figure)
     return path
+
+
+def bar_panels(path: str, labels: list[str], panels: list[tuple[list[float], str]], title: str) -> str | None:
+    """One bar chart per ``(values, title)`` panel, side by side over the same
+    ``labels``; the first bar (the baseline, stock vLLM) gray. Written to ``path``
+    (PNG); None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    figure, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.8))
+    for ax, (values, panel_title) in zip(axes, panels):
+        ax.bar(labels, values, color=["tab:gray"] + ["tab:blue"] * (len(values) - 1))
+        ax.set_title(panel_title)
+    figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
