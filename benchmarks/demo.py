@@ -6,9 +6,9 @@ stock vLLM and to kvcompress at compression rates 1, 4 and 8, under the SAME KV 
 (``kv_cache_memory_bytes``, by default room for about three uncompressed documents).
 Per engine it prints:
 
-- KV held per request: stock holds every token's K and V in 16-token blocks; kvcompress
-  holds its per-(layer, KV head) pages, read from its scheduler after each prompt was
-  compressed (the fewest pages a request held while decoding);
+- KV held per request: stock holds every token's K and V in its blocks (128 tokens on
+  CPU); kvcompress holds its per-(layer, KV head) pages, read from its scheduler after
+  each prompt was compressed (the fewest pages a request held while decoding);
 - max concurrent requests: the most requests decoding in one engine step;
 - output tokens/s: output tokens over the wall time of that engine's own run
   (prefill included; no subtraction of separately timed runs);
@@ -218,7 +218,9 @@ def stock_run(work: Workload, log) -> EngineRun:
         run = run_documents(llm, work.documents, work.output_tokens, None, "stock vLLM: answering", False)
     finally:
         shutdown(llm)
-    return work.engine_run("stock vLLM", None, run, work.stock_kv_bytes(block_size))
+    stock = work.engine_run("stock vLLM", None, run, work.stock_kv_bytes(block_size))
+    stock.extra = {"block_size": block_size}
+    return stock
 
 
 def kvcompress_runs(work: Workload, rates, log) -> list[EngineRun]:
