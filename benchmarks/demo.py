@@ -11,7 +11,8 @@ Per engine it prints:
   each prompt was compressed (the fewest pages a request held while decoding);
 - max concurrent requests: the most requests decoding in one engine step;
 - output tokens/s: output tokens over the wall time of that engine's own run
-  (prefill included; no subtraction of separately timed runs);
+  (prefill included; no subtraction of separately timed runs; kvcompress's runs also
+  read its page counts after every step, their cost kept in the JSON);
 - the answers, next to the expected numbers.
 
 One stock ``vllm.LLM`` answers all documents and is shut down; then one
@@ -105,15 +106,16 @@ class PageTracker:
 
         self.read = lambda: page_stats(llm)
         self.fewest: dict[str, int] = {}
-        stats = self.read()
-        self.pages_per_token_column = stats["num_layers"] * stats["num_kv_heads"]
-        self.block_size = stats["block_size"]
+        self.block_size = self.read()["block_size"]
+        self.seconds = 0.0  # spent reading, inside the timed run (counted against kvcompress)
 
     def after_step(self, prompt_lens: dict[str, int]) -> None:
+        started = time.perf_counter()
         for request_id, held in self.read()["requests"].items():
             if request_id in prompt_lens and held["logical_len"] > prompt_lens[request_id]:
                 previous = self.fewest.get(request_id, held["pages_held"])
                 self.fewest[request_id] = min(previous, held["pages_held"])
+        self.seconds += time.perf_counter() - started
 
 
 def run_documents(llm, documents, output_tokens: int, extra_args, desc: str,
@@ -165,6 +167,7 @@ def run_documents(llm, documents, output_tokens: int, extra_args, desc: str,
     if tracker:
         result["pages_held"] = [tracker.fewest.get(rid) for rid in sorted(index_of, key=index_of.get)]
         result["block_size"] = tracker.block_size
+        result["page_reading_seconds"] = tracker.seconds
     return result
 
 
@@ -245,7 +248,8 @@ def kvcompress_runs(work: Workload, rates, log) -> list[EngineRun]:
             engine_run = work.engine_run(label, rate, run, sum(held) / max(1, len(held)))
             engine_run.preempted = after["num_preemptions"] - before["num_preemptions"]
             engine_run.extra = {"pages_freed": after["pages_freed"] - before["pages_freed"],
-                                "mismatches": after["mismatches"]}
+                                "mismatches": after["mismatches"],
+                                "page_reading_seconds": run["page_reading_seconds"]}
             runs.append(engine_run)
             log(f"{label}: {sum(engine_run.correct)}/{len(engine_run.correct)} answers right, "
                 f"{run['seconds']:.0f} s")
