@@ -645,6 +645,7 @@ def run_load(base: str, plans: list[Plan], concurrency: int, deadline: float, pr
     results: list[Result | None] = [None] * len(plans)
     cursor = iter(range(len(plans)))
     lock = threading.Lock()
+    counts: Counter = Counter()
     bar = tqdm(total=len(plans), desc="soak: requests", unit="req", file=sys.stderr, disable=not progress)
 
     def worker() -> None:
@@ -655,7 +656,7 @@ def run_load(base: str, plans: list[Plan], concurrency: int, deadline: float, pr
                 return
             results[index] = send(base, plans[index], deadline)
             with lock:
-                counts = Counter(r.outcome for r in results if r is not None)
+                counts[results[index].outcome] += 1
                 bar.set_postfix_str(" ".join(f"{k} {v}" for k, v in sorted(counts.items())), refresh=False)
                 bar.update(1)
 
@@ -1183,12 +1184,10 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 def write_plot(report: dict[str, Any], path: Path) -> Path | None:
     """Per request (in plan order): latency of the ok ones, and outcome counts."""
-    try:
-        import matplotlib
+    from plots import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     requests_ = report["requests"]
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 3.8), gridspec_kw={"width_ratios": [2, 1]})
