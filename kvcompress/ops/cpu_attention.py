@@ -295,6 +295,8 @@ def plan_decode_step(
     """Every layer's :class:`KernelDecodeLayer` for a decode step, built once per step
     (one gather of the rows' tables for all layers, no per-layer host work but the
     kernel's work split, shared by all layers when their lengths agree, as at rate 1).
+    :class:`kvcompress.ops.cpu_decode_plan.DecodeBatchPlan` keeps the same arrays
+    between steps instead.
 
     Args:
         pool: the kernel-layout pool (:func:`supports_pool`).
@@ -308,32 +310,63 @@ def plan_decode_step(
             every layer (no row was ever compressed: every head holds all its tokens);
             None: checked here.
     """
-    # numpy over the CPU tables: a dozen tiny ops, ~1 us each (torch: ~5-10 us each).
     rows = seq_slots.to(torch.int64).numpy()
-    num_rows = rows.shape[0]
-    _, num_layers, num_kv_heads = head_lens.shape
+    tables, lens = decode_tables(pool.block_size, page_tables, rows, head_lens.numpy()[rows])
+    if uniform is None:
+        uniform = lens_agree_across_layers(lens)
+    return decode_layers(pool, torch.from_numpy(tables), lens, num_q_heads, metric_rows, uniform)
+
+
+def decode_tables(
+    block_size: int, page_tables: ChunkedPageTables | torch.Tensor, rows: np.ndarray, row_lens: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's arrays of a decode step: ``([L, B * H, P] int32 page ids,
+    [L, B, H] int32 KVs held)``, C order (layer ``l``'s kernel sequences are rows ``l``;
+    sequence ``b * H + h`` is row ``b``'s head ``h``), ``P`` the pages of the longest head.
+
+    Args:
+        rows: ``[B]`` int64 sequence slots of the batch rows.
+        row_lens: ``[B, L, H]`` KVs held per head of each row (after this step's KVs).
+    """
+    num_rows, num_layers, num_kv_heads = row_lens.shape
     if num_rows == 0:
         raise ValueError("plan_decode_step: a decode step has at least one row")
-    lens = head_lens.numpy()[rows]  # [B, L, H]
-    if int(lens.min()) < 1:
+    if int(row_lens.min()) < 1:
         raise RuntimeError("kvcompress: a decode row has a head with no KV (its own KV was not appended)")
-    num_pages = -(-int(lens.max()) // pool.block_size)
-    num_seqs = num_rows * num_kv_heads
-    # [L, B, H, P] int32 in C order: layer l's kernel sequences are rows l of [L, B*H, P].
+    num_pages = -(-int(row_lens.max()) // block_size)
+    # numpy over the CPU tables: a dozen tiny ops, ~1 us each (torch: ~5-10 us each).
     if isinstance(page_tables, torch.Tensor):
         row_tables = page_tables.numpy()[rows, :, :, :num_pages]
     else:
         row_tables = page_tables.gather_host(rows, num_pages)
-    tables = torch.from_numpy(np.ascontiguousarray(
-        row_tables.transpose(1, 0, 2, 3), dtype=np.int32,
-    )).view(num_layers, num_seqs, num_pages)
-    lens_by_layer = np.ascontiguousarray(lens.transpose(1, 0, 2), dtype=np.int32).reshape(num_layers, num_seqs)
-    seq_lens = torch.from_numpy(lens_by_layer)
+    tables = np.ascontiguousarray(row_tables.transpose(1, 0, 2, 3), dtype=np.int32)
+    lens = np.ascontiguousarray(row_lens.transpose(1, 0, 2), dtype=np.int32)
+    return tables.reshape(num_layers, num_rows * num_kv_heads, num_pages), lens
+
+
+def lens_agree_across_layers(lens: np.ndarray) -> bool:
+    """Whether every layer of ``lens [L, ...]`` equals the first (one work split serves all)."""
+    return bool((lens == lens[:1]).all())
+
+
+def decode_layers(
+    pool: KVPool, tables: torch.Tensor, lens: np.ndarray, num_q_heads: int,
+    metric_rows: torch.Tensor | None, uniform: bool,
+) -> list[KernelDecodeLayer]:
+    """The step's :class:`KernelDecodeLayer` of every layer.
+
+    Args:
+        tables: ``[L, B * H, P]`` int32 page ids (:func:`decode_tables`).
+        lens: ``[L, B, H]`` int32 KVs held (C order; the kernel reads it as ``[L, B * H]``).
+        metric_rows: ``[M]`` rows whose decode query adds to the metrics, or None.
+        uniform: every layer's lengths are the first's (one work split for all).
+    """
+    num_layers, num_rows, num_kv_heads = lens.shape
+    num_seqs = num_rows * num_kv_heads
+    seq_lens = torch.from_numpy(lens).view(num_layers, num_seqs)
     starts = _query_starts(num_seqs)
     group, head_dim, dtype = num_q_heads // num_kv_heads, pool.key_cache.shape[2], pool.key_cache.dtype
     key4, value4 = _kernel_caches(pool)
-    if uniform is None:
-        uniform = bool((lens_by_layer == lens_by_layer[:1]).all())
     shared = (
         _scheduler_metadata(num_seqs, group, head_dim, seq_lens[0], dtype, starts, pool.block_size)
         if uniform else None

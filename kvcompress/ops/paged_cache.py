@@ -135,6 +135,9 @@ class PerHeadPagedCache:
         # numpy views sharing the CPU tensors' memory: a decode step's append is a few
         # dozen tiny index ops, ~1 us each in numpy against ~5-10 us each as torch ops.
         self.host: HostViews | None = HostViews.of(self) if self.device.type == "cpu" else None
+        # Bumped by every method that changes a head's length or pages; a decode plan
+        # kept between steps (``cpu_decode_plan.DecodeBatchPlan``) is valid while it holds.
+        self.version = 0
 
     @property
     def num_pages(self) -> int:
@@ -187,6 +190,7 @@ class PerHeadPagedCache:
         their pages past ``ceil(new_len / b)`` (read from ``tables``, their flat
         ``[S, L, H, >= held pages]`` ids) and the chunks that held only those. Returns
         the number of pages freed."""
+        self.version += 1
         old_pages = self.pages_held(seq_slots)
         new_pages = pages_for(new_lens, self.block_size)
         page_index = torch.arange(tables.shape[-1], device=self.device)
@@ -218,6 +222,7 @@ class PerHeadPagedCache:
         seq_slots = seq_slots.to(self.device, torch.int64)
         if seq_slots.numel() == 0:
             return 0
+        self.version += 1
         held = self.pages_held(seq_slots)  # [S, L, H]
         num_pages = int(held.max())
         pages = held.new_zeros(0)
@@ -243,6 +248,7 @@ class PerHeadPagedCache:
         """
         if num_pages <= 0:
             return
+        self.version += 1
         self._check_pages_per_head(num_pages)
         kvs = num_pages * self.block_size
         if int(self.head_lens[dst_slot].max()) != 0:
@@ -269,6 +275,7 @@ class PerHeadPagedCache:
         group may be one this very step's appends created)."""
         if num_pages <= 0:
             return
+        self.version += 1
         self._check_pages_per_head(num_pages)
         if int(self.head_lens[slot].max()) != 0:
             raise ValueError(f"reserve_prefix: sequence slot {slot} is not empty")
@@ -282,6 +289,7 @@ class PerHeadPagedCache:
         num_pages = pages.shape[0]
         if num_pages <= 0:
             return
+        self.version += 1
         if int(self.head_lens[slot].min()) < num_pages * self.block_size:
             raise ValueError(f"fill_prefix: slot {slot} reserved fewer than {num_pages} pages")
         columns = pages.to(self.device).reshape(num_pages, -1).T  # [L*H, n]
@@ -319,6 +327,7 @@ class PerHeadPagedCache:
     ) -> AppendPlan:
         """:meth:`append` for any token counts (``seq_slots`` / ``num_new_tokens`` int64 on
         the cache's device)."""
+        self.version += 1
         device = self.device
         block_size = self.block_size
         old_lens = self.head_lens[seq_slots]  # [S, L, H]
@@ -399,6 +408,7 @@ class PerHeadPagedCache:
             host_slots: the same slots as a numpy int64 array, if the caller has it
                 (a CPU cache then skips a conversion).
         """
+        self.version += 1
         if self.host is not None:
             slots = seq_slots.to(torch.int64).numpy() if host_slots is None else host_slots
             return self._append_one_host(slots, positions)

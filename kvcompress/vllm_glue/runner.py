@@ -43,6 +43,7 @@ from kvcompress.contract import (
 from kvcompress.ops import PerHeadPagedCache, compress_sequences
 from kvcompress.ops.paged_cache import pages_for
 from kvcompress.ops import cpu_attention
+from kvcompress.ops.cpu_decode_plan import DecodeBatchPlan
 from kvcompress.ops.dispatch import resolve_ops
 from kvcompress.ops.prefix_groups import PrefixGroups
 from kvcompress.ops.word_spans import WordEdges, span_starts
@@ -258,6 +259,12 @@ class PerHeadRunnerMixin:
         self.kvc_plan_kernel_decode = ops.kernel_page_layout and cpu_attention.supports_pool(
             dtype, state.pool
         )
+        # ... and keep that plan between steps while the same rows decode.
+        self.kvc_decode_plan: DecodeBatchPlan | None = None
+        if self.kvc_plan_kernel_decode and cache.host is not None:
+            self.kvc_decode_plan = DecodeBatchPlan(cache, state.pool, self.kvc_num_q_heads)
+        # num_reqs -> (ones, arange(num_reqs + 1), its list): a one-token step's shape.
+        self.kvc_one_token_shapes: dict[int, tuple[np.ndarray, np.ndarray, list[int]]] = {}
         logger.info(
             "kvcompress: %d pages of %d tokens x 1 (layer, KV head) "
             "(%d layers x %d KV heads, %d bytes per page); kernels: %s",
@@ -476,10 +483,12 @@ class PerHeadRunnerMixin:
         if scheduler_output.total_num_scheduled_tokens == num_reqs:
             # One token per row (every row of the batch is scheduled): a decode step's
             # shape, read without a dict lookup per row; each token sits at `computed`.
-            num_new = np.ones(num_reqs, np.int64)
-            query_start = np.arange(num_reqs + 1, dtype=np.int64)
+            num_new, query_start, query_start_list = self._kvc_one_token_shape(num_reqs)
             rows = self._kvc_batch_rows(req_ids, computed, num_new)
             positions_t = torch.from_numpy(computed).to(device)
+            if self.kvc_decode_plan is not None and not self.kvc_prefix_fills and rows.past_prompts(computed):
+                self._kvc_decode_on_kernel(rows, computed, positions_t, query_start_list)
+                return
             plan = cache.append_one(rows.seq_slots, positions_t, host_slots=rows.slots)
         else:
             scheduled = scheduler_output.num_scheduled_tokens
@@ -510,6 +519,32 @@ class PerHeadRunnerMixin:
                 metrics=self._kvc_metric_queries(req_ids, computed, num_new, query_start),
             )
         )
+
+    def _kvc_one_token_shape(self, num_reqs: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """``(num_new, query_start, query_start as a list)`` of ``num_reqs`` rows of one
+        token each (kept per size: read, never written)."""
+        shape = self.kvc_one_token_shapes.get(num_reqs)
+        if shape is None:
+            query_start = np.arange(num_reqs + 1, dtype=np.int64)
+            shape = (np.ones(num_reqs, np.int64), query_start, query_start.tolist())
+            if len(self.kvc_one_token_shapes) >= 64:
+                self.kvc_one_token_shapes.clear()
+            self.kvc_one_token_shapes[num_reqs] = shape
+        return shape
+
+    def _kvc_decode_on_kernel(self, rows: BatchRows, computed: np.ndarray, positions_t, query_start: list[int]) -> None:
+        """A decode-only step on vLLM's CPU kernel: the batch's plan, kept between steps,
+        takes each head's new KV and gives every layer's kernel arrays
+        (:class:`~kvcompress.ops.cpu_decode_plan.DecodeBatchPlan`)."""
+        flagged = rows.metric_rows(computed, self.kvc_settings.decode_metric_stride)
+        plan, kernel_decode = self.kvc_decode_plan.step(
+            rows, rows.slots, computed, torch.from_numpy(flagged) if flagged.size else None,
+            # Heads of never-compressed rows all hold the row's tokens.
+            uniform=True if not rows.any_compresses else None,
+        )
+        if self.kvc_prefix_step is not None:
+            self._kvc_apply_prefix_cache(self.kvc_prefix_step)
+        self._kvc_publish_decode_step(rows, positions_t, plan, query_start, kernel_decode)
 
     def _kvc_apply_prefix_cache(self, step: PrefixCacheStep) -> None:
         """After this step's appends: the cache takes the blocks vLLM cached (their
@@ -588,34 +623,33 @@ class PerHeadRunnerMixin:
 
     def _kvc_plan_decode_step(self, rows: BatchRows, computed, positions_t, plan, query_start) -> None:
         """Publish a decode-only step: on vLLM's CPU kernel with every layer's kernel
-        tables built once; otherwise through the fixed-address ``DecodeBuffers`` (CUDA
-        graphs replay them)."""
-        state = get_worker_state()
-        buffers = state.decode_buffers
-        self.kvc_stats.decode_only_steps += 1
+        tables built once (a step the kept plan does not serve); otherwise through the
+        fixed-address ``DecodeBuffers`` (CUDA graphs replay them)."""
         flagged = rows.metric_rows(computed, self.kvc_settings.decode_metric_stride)
-        seq_slots = rows.seq_slots
         kernel_decode = None
         if self.kvc_plan_kernel_decode:
             cache = self.kvc_cache
             kernel_decode = cpu_attention.plan_decode_step(
-                state.pool, cache.tables, cache.head_lens, seq_slots, self.kvc_num_q_heads,
+                get_worker_state().pool, cache.tables, cache.head_lens, rows.seq_slots, self.kvc_num_q_heads,
                 torch.from_numpy(flagged) if flagged.size else None,
-                # Heads of never-compressed rows all hold the row's tokens.
-                uniform=True if not rows.compresses.any() else None,
+                uniform=True if not rows.any_compresses else None,
             )
         else:
-            self._kvc_fill_decode_buffers(buffers, seq_slots, positions_t, plan, flagged)
+            self._kvc_fill_decode_buffers(get_worker_state().decode_buffers, rows.seq_slots, positions_t, plan, flagged)
+        self._kvc_publish_decode_step(rows, positions_t, plan, query_start.tolist(), kernel_decode)
+
+    def _kvc_publish_decode_step(self, rows: BatchRows, positions_t, plan, query_start: list[int], kernel_decode) -> None:
+        self.kvc_stats.decode_only_steps += 1
         num_rows = len(rows.req_ids)
         set_current_step(
             PerHeadStep(
                 num_reqs=num_rows,
                 num_tokens=num_rows,
-                query_start_loc=query_start.tolist(),
+                query_start_loc=query_start,
                 query_positions=positions_t,
                 tables=None,
                 head_lens=None,
-                max_head_len=buffers.max_head_len,
+                max_head_len=get_worker_state().decode_buffers.max_head_len,
                 plan=plan,
                 decode_only=True,
                 kernel_decode=kernel_decode,

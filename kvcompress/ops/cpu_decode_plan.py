@@ -1,0 +1,148 @@
+"""A decode batch's plan for vLLM's CPU kernel, kept between steps and advanced in place.
+
+While the same rows decode (no admission, finish, preemption, compression or prefix
+fill in between) a step changes every head the same way: one KV at its end, so its
+length +1, its write slot +1, and a new page where the last one is full. Building the
+plan from the cache each step (:func:`kvcompress.ops.cpu_attention.plan_decode_step`
+after :meth:`~kvcompress.ops.paged_cache.PerHeadPagedCache.append_one`) takes a few
+dozen small numpy calls. Right after a forward pass has flushed the CPU caches each of
+those costs 10-30 us instead of 1-3 (measured in the engine at 256 rows), so host time
+follows the number of calls more than their size. :class:`DecodeBatchPlan` keeps the
+arrays the kernel and the KV writes read (``[L, B, H]`` lengths, write pages and
+offsets, ``[L, B * H, P]`` tables) and advances them with about ten calls a step,
+writing the cache's own state (head lengths, tables, last pages, slot positions and
+metrics) exactly as ``append_one`` would. It rebuilds from the cache when the rows
+changed (another ``rows_key``) or anything else changed the cache
+(``PerHeadPagedCache.version``), and when the longest head needs a new table column.
+
+Page ids are taken from the allocator in the same order as ``append_one`` takes them
+(row, then layer, then head), so both paths leave identical caches;
+``tests/test_cpu_decode_plan.py`` checks that, and the plan, against the rebuild.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvcompress.ops.cpu_attention import (
+    KernelDecodeLayer,
+    decode_layers,
+    decode_tables,
+    lens_agree_across_layers,
+)
+from kvcompress.ops.kv_pool import KVPool
+from kvcompress.ops.paged_cache import AppendPlan, PerHeadPagedCache
+
+
+class DecodeBatchPlan:
+    """The kernel plan of one decode batch composition, advanced one token per step.
+
+    Args:
+        cache: the CPU :class:`PerHeadPagedCache` (numpy host views).
+        pool: the kernel-layout pool the attention reads.
+        num_q_heads: query heads of the model.
+    """
+
+    def __init__(self, cache: PerHeadPagedCache, pool: KVPool, num_q_heads: int) -> None:
+        if cache.host is None:
+            raise ValueError("DecodeBatchPlan needs a CPU cache (numpy host views)")
+        self.cache = cache
+        self.pool = pool
+        self.num_q_heads = num_q_heads
+        self._rows_key: object | None = None
+        self._version = -1
+        # [L, B, H] after the last step: KVs held, the page and slot of its KV, the flat
+        # slot index (page * block_size + offset) into slot_positions / slot_metrics.
+        self._lens = np.zeros((0, 0, 0), np.int32)
+        self._write_pages = np.zeros((0, 0, 0), np.int64)
+        self._write_offsets = np.zeros((0, 0, 0), np.int64)
+        self._flat_slots = np.zeros((0, 0, 0), np.int64)
+        self._tables = np.zeros((0, 0, 0), np.int32)  # [L, B * H, P]
+        self._uniform = True
+        self.rebuilds = 0  # for tests and stats: full rebuilds since construction
+
+    def invalidate(self) -> None:
+        """Rebuild at the next step whatever the cache's version says."""
+        self._rows_key = None
+
+    def step(
+        self, rows_key: object, slots: np.ndarray, positions: np.ndarray,
+        metric_rows: torch.Tensor | None = None, uniform: bool | None = None,
+    ) -> tuple[AppendPlan, list[KernelDecodeLayer]]:
+        """Append one KV per head of every row (at ``positions``) and plan the step.
+
+        Args:
+            rows_key: identifies the batch composition (compared by identity: the same
+                object for as long as the same rows decode in the same order).
+            slots: ``[B]`` int64 sequence slots of the rows.
+            positions: ``[B]`` int64 positions of the rows' new tokens.
+            metric_rows: ``[M]`` rows whose decode query adds to the metrics, or None.
+            uniform: True when every head of a row holds as many KVs in every layer
+                (never-compressed rows); None: checked when the plan is rebuilt (a
+                decode step adds one KV to every head, so it cannot change).
+
+        Returns:
+            Where each new KV goes (``[L, B, H]`` pages and offsets, as ``append_one``)
+            and every layer's :class:`KernelDecodeLayer`.
+        """
+        if rows_key is self._rows_key and self.cache.version == self._version:
+            self._advance(slots, positions)
+        else:
+            self._rebuild(rows_key, slots, positions, uniform)
+        plan = AppendPlan(
+            write_pages=torch.from_numpy(self._write_pages),
+            write_offsets=torch.from_numpy(self._write_offsets),
+        )
+        layers = decode_layers(
+            self.pool, torch.from_numpy(self._tables), self._lens, self.num_q_heads, metric_rows, self._uniform,
+        )
+        return plan, layers
+
+    def _rebuild(self, rows_key: object, slots: np.ndarray, positions: np.ndarray, uniform: bool | None) -> None:
+        cache = self.cache
+        appended = cache.append_one(torch.from_numpy(slots), torch.from_numpy(positions), host_slots=slots)
+        self._write_pages = appended.write_pages.numpy()
+        self._write_offsets = appended.write_offsets.numpy()
+        self._flat_slots = self._write_pages * cache.block_size + self._write_offsets
+        self._tables, self._lens = decode_tables(cache.block_size, cache.tables, slots, cache.host.head_lens[slots])
+        self._uniform = lens_agree_across_layers(self._lens) if uniform is None else uniform
+        self._rows_key = rows_key
+        self._version = cache.version
+        self.rebuilds += 1
+
+    def _advance(self, slots: np.ndarray, positions: np.ndarray) -> None:
+        """One KV more per head: in place, the cache's state written as ``append_one``'s."""
+        cache = self.cache
+        host = cache.host
+        offsets = self._write_offsets
+        offsets += 1
+        self._lens += 1
+        self._flat_slots += 1
+        starts_page = offsets == cache.block_size
+        if np.any(starts_page):
+            self._take_pages(slots, starts_page)
+        host.head_lens[slots] = self._lens.transpose(1, 0, 2)
+        host.slot_positions.reshape(-1)[self._flat_slots] = positions[None, :, None]
+        host.slot_metrics.reshape(-1)[self._flat_slots] = 0.0
+
+    def _take_pages(self, slots: np.ndarray, starts_page: np.ndarray) -> None:
+        """New pages for the heads whose last page is full (``starts_page [L, B, H]``),
+        taken in ``append_one``'s order (row, layer, head)."""
+        cache = self.cache
+        block_size = cache.block_size
+        rows, layers, heads = np.nonzero(starts_page.transpose(1, 0, 2))
+        columns = (self._lens[layers, rows, heads].astype(np.int64) - 1) // block_size
+        cache._check_pages_per_head(int(columns.max()) + 1)
+        pages = cache.allocator.allocate(rows.shape[0]).numpy()
+        row_slots = slots[rows]
+        cache.tables.assign_one_host(row_slots, layers, heads, columns, pages)
+        cache.host.last_pages[row_slots, layers, heads] = pages
+        self._write_pages[layers, rows, heads] = pages
+        self._write_offsets[layers, rows, heads] = 0
+        self._flat_slots[layers, rows, heads] = pages * block_size
+        if int(columns.max()) >= self._tables.shape[2]:  # the longest head grew a column
+            self._tables, _ = decode_tables(block_size, cache.tables, slots, self._lens.transpose(1, 0, 2))
+        else:
+            num_kv_heads = self._lens.shape[2]
+            self._tables[layers, rows * num_kv_heads + heads, columns] = pages
