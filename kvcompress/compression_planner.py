@@ -269,12 +269,19 @@ class CompressionPlanner:
             self.metrics.count_order(reason, policy)
         return min(evict_by_rank)
 
-    def compress_due(self, running: Iterable[PlannableRequest]) -> None:
-        """Order compressions of requests whose prefill completed, and on the interval."""
+    def compress_due(self, running: Iterable[PlannableRequest], all_resolved: bool = False) -> None:
+        """Order compressions of requests whose prefill completed, and on the interval.
+
+        ``all_resolved``: the caller knows every request of ``running`` was resolved
+        (:meth:`state`) already, as the scheduler does at admission; with no interval and
+        none due there is then nothing to look at (no scan of the running batch)."""
         interval = self.settings.interval
         if not interval:
+            due = self.due
+            if all_resolved and not due:
+                return
             # Only requests awaiting their first compression (or not yet resolved).
-            due, known = self.due, self.requests
+            known = self.requests
             running = [r for r in running if r.request_id in due or r.request_id not in known]
         for request in self.candidates(running):
             last = self.requests[request.request_id].last_compressed_step
@@ -366,6 +373,8 @@ class CompressionPlanner:
         accounting = self.accounting
         if len(reports) != accounting.num_ranks:
             raise ValueError(f"{len(reports)} worker reports for {accounting.num_ranks} ranks")
+        if self._adopt_plain_step(reports):
+            return True
         for request_id in reports[0].head_lens:
             accounting.adopt(request_id, np.concatenate(
                 [np.asarray(r.head_lens[request_id], np.int64) for r in reports], axis=1
@@ -396,6 +405,24 @@ class CompressionPlanner:
         if not agree:
             self.stats.mismatches += 1
         return agree
+
+    def _adopt_plain_step(self, reports: list[WorkerReport]) -> bool:
+        """:meth:`adopt` of most decode steps in a few attribute reads: one rank, nothing
+        compressed, reported per request or released while the step ran, and its free
+        pages as counted here (False: take the full path, which also logs)."""
+        if len(reports) != 1:
+            return False
+        report = reports[0]
+        if (
+            report.head_lens or report.compressions or report.evict_mismatches
+            or report.pages_held is not None or self.step.released_in_flight
+            or report.free_pages != self.accounting.free_pages[0] or self.accounting.pending.any()
+        ):
+            return False
+        self.stats.steps_checked += 1
+        if self.metrics is not None:
+            self.metrics.steps_checked += 1
+        return True
 
     def _count_reports(self, reports: list[WorkerReport], agree: bool) -> None:
         stats, metrics = self.stats, self.metrics

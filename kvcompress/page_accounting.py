@@ -77,8 +77,9 @@ class PageAccounting:
         self._free_rows = list(range(max_requests - 1, -1, -1))
         # request id -> logical_len + room (absent while pending): the fast path's bound.
         self.capacity: dict[str, int] = {}
-        # request id -> logical tokens granted by grow_in_room, not yet in the arrays.
-        self._deferred: dict[str, int] = {}
+        # request id -> logical tokens granted by grow_in_room, not yet in the arrays
+        # (the KV manager's decode fast path writes it directly, as grow_in_room does).
+        self.deferred_growth: dict[str, int] = {}
 
     @property
     def pages_per_token_block(self) -> int:
@@ -152,13 +153,13 @@ class PageAccounting:
     def grow_in_room(self, request_id: str, target_tokens: int) -> None:
         """:meth:`grow` when :meth:`fits_in_room` said so: recorded now, applied to the
         arrays by the next :meth:`sync`."""
-        deferred = self._deferred
+        deferred = self.deferred_growth
         if target_tokens > deferred.get(request_id, 0):
             deferred[request_id] = target_tokens
 
     def sync(self) -> None:
         """Apply the growth :meth:`grow_in_room` recorded to the arrays."""
-        deferred = self._deferred
+        deferred = self.deferred_growth
         if not deferred:
             return
         row_of = self._row_of

@@ -262,10 +262,12 @@ class DecodeStepMetrics:
         )
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class KernelDecodeLayer:
     """One layer of a decode step in the kernel's terms: kernel sequence ``r`` is batch
     row ``r // H``'s KV head ``r % H`` (``H`` KV heads, ``R = B * H`` sequences).
+    (:class:`~kvcompress.ops.cpu_decode_plan.DecodeBatchPlan` keeps one per layer
+    between steps and sets the step's ``scheduler_metadata`` and ``metrics``.)
 
     Attributes:
         layer: the layer's index in the step.
@@ -282,7 +284,7 @@ class KernelDecodeLayer:
     block_table: torch.Tensor
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
-    scheduler_metadata: torch.Tensor
+    scheduler_metadata: torch.Tensor | None
     key_cache: torch.Tensor
     value_cache: torch.Tensor
     metrics: DecodeStepMetrics | None
@@ -362,35 +364,49 @@ def decode_layers(
         uniform: every layer's lengths are the first's (one work split for all).
     """
     num_layers, num_rows, num_kv_heads = lens.shape
-    num_seqs = num_rows * num_kv_heads
-    seq_lens = torch.from_numpy(lens).view(num_layers, num_seqs)
-    starts = _query_starts(num_seqs)
-    group, head_dim, dtype = num_q_heads // num_kv_heads, pool.key_cache.shape[2], pool.key_cache.dtype
+    layers = unplanned_decode_layers(pool, tables, torch.from_numpy(lens).view(num_layers, num_rows * num_kv_heads))
+    set_decode_work(layers, pool, tables, lens, num_q_heads, metric_rows, uniform)
+    return layers
+
+
+def unplanned_decode_layers(pool: KVPool, tables: torch.Tensor, seq_lens: torch.Tensor) -> list[KernelDecodeLayer]:
+    """Every layer's :class:`KernelDecodeLayer` over ``tables [L, R, P]`` and
+    ``seq_lens [L, R]`` (views, no copy), without the step's work split and metrics
+    (:func:`set_decode_work` sets them)."""
+    starts = _query_starts(seq_lens.shape[1])
     key4, value4 = _kernel_caches(pool)
+    return [
+        KernelDecodeLayer(layer, layer_table, layer_lens, starts, None, key4, value4, None)
+        for layer, (layer_table, layer_lens) in enumerate(zip(tables.unbind(0), seq_lens.unbind(0)))
+    ]
+
+
+def set_decode_work(
+    layers: list[KernelDecodeLayer], pool: KVPool, tables: torch.Tensor, lens: np.ndarray, num_q_heads: int,
+    metric_rows: torch.Tensor | None, uniform: bool,
+) -> None:
+    """Give ``layers`` (over ``tables [L, B * H, P]`` and lengths ``lens [L, B, H]``,
+    the memory of their views) this step's work split, one for all layers when
+    ``uniform``, and the metric pass of ``metric_rows`` (``[M]`` batch rows, or None)."""
+    num_layers, num_rows, num_kv_heads = lens.shape
+    num_seqs = num_rows * num_kv_heads
+    group, head_dim, dtype = num_q_heads // num_kv_heads, pool.key_cache.shape[2], pool.key_cache.dtype
+    starts = layers[0].query_start_loc
     shared = (
-        _scheduler_metadata(num_seqs, group, head_dim, seq_lens[0], dtype, starts, pool.block_size)
+        _scheduler_metadata(num_seqs, group, head_dim, layers[0].seq_lens, dtype, starts, pool.block_size)
         if uniform else None
     )
     metrics = None
     if metric_rows is not None and metric_rows.numel():
         metrics = DecodeStepMetrics(
-            metric_rows.to(torch.int64), tables, seq_lens, num_kv_heads, num_q_heads, head_dim, dtype,
+            metric_rows.to(torch.int64), tables, torch.from_numpy(lens).view(num_layers, num_seqs),
+            num_kv_heads, num_q_heads, head_dim, dtype,
         )
-    return [
-        KernelDecodeLayer(
-            layer=layer,
-            block_table=layer_table,
-            seq_lens=layer_lens,
-            query_start_loc=starts,
-            scheduler_metadata=shared if uniform else _scheduler_metadata(
-                num_seqs, group, head_dim, layer_lens, dtype, starts, pool.block_size
-            ),
-            key_cache=key4,
-            value_cache=value4,
-            metrics=metrics,
+    for layer in layers:
+        layer.scheduler_metadata = shared if uniform else _scheduler_metadata(
+            num_seqs, group, head_dim, layer.seq_lens, dtype, starts, pool.block_size
         )
-        for layer, (layer_table, layer_lens) in enumerate(zip(tables.unbind(0), seq_lens.unbind(0)))
-    ]
+        layer.metrics = metrics
 
 
 _QUERY_STARTS: dict[int, torch.Tensor] = {}

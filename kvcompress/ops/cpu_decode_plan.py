@@ -27,9 +27,10 @@ import torch
 
 from kvcompress.ops.cpu_attention import (
     KernelDecodeLayer,
-    decode_layers,
     decode_tables,
     lens_agree_across_layers,
+    set_decode_work,
+    unplanned_decode_layers,
 )
 from kvcompress.ops.kv_pool import KVPool
 from kvcompress.ops.paged_cache import AppendPlan, PerHeadPagedCache
@@ -52,14 +53,18 @@ class DecodeBatchPlan:
         self.num_q_heads = num_q_heads
         self._rows_key: object | None = None
         self._version = -1
-        # [L, B, H] after the last step: KVs held, the page and slot of its KV, the flat
-        # slot index (page * block_size + offset) into slot_positions / slot_metrics.
-        self._lens = np.zeros((0, 0, 0), np.int32)
-        self._write_pages = np.zeros((0, 0, 0), np.int64)
-        self._write_offsets = np.zeros((0, 0, 0), np.int64)
-        self._flat_slots = np.zeros((0, 0, 0), np.int64)
+        # [2, L, B, H] int32 after the last step: [0] KVs held per head (the kernel's
+        # lengths), [1] the flat slot (page * block_size + offset) of its last KV in
+        # slot_positions / slot_metrics; one array, so one op moves both.
+        self._counters = np.zeros((2, 0, 0, 0), np.int32)
+        self._write_pages = np.zeros((0, 0, 0), np.int64)  # [L, B, H] page of the last KV
+        self._write_offsets = np.zeros((0, 0, 0), np.int64)  # [L, B, H] its slot in the page
         self._tables = np.zeros((0, 0, 0), np.int32)  # [L, B * H, P]
         self._uniform = True
+        # Steps every head can still take in its last page before one needs a new page.
+        self._room = 0
+        self._plan: AppendPlan | None = None  # torch views of the write arrays
+        self._layers: list[KernelDecodeLayer] = []  # torch views of tables and lengths
         self.rebuilds = 0  # for tests and stats: full rebuilds since construction
 
     def invalidate(self) -> None:
@@ -84,47 +89,58 @@ class DecodeBatchPlan:
 
         Returns:
             Where each new KV goes (``[L, B, H]`` pages and offsets, as ``append_one``)
-            and every layer's :class:`KernelDecodeLayer`.
+            and every layer's :class:`KernelDecodeLayer`. Both are this object's: valid
+            until the next step.
         """
         if rows_key is self._rows_key and self.cache.version == self._version:
             self._advance(slots, positions)
         else:
             self._rebuild(rows_key, slots, positions, uniform)
-        plan = AppendPlan(
-            write_pages=torch.from_numpy(self._write_pages),
-            write_offsets=torch.from_numpy(self._write_offsets),
+        set_decode_work(
+            self._layers, self.pool, self._tables_t, self._counters[0], self.num_q_heads, metric_rows, self._uniform,
         )
-        layers = decode_layers(
-            self.pool, torch.from_numpy(self._tables), self._lens, self.num_q_heads, metric_rows, self._uniform,
-        )
-        return plan, layers
+        return self._plan, self._layers
 
     def _rebuild(self, rows_key: object, slots: np.ndarray, positions: np.ndarray, uniform: bool | None) -> None:
         cache = self.cache
+        block_size = cache.block_size
         appended = cache.append_one(torch.from_numpy(slots), torch.from_numpy(positions), host_slots=slots)
         self._write_pages = appended.write_pages.numpy()
         self._write_offsets = appended.write_offsets.numpy()
-        self._flat_slots = self._write_pages * cache.block_size + self._write_offsets
-        self._tables, self._lens = decode_tables(cache.block_size, cache.tables, slots, cache.host.head_lens[slots])
-        self._uniform = lens_agree_across_layers(self._lens) if uniform is None else uniform
+        tables, lens = decode_tables(block_size, cache.tables, slots, cache.host.head_lens[slots])
+        self._counters = np.stack([lens, self._write_pages * block_size + self._write_offsets]).astype(np.int32)
+        self._uniform = lens_agree_across_layers(lens) if uniform is None else uniform
+        self._room = block_size - 1 - int(self._write_offsets.max())
+        self._plan = appended
+        self._set_tables(tables)
         self._rows_key = rows_key
         self._version = cache.version
         self.rebuilds += 1
 
+    def _set_tables(self, tables: np.ndarray) -> None:
+        self._tables = tables
+        self._tables_t = torch.from_numpy(tables)
+        num_layers = tables.shape[0]
+        self._layers = unplanned_decode_layers(
+            self.pool, self._tables_t, torch.from_numpy(self._counters[0]).view(num_layers, -1),
+        )
+
     def _advance(self, slots: np.ndarray, positions: np.ndarray) -> None:
         """One KV more per head: in place, the cache's state written as ``append_one``'s."""
-        cache = self.cache
-        host = cache.host
-        offsets = self._write_offsets
-        offsets += 1
-        self._lens += 1
-        self._flat_slots += 1
-        starts_page = offsets == cache.block_size
-        if np.any(starts_page):
-            self._take_pages(slots, starts_page)
-        host.head_lens[slots] = self._lens.transpose(1, 0, 2)
-        host.slot_positions.reshape(-1)[self._flat_slots] = positions[None, :, None]
-        host.slot_metrics.reshape(-1)[self._flat_slots] = 0.0
+        host = self.cache.host
+        self._write_offsets += 1
+        self._counters += 1
+        if self._room > 0:
+            self._room -= 1
+        else:
+            starts_page = self._write_offsets == self.cache.block_size
+            if starts_page.any():
+                self._take_pages(slots, starts_page)
+            self._room = self.cache.block_size - 1 - int(self._write_offsets.max())
+        lens, flat_slots = self._counters
+        host.head_lens[slots] = lens.transpose(1, 0, 2)
+        host.slot_positions.reshape(-1)[flat_slots] = positions[None, :, None]
+        host.slot_metrics.reshape(-1)[flat_slots] = 0.0
 
     def _take_pages(self, slots: np.ndarray, starts_page: np.ndarray) -> None:
         """New pages for the heads whose last page is full (``starts_page [L, B, H]``),
@@ -132,7 +148,8 @@ class DecodeBatchPlan:
         cache = self.cache
         block_size = cache.block_size
         rows, layers, heads = np.nonzero(starts_page.transpose(1, 0, 2))
-        columns = (self._lens[layers, rows, heads].astype(np.int64) - 1) // block_size
+        lens, flat_slots = self._counters
+        columns = (lens[layers, rows, heads].astype(np.int64) - 1) // block_size
         cache._check_pages_per_head(int(columns.max()) + 1)
         pages = cache.allocator.allocate(rows.shape[0]).numpy()
         row_slots = slots[rows]
@@ -140,9 +157,10 @@ class DecodeBatchPlan:
         cache.host.last_pages[row_slots, layers, heads] = pages
         self._write_pages[layers, rows, heads] = pages
         self._write_offsets[layers, rows, heads] = 0
-        self._flat_slots[layers, rows, heads] = pages * block_size
+        flat_slots[layers, rows, heads] = pages * block_size
         if int(columns.max()) >= self._tables.shape[2]:  # the longest head grew a column
-            self._tables, _ = decode_tables(block_size, cache.tables, slots, self._lens.transpose(1, 0, 2))
+            tables, _ = decode_tables(block_size, cache.tables, slots, lens.transpose(1, 0, 2))
+            self._set_tables(tables)
         else:
-            num_kv_heads = self._lens.shape[2]
+            num_kv_heads = lens.shape[2]
             self._tables[layers, rows * num_kv_heads + heads, columns] = pages

@@ -61,6 +61,15 @@ def _check_allocate_signature() -> None:
 _check_allocate_signature()
 
 
+# Methods of vLLM's KVCacheManager its scheduler calls every step (vLLM 0.32).
+_BOUND_ONCE = frozenset({
+    "new_step_starts", "take_new_block_ids", "take_events", "take_kv_cache_block_copies",
+    "take_boundary_state_offloads", "make_prefix_cache_stats", "record_prefix_cache_stats",
+    "get_blocks", "get_block_ids", "remove_skipped_blocks",
+    "get_block_ids_for_computed_tokens", "finalize_partial_tail_offloads",
+})
+
+
 class PerHeadKVCacheManager:
     """Wraps vLLM's ``KVCacheManager``; capacity is decided in per-head pages.
 
@@ -81,6 +90,7 @@ class PerHeadKVCacheManager:
         self._inner_allocate = inner.allocate_slots
         self.accounting = accounting
         self._capacity = accounting.capacity  # the fast path's bound, request id -> tokens
+        self._deferred = accounting.deferred_growth  # the fast path's grants (grow_in_room)
         self.max_model_len = max_model_len
         self.watermark_pages = watermark_pages
         # relieve(request, pages_short) compresses other requests instead of preempting.
@@ -91,39 +101,43 @@ class PerHeadKVCacheManager:
         # PrefixCacheGlue with --enable-prefix-caching: idle cached page groups are
         # evicted before any request is compressed or preempted for pages.
         self.prefix_cache = prefix_cache
-        self.scheduled_this_step: set[str] = set()
         self._refusal_logged = False
 
     def __getattr__(self, name: str):
-        return getattr(self._inner, name)
+        value = getattr(self._inner, name)
+        if name in _BOUND_ONCE:
+            # vLLM calls these once or more every step: bind them here (an instance
+            # attribute), sparing the failed lookup that reaches __getattr__ each time.
+            setattr(self, name, value)
+        return value
 
     @property
     def usage(self) -> float:
         return self.accounting.num_used_pages / max(1, self.accounting.total_pages)
 
-    def allocate_slots(self, request, num_new_tokens, *args, **kwargs):
-        if not args and len(kwargs) == 1:
-            lookahead = kwargs.get("num_lookahead_tokens")
-            if lookahead is not None:
-                # vLLM's call for a running request: (request, num_new_tokens,
-                # num_lookahead_tokens=...). Rows whose heads take the tokens in pages
-                # they hold (most decode rows) need no page count, only vLLM's logical
-                # blocks: a dict read and a dict write here (~0.5 us a row).
-                request_id = request.request_id
-                capacity = self._capacity.get(request_id)
-                if capacity is not None:
-                    target_tokens = request.num_computed_tokens + num_new_tokens + lookahead
-                    if target_tokens > self.max_model_len:
-                        target_tokens = self.max_model_len
-                    if target_tokens <= capacity:
-                        blocks = self._inner_allocate(
-                            request, num_new_tokens, num_lookahead_tokens=lookahead
-                        )
-                        if blocks is None:
-                            return self._refused(request)
-                        self.accounting.grow_in_room(request_id, target_tokens)
-                        self.scheduled_this_step.add(request_id)
-                        return blocks
+    def allocate_slots(self, request, num_new_tokens, *args, num_lookahead_tokens=None, **kwargs):
+        if num_lookahead_tokens is not None and not args and not kwargs:
+            # vLLM's call for a running request: (request, num_new_tokens,
+            # num_lookahead_tokens=...). Rows whose heads take the tokens in pages they
+            # hold (most decode rows) need no page count, only vLLM's logical blocks:
+            # two dict reads and a dict write here.
+            request_id = request.request_id
+            capacity = self._capacity.get(request_id)
+            if capacity is not None:
+                target_tokens = request.num_computed_tokens + num_new_tokens + num_lookahead_tokens
+                if target_tokens > self.max_model_len:
+                    target_tokens = self.max_model_len
+                if target_tokens <= capacity:
+                    blocks = self._inner_allocate(request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens)
+                    if blocks is None:
+                        return self._refused(request)
+                    # PageAccounting.grow_in_room, inlined (a call per running request).
+                    deferred = self._deferred
+                    if target_tokens > deferred.get(request_id, 0):
+                        deferred[request_id] = target_tokens
+                    return blocks
+        if num_lookahead_tokens is not None:
+            kwargs["num_lookahead_tokens"] = num_lookahead_tokens
         return self._allocate_counted(request, num_new_tokens, *args, **kwargs)
 
     def _allocate_counted(self, request, *args, **kwargs):
@@ -170,7 +184,6 @@ class PerHeadKVCacheManager:
         if blocks is None:
             return self._refused(request)
         accounting.grow(request_id, target_tokens)
-        self.scheduled_this_step.add(request_id)
         return blocks
 
     def _shortfall(self, request_id: str, target_tokens: int, reserve: int) -> int:

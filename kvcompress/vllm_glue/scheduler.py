@@ -80,18 +80,22 @@ class KVCompressScheduler(Scheduler):
         )
 
     def _relieve(self, request, pages_short: int) -> None:
-        scheduled = self.kv_cache_manager.scheduled_this_step
-        not_yet_scheduled = [r for r in self.running if r.request_id not in scheduled]
-        self.planner.relieve(request, not_yet_scheduled, pages_short)
+        # vLLM's schedule() walks self.running in order, allocating as it goes (a
+        # preemption only removes entries): the requests after this one are those not
+        # scheduled yet, which vLLM would preempt next.
+        running = self.running
+        after = running.index(request) + 1 if request in running else 0
+        self.planner.relieve(request, running[after:], pages_short)
 
     # ------------------------------------------------------------------ vLLM hooks
 
     def schedule(self, *args, **kwargs):
         planner = self.planner
         planner.begin_step()
-        self.kv_cache_manager.scheduled_this_step = set()
         if self.kvcompress_config.enabled:
-            planner.compress_due(self.running)
+            # Every running request was resolved in the step that admitted it
+            # (_step_compression).
+            planner.compress_due(self.running, all_resolved=True)
         output = super().schedule(*args, **kwargs)
         planner.note_batch(self.running)
         return with_step_compression(output, self._step_compression(output))
