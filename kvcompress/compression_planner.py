@@ -416,7 +416,7 @@ class CompressionPlanner:
         if (
             report.head_lens or report.compressions or report.evict_mismatches
             or report.pages_held is not None or self.step.released_in_flight
-            or report.free_pages != self.accounting.free_pages[0] or self.accounting.pending.any()
+            or report.free_pages != self.accounting.free_pages.item(0) or self.accounting.num_pending
         ):
             return False
         self.stats.steps_checked += 1

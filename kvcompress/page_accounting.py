@@ -71,6 +71,7 @@ class PageAccounting:
         self.pages_held_per_row = np.zeros((max_requests, num_ranks), np.int64)
         self.room = np.zeros(max_requests, np.int64)
         self.pending = np.zeros(max_requests, bool)
+        self.num_pending = 0  # pending.sum(), kept as a Python int (read every step)
         self.shared_blocks = np.zeros(max_requests, np.int64)
         self.cached_groups = 0
         self._row_of: dict[str, int] = {}
@@ -282,6 +283,7 @@ class PageAccounting:
         self.pages_held_per_row[row] -= evict
         self.free_pages += evict
         self.pending[row] = True
+        self.num_pending += 1
         self.room[row] = 0
         self.capacity.pop(request_id, None)
 
@@ -296,6 +298,7 @@ class PageAccounting:
         surplus = self.pages_held_per_row[row] - held
         self.head_lens[row] = head_lens
         self.pages_held_per_row[row] = held
+        self.num_pending -= int(self.pending[row])
         self.pending[row] = False
         self.room[row] = self._room(self.head_lens[row])
         self._set_capacity(request_id, row)
@@ -303,7 +306,7 @@ class PageAccounting:
         return int(surplus.sum())
 
     def pending_request_ids(self) -> list[str]:
-        if not self.pending.any():  # every step; compressions are rare
+        if not self.num_pending:  # every step; compressions are rare
             return []
         return [r for r, row in self._row_of.items() if self.pending[row]]
 
@@ -338,6 +341,7 @@ class PageAccounting:
         self.logical_lens[row] = 0
         self.pages_held_per_row[row] = 0
         self.room[row] = 0
+        self.num_pending -= int(self.pending[row])
         self.pending[row] = False
         self.shared_blocks[row] = 0
         self._free_rows.append(row)
@@ -390,6 +394,8 @@ class PageAccounting:
     def check_consistent(self) -> None:
         """Recount held pages from head lengths (vectorised) and compare."""
         self.sync()
+        if self.num_pending != int(self.pending.sum()):
+            raise AssertionError(f"{self.num_pending} compressions counted pending, {int(self.pending.sum())} marked")
         for request_id, row in self._row_of.items():
             expected = None if self.pending[row] else int(self.logical_lens[row] + self.room[row])
             if self.capacity.get(request_id) != expected:

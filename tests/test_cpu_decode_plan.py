@@ -74,7 +74,7 @@ def _assert_caches_equal(ours: PerHeadPagedCache, theirs: PerHeadPagedCache, liv
 
 def _assert_plans_equal(ours, theirs, ours_layers, theirs_layers, block_size: int) -> None:
     assert torch.equal(ours.write_pages, theirs.write_pages)
-    assert torch.equal(ours.write_offsets, theirs.write_offsets)
+    assert torch.equal(ours.write_offsets.to(torch.int64), theirs.write_offsets)
     for mine, want in zip(ours_layers, theirs_layers, strict=True):
         assert torch.equal(mine.seq_lens, want.seq_lens)
         # The work split is an opaque blob (padding included): shared alike, outputs compared.

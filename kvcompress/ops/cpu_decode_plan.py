@@ -53,12 +53,12 @@ class DecodeBatchPlan:
         self.num_q_heads = num_q_heads
         self._rows_key: object | None = None
         self._version = -1
-        # [2, L, B, H] int32 after the last step: [0] KVs held per head (the kernel's
+        # [3, L, B, H] int32 after the last step: [0] KVs held per head (the kernel's
         # lengths), [1] the flat slot (page * block_size + offset) of its last KV in
-        # slot_positions / slot_metrics; one array, so one op moves both.
-        self._counters = np.zeros((2, 0, 0, 0), np.int32)
+        # slot_positions / slot_metrics, [2] that slot's offset in its page; one array,
+        # so one op moves all three.
+        self._counters = np.zeros((3, 0, 0, 0), np.int32)
         self._write_pages = np.zeros((0, 0, 0), np.int64)  # [L, B, H] page of the last KV
-        self._write_offsets = np.zeros((0, 0, 0), np.int64)  # [L, B, H] its slot in the page
         self._tables = np.zeros((0, 0, 0), np.int32)  # [L, B * H, P]
         self._uniform = True
         # Steps every head can still take in its last page before one needs a new page.
@@ -88,9 +88,9 @@ class DecodeBatchPlan:
                 decode step adds one KV to every head, so it cannot change).
 
         Returns:
-            Where each new KV goes (``[L, B, H]`` pages and offsets, as ``append_one``)
-            and every layer's :class:`KernelDecodeLayer`. Both are this object's: valid
-            until the next step.
+            Where each new KV goes (``[L, B, H]`` pages and offsets, as ``append_one``;
+            the offsets int32) and every layer's :class:`KernelDecodeLayer`. Both are
+            this object's: valid until the next step.
         """
         if rows_key is self._rows_key and self.cache.version == self._version:
             self._advance(slots, positions)
@@ -106,12 +106,12 @@ class DecodeBatchPlan:
         block_size = cache.block_size
         appended = cache.append_one(torch.from_numpy(slots), torch.from_numpy(positions), host_slots=slots)
         self._write_pages = appended.write_pages.numpy()
-        self._write_offsets = appended.write_offsets.numpy()
+        offsets = appended.write_offsets.numpy()
         tables, lens = decode_tables(block_size, cache.tables, slots, cache.host.head_lens[slots])
-        self._counters = np.stack([lens, self._write_pages * block_size + self._write_offsets]).astype(np.int32)
+        self._counters = np.stack([lens, self._write_pages * block_size + offsets, offsets]).astype(np.int32)
         self._uniform = lens_agree_across_layers(lens) if uniform is None else uniform
-        self._room = block_size - 1 - int(self._write_offsets.max())
-        self._plan = appended
+        self._room = block_size - 1 - int(offsets.max())
+        self._plan = AppendPlan(appended.write_pages, torch.from_numpy(self._counters[2]))
         self._set_tables(tables)
         self._rows_key = rows_key
         self._version = cache.version
@@ -128,16 +128,17 @@ class DecodeBatchPlan:
     def _advance(self, slots: np.ndarray, positions: np.ndarray) -> None:
         """One KV more per head: in place, the cache's state written as ``append_one``'s."""
         host = self.cache.host
-        self._write_offsets += 1
-        self._counters += 1
+        counters = self._counters
+        counters += 1
         if self._room > 0:
             self._room -= 1
         else:
-            starts_page = self._write_offsets == self.cache.block_size
+            offsets = counters[2]
+            starts_page = offsets == self.cache.block_size
             if starts_page.any():
                 self._take_pages(slots, starts_page)
-            self._room = self.cache.block_size - 1 - int(self._write_offsets.max())
-        lens, flat_slots = self._counters
+            self._room = self.cache.block_size - 1 - int(offsets.max())
+        lens, flat_slots, _ = counters
         host.head_lens[slots] = lens.transpose(1, 0, 2)
         host.slot_positions.reshape(-1)[flat_slots] = positions[None, :, None]
         host.slot_metrics.reshape(-1)[flat_slots] = 0.0
@@ -148,7 +149,7 @@ class DecodeBatchPlan:
         cache = self.cache
         block_size = cache.block_size
         rows, layers, heads = np.nonzero(starts_page.transpose(1, 0, 2))
-        lens, flat_slots = self._counters
+        lens, flat_slots, offsets = self._counters
         columns = (lens[layers, rows, heads].astype(np.int64) - 1) // block_size
         cache._check_pages_per_head(int(columns.max()) + 1)
         pages = cache.allocator.allocate(rows.shape[0]).numpy()
@@ -156,7 +157,7 @@ class DecodeBatchPlan:
         cache.tables.assign_one_host(row_slots, layers, heads, columns, pages)
         cache.host.last_pages[row_slots, layers, heads] = pages
         self._write_pages[layers, rows, heads] = pages
-        self._write_offsets[layers, rows, heads] = 0
+        offsets[layers, rows, heads] = 0
         flat_slots[layers, rows, heads] = pages * block_size
         if int(columns.max()) >= self._tables.shape[2]:  # the longest head grew a column
             tables, _ = decode_tables(block_size, cache.tables, slots, lens.transpose(1, 0, 2))

@@ -27,6 +27,9 @@ class BatchRows:
         prompt_lens: ``[B]`` int64 prompt tokens of each row's request.
         compresses: ``[B]`` bool, rows whose request is compressed (its decode queries
             may add to the eviction metrics).
+        grown: ``[B]`` int64 tokens each row's heads were grown for: the runner's
+            per-slot count, kept here while the composition holds (one array op a step
+            fewer) and written back when it ends.
         any_compresses: some row is compressed.
     """
 
@@ -35,6 +38,7 @@ class BatchRows:
     seq_slots: torch.Tensor
     prompt_lens: np.ndarray
     compresses: np.ndarray
+    grown: np.ndarray
     any_compresses: bool = field(init=False)
     # Once every row is past its prompt it stays so while the composition holds.
     _past_prompts: bool = field(default=False, init=False, repr=False)

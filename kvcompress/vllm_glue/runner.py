@@ -78,7 +78,8 @@ class WorkerRequest:
     Attributes:
         compression: its budget and policy, as the scheduler resolved them.
         seq_slot: its row in the cache's page tables (None until first planned); the
-            tokens its heads were grown for are ``kvc_logical_lens[seq_slot]``.
+            tokens its heads were grown for are ``kvc_logical_lens[seq_slot]`` (while
+            its batch composition holds: ``kvc_rows.grown``).
     """
 
     compression: RequestCompression
@@ -207,8 +208,9 @@ class PerHeadRunnerMixin:
         # This worker's TP rank: it frees the pages the scheduler credited to its pool.
         self.kvc_tp_rank = _tp_rank()
         self.kvc_requests: dict[str, WorkerRequest] = {}
-        # Per sequence slot: tokens its heads were grown for (prompt and outputs so far),
-        # its request's prompt tokens and whether it is compressed (set at admission).
+        # Per sequence slot: tokens its heads were grown for (prompt and outputs so far;
+        # kvc_rows.grown holds its rows' while their composition holds), its request's
+        # prompt tokens and whether it is compressed (set at admission).
         self.kvc_logical_lens = np.zeros(cache.max_seqs, dtype=np.int64)
         self.kvc_slot_prompt_lens = np.zeros(cache.max_seqs, dtype=np.int64)
         self.kvc_slot_compresses = np.zeros(cache.max_seqs, dtype=bool)
@@ -306,7 +308,7 @@ class PerHeadRunnerMixin:
                 hits = () if prefix_step is None else prefix_step.hits.get(request_id, ())
                 self.kvc_requests[request_id] = WorkerRequest(compression, prefix_hits=hits)
             if gone or step.admitted:
-                self.kvc_rows = None  # slots changed hands
+                self._kvc_drop_rows()  # slots changed hands
             self.kvc_report = None
             self._kvc_step_started = time.perf_counter()
             compressed = self._kvc_compress(step.orders)
@@ -567,6 +569,7 @@ class PerHeadRunnerMixin:
         their heads are then grown for ``computed + num_new``."""
         rows = self.kvc_rows
         if rows is None or not rows.matches(req_ids):
+            self._kvc_drop_rows()
             requests, slots = self.kvc_requests, []
             for request_id, done in zip(req_ids, computed.tolist()):
                 request = requests.get(request_id)
@@ -579,16 +582,24 @@ class PerHeadRunnerMixin:
                 seq_slots=torch.from_numpy(slots_np).to(self.kvc_cache.device),
                 prompt_lens=self.kvc_slot_prompt_lens[slots_np],
                 compresses=self.kvc_slot_compresses[slots_np],
+                grown=self.kvc_logical_lens[slots_np],
             )
-        grown = self.kvc_logical_lens[rows.slots]
-        if not np.array_equal(grown, computed):
-            row = int(np.flatnonzero(grown != computed)[0])
+        if not np.array_equal(rows.grown, computed):
+            row = int(np.flatnonzero(rows.grown != computed)[0])
             raise RuntimeError(
                 f"kvcompress: request {req_ids[row]} has {int(computed[row])} computed tokens "
-                f"but its heads were grown for {int(grown[row])}"
+                f"but its heads were grown for {int(rows.grown[row])}"
             )
-        self.kvc_logical_lens[rows.slots] = computed + num_new
+        rows.grown = computed + num_new
         return rows
+
+    def _kvc_drop_rows(self) -> None:
+        """End the batch composition: its rows' grown token counts go back to the
+        per-slot array (kept in the rows while it held)."""
+        rows = self.kvc_rows
+        if rows is not None:
+            self.kvc_logical_lens[rows.slots] = rows.grown
+            self.kvc_rows = None
 
     def _kvc_slot_for(self, request_id: str, computed: int) -> int:
         """The request's sequence slot (a new, empty one at its first step)."""
