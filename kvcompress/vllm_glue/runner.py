@@ -207,6 +207,7 @@ class PerHeadRunnerMixin:
         )
         # This worker's TP rank: it frees the pages the scheduler credited to its pool.
         self.kvc_tp_rank = _tp_rank()
+        self.kvc_tp_size = self.vllm_config.parallel_config.tensor_parallel_size
         self.kvc_requests: dict[str, WorkerRequest] = {}
         # Per sequence slot: tokens its heads were grown for (prompt and outputs so far;
         # kvc_rows.grown holds its rows' while their composition holds), its request's
@@ -463,7 +464,8 @@ class PerHeadRunnerMixin:
             return output
         if not hasattr(output, "req_ids"):
             return output  # async wrappers do not occur: kvcompress turns async scheduling off
-        reports = _gather_reports(self.kvc_report)
+        # One rank: its report is the step's (no gather, no group lookups every step).
+        reports = (self.kvc_report,) if self.kvc_tp_size == 1 else _gather_reports(self.kvc_report)
         self.kvc_report = None
         if reports is not None:  # this rank's output is the one vLLM reads
             output = with_report(output, reports)
