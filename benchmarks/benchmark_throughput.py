@@ -883,12 +883,10 @@ def write_outputs(results: dict[str, Any], prefix: str | Path, plots: bool = Tru
 def write_plots(results: dict[str, Any], prefix: Path) -> list[Path]:
     """Fig. 1b (throughput multiplier vs rate), 7 (max decode batch vs rate) and 8
     (total throughput vs input length per rate); skipped with a warning without matplotlib."""
-    try:
-        import matplotlib
+    from plots import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         warnings.warn("matplotlib is not installed: no plots (pip install matplotlib)", stacklevel=2)
         return []
     rows = results["rows"]

@@ -110,6 +110,7 @@ except ImportError:  # lets --help and the prompt builders run without vLLM
 
 from kvcompress.policies import POLICY_NAMES  # noqa: E402  (no vLLM, no torch)
 from offline_assets import essay_text, sentence_starts  # noqa: E402
+from plots import pyplot  # noqa: E402  (matplotlib imported when a plot is drawn)
 from kvcompress.vllm_glue.llm import page_stats, shutdown  # noqa: E402  (vLLM imported lazily)
 
 RULER_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe")
@@ -1179,12 +1180,8 @@ def _plot_tasks(ax, results: dict, policy: str) -> None:
 def write_plot(results: dict, path: str, log=print) -> bool:
     """One policy: % of full per RULER task and overall vs rate (+ perplexity vs rate).
     Several: one line per policy, all RULER cells' % of full (+ perplexity) vs rate."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         log("warning: matplotlib is not installed: no plot")
         return False
     rows, config, policies = results["rows"], results["config"], _policies(results)
