@@ -69,10 +69,6 @@ class DecodeBatchPlan:
         self._layers: list[KernelDecodeLayer] = []  # torch views of tables and lengths
         self.rebuilds = 0  # for tests and stats: full rebuilds since construction
 
-    def invalidate(self) -> None:
-        """Rebuild at the next step whatever the cache's version says."""
-        self._rows_key = None
-
     def step(
         self, rows_key: object, slots: np.ndarray, positions: np.ndarray,
         metric_rows: torch.Tensor | None = None, uniform: bool | None = None,
@@ -142,8 +138,7 @@ class DecodeBatchPlan:
             self._room = self.cache.block_size - 1 - int(offsets.max())
         lens, flat_slots, _ = counters
         host.head_lens[slots] = lens.transpose(1, 0, 2)
-        host.slot_positions.reshape(-1)[flat_slots] = positions[None, :, None]
-        host.slot_metrics.reshape(-1)[flat_slots] = 0.0
+        host.place(flat_slots, positions[None, :, None])
 
     def _take_pages(self, slots: np.ndarray, starts_page: np.ndarray) -> None:
         """New pages for the heads whose last page is full (``starts_page [L, B, H]``),
@@ -153,11 +148,7 @@ class DecodeBatchPlan:
         rows, layers, heads = np.nonzero(starts_page.transpose(1, 0, 2))
         lens, flat_slots, offsets = self._counters
         columns = (lens[layers, rows, heads].astype(np.int64) - 1) // block_size
-        cache._check_pages_per_head(int(columns.max()) + 1)
-        pages = cache.allocator.allocate(rows.shape[0]).numpy()
-        row_slots = slots[rows]
-        cache.tables.assign_one_host(row_slots, layers, heads, columns, pages)
-        cache.host.last_pages[row_slots, layers, heads] = pages
+        pages = cache.take_last_pages_host(slots[rows], layers, heads, columns)
         self._write_pages[layers, rows, heads] = pages
         offsets[layers, rows, heads] = 0
         flat_slots[layers, rows, heads] = pages * block_size

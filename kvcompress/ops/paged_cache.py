@@ -70,6 +70,12 @@ class HostViews:
             np.zeros(cache.head_lens.shape, np.int64),
         )
 
+    def place(self, flat_slots: np.ndarray, positions: np.ndarray) -> None:
+        """New KVs at ``flat_slots`` (``page * block_size + offset``): their positions
+        (``positions``, broadcast to ``flat_slots``) recorded, their metrics zeroed."""
+        self.slot_positions.reshape(-1)[flat_slots] = positions
+        self.slot_metrics.reshape(-1)[flat_slots] = 0.0
+
     def refresh_last_pages(self, cache: "PerHeadPagedCache", slots: np.ndarray) -> None:
         """Re-read the last page of every head of ``slots`` (after a general append or a
         compression)."""
@@ -426,6 +432,20 @@ class PerHeadPagedCache:
         self.head_lens[seq_slots] = old_lens + 1
         return self._place(seq_slots, page_column, write_offsets, positions)
 
+    def take_last_pages_host(
+        self, slots: np.ndarray, layers: np.ndarray, heads: np.ndarray, columns: np.ndarray,
+    ) -> np.ndarray:
+        """A new page at column ``columns[k]`` of head ``(slots[k], layers[k], heads[k])``
+        (each head's next column, its last page being full), taken from the allocator in
+        the order given; it becomes that head's last page. CPU cache (numpy); ``[K]``
+        int64 arrays. Returns the ``[K]`` page ids. (A decode append's part: the caller
+        bumps :attr:`version` or keeps its own plan of these heads.)"""
+        self._check_pages_per_head(int(columns.max()) + 1)
+        pages = self.allocator.allocate(slots.shape[0]).numpy()
+        self.tables.assign_one_host(slots, layers, heads, columns, pages)
+        self.host.last_pages[slots, layers, heads] = pages
+        return pages
+
     def _append_one_host(self, slots: np.ndarray, positions: torch.Tensor) -> AppendPlan:
         """:meth:`append_one` on a CPU cache through its numpy views (same result;
         ``slots`` ``[S]`` int64)."""
@@ -436,17 +456,12 @@ class PerHeadPagedCache:
         starts_page = write_offsets == 0
         count = int(np.count_nonzero(starts_page))
         if count:
-            columns = page_column[starts_page]
-            self._check_pages_per_head(int(columns.max()) + 1)
             rows, layers, heads = np.nonzero(starts_page)
-            pages = self.allocator.allocate(count).numpy()
-            self.tables.assign_one_host(slots[rows], layers, heads, columns, pages)
-            write_pages[starts_page] = pages
-            host.last_pages[slots[rows], layers, heads] = pages
+            write_pages[starts_page] = self.take_last_pages_host(
+                slots[rows], layers, heads, page_column[starts_page],
+            )
         host.head_lens[slots] = old_lens + 1
-        flat_slots = write_pages * self.block_size + write_offsets
-        host.slot_positions.reshape(-1)[flat_slots] = positions.numpy()[:, None, None]
-        host.slot_metrics.reshape(-1)[flat_slots] = 0.0
+        host.place(write_pages * self.block_size + write_offsets, positions.numpy()[:, None, None])
         return AppendPlan(
             write_pages=torch.from_numpy(np.ascontiguousarray(write_pages.transpose(1, 0, 2))),
             write_offsets=torch.from_numpy(np.ascontiguousarray(write_offsets.transpose(1, 0, 2))),
