@@ -91,10 +91,12 @@ class MetricSource:
     Attributes:
         kind: a short name (logs, error messages).
         scores_prompt: whether prompt queries must score keys (attention metrics).
+        reconstructs: whether a reconstruction pass scores keys after the prefill.
     """
 
     kind: ClassVar[str] = "?"
     scores_prompt: ClassVar[bool] = False
+    reconstructs: ClassVar[bool] = False
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,17 @@ class AttentionScores(MetricSource):
 
     kind: ClassVar[str] = "attention"
     scores_prompt: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class ReconstructionScores(MetricSource):
+    """The attention a context-reconstruction pass gives each KV (KVzip-style): after
+    the prefill the model is asked to repeat the prompt, and each KV scores the largest
+    probability a repeating query gives it (``kvcompress.ops.reconstruction``). No
+    prompt query scores keys; the question plays no part."""
+
+    kind: ClassVar[str] = "reconstruction"
+    reconstructs: ClassVar[bool] = True
 
 
 @dataclass(frozen=True)
@@ -118,6 +131,10 @@ class RandomNoise(MetricSource):
 
     kind: ClassVar[str] = "random"
 
+
+RECONSTRUCTION_SETTINGS = ("pool", "pool_kernel", "pool_words")
+"""The metric settings a reconstruction-scored policy reads (the scores are a maximum
+over queries: no window, and a power does not change their order)."""
 
 _METRIC_POWER = {"l2": 2, "l1": 1}
 """``--kv-compress-metric`` value -> exponent of the attention probabilities."""
@@ -156,6 +173,11 @@ class MetricSpec:
     def scores_prompt(self) -> bool:
         """Whether prompt queries must score keys for this policy."""
         return self.source.scores_prompt
+
+    @property
+    def reconstructs(self) -> bool:
+        """Whether a reconstruction pass scores keys after the prefill (then pooled)."""
+        return self.source.reconstructs
 
     def settings(self) -> dict[str, Any]:
         """These values as the settings (flags) that would select them."""
@@ -330,8 +352,11 @@ class PolicyDefinition:
 
     def reads(self, setting: str) -> bool:
         """Whether ``setting`` (a ``defaults()`` key) changes what this policy evicts:
-        the metric settings only matter to attention-scored policies."""
-        return setting == "sink_tokens" or self.metric.scores_prompt
+        the metric settings only matter to attention-scored policies, and only the
+        pooling ones to reconstruction-scored policies."""
+        if setting == "sink_tokens" or self.metric.scores_prompt:
+            return True
+        return self.metric.reconstructs and setting in RECONSTRUCTION_SETTINGS
 
     def resolve(
         self,
@@ -474,6 +499,10 @@ needles), word spans keep a number that is longer than that reach whole, and a
 32-query window holds the question. Perplexity did not drop with the wider pooling
 (same windows: 91% of full at rate 8 vs 88% with the paper's)."""
 
+KVZIP_METRIC = MetricSpec(source=ReconstructionScores(), pool="max", pool_kernel=7, pool_words=True)
+"""kvzip's defaults: the reconstruction pass's scores, max-pooled over 7 tokens and
+over word spans (a number is kept or evicted whole)."""
+
 for _definition in (
     PolicyDefinition(
         "kvc", KVC_DEFAULT_METRIC, GlobalSplit(),
@@ -486,6 +515,10 @@ for _definition in (
     PolicyDefinition(
         "kvc-full", replace(KVC_DEFAULT_METRIC, queries="full", skip_nearest=10), GlobalSplit(),
         paper="KV-Compress KVC-full: every prompt query scores keys, question-agnostic",
+    ),
+    PolicyDefinition(
+        "kvzip", KVZIP_METRIC, GlobalSplit(),
+        paper="KVzip-style: scored by a pass that repeats the prompt, question-agnostic",
     ),
     PolicyDefinition(
         "snapkv", MetricSpec(power=1, observation_window=32, pool="max"), UniformSplit(),

@@ -1,7 +1,7 @@
 """The values a policy ranks a sequence's KVs by (torch; no vLLM).
 
 One rule per metric source kind of ``kvcompress.policies`` (``AttentionScores``,
-``TokenPosition``, ``RandomNoise``), registered in ``RANKERS`` with ``@ranks``; a new
+``ReconstructionScores``, ``TokenPosition``, ``RandomNoise``), registered in ``RANKERS`` with ``@ranks``; a new
 source kind adds its parameter class there and its rule here.
 """
 
@@ -16,6 +16,7 @@ from kvcompress.policies import (
     MetricSource,
     Policy,
     RandomNoise,
+    ReconstructionScores,
     TokenPosition,
 )
 
@@ -37,8 +38,10 @@ def ranks(source_type: type[MetricSource]) -> Callable[[Ranker], Ranker]:
 
 
 @ranks(AttentionScores)
+@ranks(ReconstructionScores)
 def _stored_metrics(source, metrics, positions, generator):
-    """The metrics scored inside attention."""
+    """The metrics scored inside attention (by prompt or decode queries, or by the
+    reconstruction pass)."""
     return metrics
 
 

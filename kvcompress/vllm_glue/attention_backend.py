@@ -34,8 +34,9 @@ from kvcompress.ops import MetricSink, PagedBatch, SlotBatch, write_kv
 from kvcompress.ops.cpu_attention import KERNEL_HEAD_SIZES
 from kvcompress.ops.dispatch import decode_by_slot_capturable
 from kvcompress.ops.metrics import accumulate_metrics, attention_metrics, pool_metrics
+from kvcompress.ops.reconstruction import reconstruction_attention
 from kvcompress.vllm_glue import step as step_state
-from kvcompress.vllm_glue.step import PerHeadStep
+from kvcompress.vllm_glue.step import PerHeadStep, ReconstructionStep
 
 # CUDA: the Triton kernels pad any head size to a power of two (the CUDA op takes
 # 64 / 128 / 256 and hands the others to Triton); CPU: vLLM 0.32's CPU attention kernel.
@@ -58,7 +59,7 @@ class PerHeadAttentionMetadata:
     capture of a decode CUDA graph, whose buffers then hold only padding rows)."""
 
     num_actual_tokens: int
-    step: PerHeadStep | None
+    step: PerHeadStep | ReconstructionStep | None
     decode_only: bool = False
 
 
@@ -220,6 +221,8 @@ class PerHeadAttentionImpl(AttentionImpl):
             raise NotImplementedError("fused output quantization is not supported")
         if attn_metadata is None:  # profiling run: defined output, as vLLM's backends give
             return output.fill_(0)
+        if isinstance(attn_metadata.step, ReconstructionStep):
+            return self._reconstruct(layer, query, key, value, output, attn_metadata.step)
         if attn_metadata.decode_only:
             step = attn_metadata.step
             if step is not None and step.kernel_decode is not None:
@@ -317,6 +320,23 @@ class PerHeadAttentionImpl(AttentionImpl):
             metrics=MetricSink(buffers.metric_slots, buffers.metric_power),
             partition_size=buffers.partition_size,
         )
+        return output
+
+    def _reconstruct(self, layer, query, key, value, output, step: ReconstructionStep) -> torch.Tensor:
+        """A reconstruction chunk: attend over the request's KVs and the scoring tokens,
+        raise this layer's scores; the cache is not written."""
+        state = step_state.get_worker_state()
+        layer_index = state.layer_index[layer.layer_name]
+        num_tokens = query.shape[0]
+        scores = reconstruction_attention(
+            query.view(num_tokens, self.num_heads, self.head_size),
+            key.view(num_tokens, self.num_kv_heads, self.head_size),
+            value.view(num_tokens, self.num_kv_heads, self.head_size),
+            state.pool, step.tables.layer(layer_index)[0], step.head_lens[layer_index], self.scale,
+            out=output.view(num_tokens, self.num_heads, self.head_size),
+        )
+        layer_scores = step.scores[layer_index, :, : scores.shape[1]]
+        torch.maximum(layer_scores, scores[:, : layer_scores.shape[1]], out=layer_scores)
         return output
 
     def _prompt_metrics(self, state, step, metrics, query, batch: PagedBatch) -> None:

@@ -65,6 +65,7 @@ from kvcompress.vllm_glue.kv_layout import (
     single_full_attention_group,
 )
 from kvcompress.vllm_glue.batch_rows import BatchRows
+from kvcompress.vllm_glue.reconstruction import PendingReconstruction, ReconstructionPass
 from kvcompress.vllm_glue.tokenizer_checks import word_edges
 from kvcompress.vllm_glue.outputs import step_compression_of, with_report
 
@@ -245,6 +246,10 @@ class PerHeadRunnerMixin:
         self.kvc_word_edges: WordEdges | bool | None = None
         if self.kvc_settings.policy_for().metric.pool_words:
             self.kvc_word_edges = word_edges(self.vllm_config.model_config) or False
+        # Requests whose prompt finishes prefilling this step and whose policy scores
+        # KVs by a reconstruction pass (kvzip): run after the step's forward.
+        self.kvc_reconstruction = ReconstructionPass(self, layer_names)
+        self.kvc_reconstructions: list[PendingReconstruction] = []
         # request id -> a compression's inputs, while tests record them (None: off).
         self.kvc_recorded: dict[str, dict] | None = None
         state = WorkerCacheState(
@@ -412,6 +417,9 @@ class PerHeadRunnerMixin:
                 "block_cost": self.kvc_settings.block_cost,
                 "heads": heads,
             }
+            scores = (self.kvc_reconstruction.recorded or {}).pop(request_id, None)
+            if scores is not None:  # kvzip: the reconstruction pass's raw scores, [L][H][KV]
+                self.kvc_recorded[request_id]["reconstruction_scores"] = scores.tolist()
 
     def kvcompress_record_compressions(self, on: bool) -> dict[str, dict]:
         """Start (``on``) or stop recording each compression's inputs
@@ -419,6 +427,8 @@ class PerHeadRunnerMixin:
         and forgets what was recorded so far."""
         recorded = self.kvc_recorded or {}
         self.kvc_recorded = {} if on else None
+        if not on or self.kvc_reconstruction.recorded is None:  # kept until its compression reads it
+            self.kvc_reconstruction.recorded = {} if on else None
         return recorded
 
     def _kvc_column(self, values: list[int]) -> torch.Tensor:
@@ -473,7 +483,11 @@ class PerHeadRunnerMixin:
         return output
 
     def execute_model(self, *args, **kwargs):
-        return self._kvc_attach_report(super().execute_model(*args, **kwargs))
+        output = super().execute_model(*args, **kwargs)
+        if self.kvc_cache is not None and self.kvc_reconstructions:
+            pending, self.kvc_reconstructions = self.kvc_reconstructions, []
+            self.kvc_reconstruction.run(pending)
+        return self._kvc_attach_report(output)
 
     def sample_tokens(self, *args, **kwargs):
         return self._kvc_attach_report(super().sample_tokens(*args, **kwargs))
@@ -711,6 +725,8 @@ class PerHeadRunnerMixin:
         prompt positions (or, in ``full`` mode, every prompt query; none for the
         position and random policies); decode queries: every ``decode_metric_stride``-th
         token past the prompt, added by the attention kernel or a metric pass of its own.
+        A request whose policy reconstructs and whose prompt completes in this step is
+        queued in ``kvc_reconstructions`` instead (scored after the step's forward).
         """
         settings = self.kvc_settings
         if not settings.compresses and not any(
@@ -728,8 +744,11 @@ class PerHeadRunnerMixin:
                 decode_seqs[index] = count == 1 and self._kvc_decode_metric_due(first)
                 continue
             spec = self.kvc_requests[request_id].compression.policy.metric
+            if spec.reconstructs and first + count >= prompt_len:
+                pending = self._kvc_pending_reconstruction(request_id, first + count, spec)
+                self.kvc_reconstructions += [pending] if pending is not None else []
             if not spec.scores_prompt:
-                continue  # position / random policies need no attention scores
+                continue  # position / random / reconstruction policies: no prompt queries
             scoring_from = 0 if spec.queries == "full" else prompt_len - spec.observation_window
             lo = max(first, scoring_from)
             hi = min(first + count, prompt_len)
@@ -747,6 +766,22 @@ class PerHeadRunnerMixin:
             power=self.kvc_decode_metric_power,
             prompt_weight=1.0 / settings.decode_metric_stride,
         )
+
+    def _kvc_pending_reconstruction(self, request_id: str, num_cached: int, spec) -> PendingReconstruction | None:
+        """The reconstruction of a request holding ``num_cached`` tokens' KVs after
+        this step (its prompt, and its outputs when it resumes after a preemption);
+        None, with a warning, for prompt embeddings (no tokens to repeat: its KVs
+        keep the decode metrics only)."""
+        state = self.requests[request_id]
+        context = [*(state.prompt_token_ids or ()), *state.output_token_ids][:num_cached]
+        if len(context) < num_cached:
+            logger.warning(
+                "kvcompress: request %s has prompt embeddings, which the kvzip reconstruction "
+                "pass cannot repeat: its KVs are ranked without reconstruction scores", request_id,
+            )
+            return None
+        words = self._kvc_word_starts(request_id) if spec.pool_words else None
+        return PendingReconstruction(request_id, self.kvc_requests[request_id].seq_slot, context, spec, words)
 
     def _kvc_word_starts(self, request_id: str) -> torch.Tensor | None:
         """``[prompt_len]`` first position of each prompt token's word span (None

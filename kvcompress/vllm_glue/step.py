@@ -274,6 +274,26 @@ class PerHeadStep:
     decode_metric_power: int = 2
 
 
+@dataclass
+class ReconstructionStep:
+    """One chunk of a request's reconstruction pass (``kvzip`` scoring), run by the
+    runner outside vLLM's batch: its scoring tokens attend over the request's cached
+    KVs and themselves (``kvcompress.ops.reconstruction``); nothing is written to the
+    cache.
+
+    Attributes:
+        tables: the request's page tables (one row).
+        head_lens: ``[num_layers, num_kv_heads]`` KVs each head holds.
+        scores: ``[num_layers, num_kv_heads, P * b]`` float32, logical slot order: the
+            largest probability a scoring query gave each KV so far (raised in place
+            by every chunk).
+    """
+
+    tables: StepTables
+    head_lens: torch.Tensor
+    scores: torch.Tensor
+
+
 _worker_state: WorkerCacheState | None = None
 _current_step: PerHeadStep | None = None
 
