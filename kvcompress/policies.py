@@ -15,6 +15,10 @@ kvc            L2, last 32, max-pool 31 global: cheapest blocks across all layer
 kvc-paper      L2, last 8, max-pool 7   global, as kvc                            KV-Compress
 kvc-full       L2, all queries but the  global, as kvc                            KV-Compress
                10 nearest, as kvc                                                 (KVC-full)
+kvzip          max attention a pass     global, as kvc                            KVzip
+               repeating the prompt                                               (its
+               gives, max-pool 7 +                                                scoring)
+               word spans
 snapkv         L1, last 32, max-pool 7  uniform: same count per head and layer    SnapKV
 pyramidkv      L1, last 8, max-pool 7   per-layer arithmetic schedule (beta = 20),PyramidKV
                                         uniform heads
@@ -30,7 +34,9 @@ random         uniform random           uniform                                 
 ============== ======================== ========================================= ===========
 
 L1/L2: attention probabilities (or their squares) summed over the query heads of the KV
-head's group (GQA); a sum and the papers' mean rank KVs identically. A ``--kv-compress-*``
+head's group (GQA). kvzip scores no prompt query: once the prompt is prefilled, the model
+is asked to repeat it (``kvcompress.vllm_glue.reconstruction``), and each KV keeps the largest
+probability a repeating query of its group gives it, whatever the question; a sum and the papers' mean rank KVs identically. A ``--kv-compress-*``
 metric flag given explicitly on the server overrides that setting for every policy.
 
 Budgets are whole pages per (layer, head); see ``kvcompress.ops.budget_split`` for the
@@ -41,7 +47,8 @@ than a cache policy, and its nested per-layer sets need head-shared eviction.
 Structure
 ---------
 A policy is one :class:`PolicyDefinition` in ``POLICIES``: its name, a metric source
-(:class:`AttentionScores`, :class:`TokenPosition`, :class:`RandomNoise`), a budget split
+(:class:`AttentionScores`, :class:`ReconstructionScores`, :class:`TokenPosition`,
+:class:`RandomNoise`), a budget split
 (:class:`GlobalSplit`, :class:`UniformSplit`, :class:`PyramidSplit`, :class:`AdaSplit`
 over a layer split, :class:`XKVSplit`) and its paper defaults (a :class:`MetricSpec`,
 sink tokens). The strategy objects here only carry parameters; their torch rules live

@@ -57,32 +57,39 @@ def reconstruction_attention(
     num_kv_heads, num_pages = block_tables.shape
     block_size = pool.key_cache.shape[1]
     group = num_q_heads // num_kv_heads
+    num_keys = num_pages * block_size
     pages = block_tables.long()
-    cached_keys = pool.key_cache[pages].reshape(num_kv_heads, num_pages * block_size, head_dim).float()
-    cached_values = pool.value_cache[pages].reshape(num_kv_heads, num_pages * block_size, head_dim).float()
-    held = torch.arange(num_pages * block_size, device=pages.device) < head_lens.long().unsqueeze(-1)
-    own_keys = key.float().transpose(0, 1)  # [H, n, D]
-    own_values = value.float().transpose(0, 1)
-    queries = query.float().view(num_tokens, num_kv_heads, group, head_dim)
-    best = torch.zeros(held.shape, dtype=torch.float32, device=pages.device)
-    per_query = SCORE_COPIES * 4 * num_q_heads * (num_pages * block_size + num_tokens)
+    device = pages.device
+    # [H, K, D] / [H, D, K]: one batched matmul per head for every query of its group.
+    cached_keys_t = pool.key_cache[pages].reshape(num_kv_heads, num_keys, head_dim).float().transpose(1, 2)
+    cached_values = pool.value_cache[pages].reshape(num_kv_heads, num_keys, head_dim).float()
+    held = torch.arange(num_keys, device=device) < head_lens.long().unsqueeze(-1)  # [H, K]
+    all_held = bool(held.all())
+    own_keys_t = key.float().permute(1, 2, 0)  # [H, D, n]
+    own_values = value.float().transpose(0, 1)  # [H, n, D]
+    queries = query.float().view(num_tokens, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [H, G, n, D]
+    best = torch.zeros((num_kv_heads, num_keys), dtype=torch.float32, device=device)
+    per_query = SCORE_COPIES * 4 * num_q_heads * (num_keys + num_tokens)
     chunk = max(1, min(num_tokens, workspace_bytes // per_query))
     for start in range(0, num_tokens, chunk):
         end = min(num_tokens, start + chunk)
-        q = queries[start:end]
-        cached = torch.einsum("chgd,hkd->hgck", q, cached_keys).mul_(scale)
-        cached.masked_fill_(~held[:, None, None, :], float("-inf"))
-        own = torch.einsum("chgd,hmd->hgcm", q, own_keys[:, :end]).mul_(scale)
-        future = torch.arange(end, device=pages.device) > torch.arange(start, end, device=pages.device)[:, None]
-        own.masked_fill_(future, float("-inf"))
-        top = torch.maximum(cached.amax(dim=-1), own.amax(dim=-1)).unsqueeze(-1)  # [H, G, c, 1]
+        rows = group * (end - start)
+        q = queries[:, :, start:end].reshape(num_kv_heads, rows, head_dim)
+        cached = torch.bmm(q, cached_keys_t).mul_(scale)  # [H, G*c, K]
+        if not all_held:
+            cached.masked_fill_(~held.unsqueeze(1), float("-inf"))
+        own = torch.bmm(q, own_keys_t[:, :, :end]).mul_(scale)  # [H, G*c, end]
+        future = torch.arange(end, device=device) > torch.arange(start, end, device=device).unsqueeze(-1)
+        own.view(num_kv_heads, group, end - start, end).masked_fill_(future, float("-inf"))
+        top = torch.maximum(cached.amax(dim=-1, keepdim=True), own.amax(dim=-1, keepdim=True))
         cached = torch.exp_(cached.sub_(top))
         own = torch.exp_(own.sub_(top))
-        total = cached.sum(dim=-1, keepdim=True) + own.sum(dim=-1, keepdim=True)
+        total = cached.sum(dim=-1, keepdim=True).add_(own.sum(dim=-1, keepdim=True))
         cached.div_(total)
         own.div_(total)
-        attended = torch.einsum("hgck,hkd->chgd", cached, cached_values)
-        attended += torch.einsum("hgcm,hmd->chgd", own, own_values[:, :end])
-        out[start:end] = attended.reshape(end - start, num_q_heads, head_dim).to(out.dtype)
-        torch.maximum(best, cached.amax(dim=(1, 2)), out=best)
+        attended = torch.bmm(cached, cached_values).add_(torch.bmm(own, own_values[:, :end]))  # [H, G*c, D]
+        out[start:end] = attended.view(num_kv_heads, group, end - start, head_dim).permute(2, 0, 1, 3).reshape(
+            end - start, num_q_heads, head_dim
+        ).to(out.dtype)
+        torch.maximum(best, cached.amax(dim=1), out=best)
     return best
