@@ -11,6 +11,7 @@ import pytest
 
 from conftest import TINY_KV_HEADS, TINY_LAYERS, load_benchmark, worker_page_stats
 from eviction_oracle import check_what_survived, compress_one_and_read
+from reconstruction_oracle import reconstruction_scores
 from kvcompress.policies import POLICY_NAMES, load_layer_profile
 
 pytestmark = pytest.mark.engine
@@ -128,31 +129,6 @@ def test_what_survives_a_compression_matches_an_independent_recount(kvc_tiny_llm
     assert worker_page_stats(kvc_tiny_llm)["evict_mismatches"] == 0
 
 
-def _reconstruction_oracle(model_path: str, prompt: list[int], chunk: int) -> "torch.Tensor":
-    """``[L, H, len(prompt)]`` kvzip scores from Hugging Face's eager Llama (not vLLM,
-    not kvcompress): for each chunk, the prompt then the chunk repeated (no instruction:
-    the tiny engine has no tokenizer), at positions right after the prompt; a prompt
-    KV's score is the largest attention probability a repeating query of its KV head's
-    group gives it, over every chunk."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_path, attn_implementation="eager", dtype=torch.float32)
-    n = len(prompt)
-    best = None
-    with torch.no_grad():
-        for start in range(0, n, chunk):
-            repeated = prompt[start : start + chunk]
-            ids = torch.tensor([prompt + repeated])
-            out = model(input_ids=ids, output_attentions=True)
-            # [L, Hq, scoring queries, prompt keys] -> max over queries and the group
-            probs = torch.stack([a[0, :, n:, :n] for a in out.attentions])
-            layers, q_heads = probs.shape[:2]
-            scores = probs.amax(dim=2).view(layers, TINY_KV_HEADS, q_heads // TINY_KV_HEADS, n).amax(dim=2)
-            best = scores if best is None else torch.maximum(best, scores)
-    return best
-
-
 def test_kvzip_scores_match_an_independent_reconstruction(kvc_tiny_llm, tiny_model):
     """The reconstruction pass's raw scores equal Hugging Face's attention for the same
     repeated prompt: the pass's forward (positions, cached KVs read per head, its own
@@ -164,7 +140,7 @@ def test_kvzip_scores_match_an_independent_reconstruction(kvc_tiny_llm, tiny_mod
     assert chunk < len(prompt)  # several chunks
     recorded, kept = compress_one_and_read(kvc_tiny_llm, prompt, "kvzip")
     scores = torch.tensor(recorded["reconstruction_scores"])
-    want = _reconstruction_oracle(tiny_model, prompt, chunk)
+    want = reconstruction_scores(tiny_model, prompt, chunk)
     assert scores.shape == want.shape
     torch.testing.assert_close(scores, want, atol=1e-4, rtol=1e-3)
     check_what_survived(recorded, kept, "kvzip", _block(kvc_tiny_llm))
