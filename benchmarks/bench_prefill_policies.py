@@ -1,0 +1,87 @@
+"""Prefill cost of each eviction policy against stock vLLM, both engines in ONE process.
+
+A policy's scoring happens at the prefill: window policies score keys with the last
+prompt queries inside attention, ``kvc-full`` / ``h2o`` with every prompt query, and
+``kvzip`` runs a reconstruction pass (one more forward over the prompt, its attention
+the PyTorch reference's). This times ``generate`` of ``--batch`` prompts of
+``--input-len`` tokens for ONE output token (the prefill, and kvzip's pass, which runs
+in the step that finishes the prompt) on stock vLLM, then on kvcompress under each
+policy at ``--rate``, alternating per repetition (separate processes on a shared CPU
+host differ by up to ~20% in plain matmul speed), and prints medians and each policy's
+ratio to stock.
+
+    python benchmarks/bench_prefill_policies.py --model smollm2 --policies kvc kvzip --reps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import benchmark_throughput as bench  # noqa: E402  (sets VLLM_TARGET_DEVICE on CPU)
+
+
+def prefill_seconds(llm, prompts, extra) -> float:
+    """Wall time of ``prompts`` to their first token."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False, extra_args=extra)
+    started = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - started
+
+
+def main(argv=None) -> int:
+    from kvcompress.policies import POLICY_NAMES
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--input-len", type=int, default=2048)
+    parser.add_argument("--rate", type=float, default=8.0)
+    parser.add_argument("--policies", nargs="+", default=["kvc", "kvzip"], choices=POLICY_NAMES)
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args(argv)
+
+    with bench.engine_core_in_process():
+        from vllm import LLM
+
+        import kvcompress
+
+        path, description, default_dtype = bench.resolve_model(args.model)
+        shape = bench.kv_shape(path)
+        prompts = bench.synthetic_prompts(args.input_len, args.batch, shape["vocab_size"], seed=0)
+        kv_tokens = max(8192, (args.input_len + 300) * args.batch)
+        engine_args = bench.token_prompt_engine_args(
+            shape, default_dtype or "auto", args.input_len, 1, kv_tokens,
+            max_num_batched_tokens=max(2048, args.input_len), disable_log_stats=True,
+        )
+        stock = LLM(model=path, **engine_args)
+        kvc = kvcompress.LLM(path, **engine_args)
+        runs = {"stock": (stock, None)}
+        for policy in args.policies:
+            runs[policy] = (kvc, {"kv_compress_rate": args.rate, "kv_compress_policy": policy})
+        for llm, extra in runs.values():
+            prefill_seconds(llm, prompts[:1], extra)  # warm-up
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        for _ in range(args.reps):
+            for name, (llm, extra) in runs.items():
+                times[name].append(prefill_seconds(llm, prompts, extra))
+        for llm in (stock, kvc):
+            bench._shutdown(llm)
+
+    print(f"{description}; {args.batch} prompts x {args.input_len} tokens to their first token, "
+          f"rate {args.rate:g}, {args.reps} repetitions alternating; {bench.machine_description()}")
+    base = statistics.median(times["stock"])
+    for name, seconds in times.items():
+        ratios = [t / s for t, s in zip(seconds, times["stock"])]
+        print(f"{name:>14}: {statistics.median(seconds):7.2f} s per batch, "
+              f"{statistics.median(seconds) / args.batch:6.2f} s per prompt, "
+              f"{statistics.median(seconds) / base:5.2f}x stock (per repetition {min(ratios):.2f}..{max(ratios):.2f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
