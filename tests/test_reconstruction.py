@@ -71,3 +71,24 @@ def test_reconstruction_scores_follow_copying():
     out = torch.empty_like(query)
     scores = reconstruction_attention(query, key, key.clone(), pool, tables, lens, 0.125, out)
     assert int(scores[0, :n].argmax()) == target
+
+
+def test_the_repeat_instruction_is_a_user_turn_in_the_models_chat_format():
+    """SmolLM2 (a chat template): the prompt's turn closed, the instruction as a user
+    turn, the assistant's turn opened; a tokenizer without a template: the plain text."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from offline_assets import smollm2_checkpoint
+    from transformers import AutoTokenizer
+
+    from kvcompress.vllm_glue.reconstruction import REPEAT_INSTRUCTION, instruction_for
+
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_checkpoint()))
+    text = tokenizer.decode(instruction_for(tokenizer))
+    assert text.startswith(tokenizer.eos_token)
+    assert f"user\n{REPEAT_INSTRUCTION.strip()}{tokenizer.eos_token}" in text
+    assert text.endswith("<|im_start|>assistant\n")
+    tokenizer.chat_template = None
+    assert tokenizer.decode(instruction_for(tokenizer)) == REPEAT_INSTRUCTION

@@ -3,8 +3,9 @@
 A request whose policy reconstructs (``MetricSpec.reconstructs``) has no prompt
 query score its keys. Instead, at the end of the step in which its prompt finished
 prefilling (before the scheduler can order it compressed), the model runner runs
-the model once more per chunk of the prompt: scoring tokens
-``REPEAT_INSTRUCTION + chunk`` placed right after the cached KVs. Their attention
+the model once more per chunk of the prompt: scoring tokens (the instruction
+``REPEAT_INSTRUCTION``, in the model's chat format where it has one, then the chunk)
+placed right after the cached KVs. Their attention
 (``kvcompress.ops.reconstruction``) reads the request's pages and themselves and
 writes nothing to the cache; each cached KV keeps the largest probability a
 scoring query gave it. The scores become the request's slot metrics, pooled as its
@@ -60,20 +61,34 @@ class PendingReconstruction:
 
 
 def instruction_ids(model_config) -> list[int]:
-    """``REPEAT_INSTRUCTION`` in the model's tokens; empty (with a warning) without a
-    tokenizer: the scoring tokens are then the prompt chunk alone."""
+    """``REPEAT_INSTRUCTION`` in the model's tokens (:func:`instruction_for`); empty
+    (with a warning) without a tokenizer: the scoring tokens are then the chunk alone."""
     if not getattr(model_config, "skip_tokenizer_init", False):
         try:
             from vllm.tokenizers import cached_tokenizer_from_config
 
-            tokenizer = cached_tokenizer_from_config(model_config)
-            return list(tokenizer.encode(REPEAT_INSTRUCTION, add_special_tokens=False))
+            return instruction_for(cached_tokenizer_from_config(model_config))
         except Exception as error:  # noqa: BLE001 - only the instruction is lost
-            reason = f"the tokenizer could not be loaded ({error})"
+            reason = f"the tokenizer could not be loaded or used ({error})"
     else:
         reason = "--skip-tokenizer-init is set"
     logger.warning("kvcompress: %s, so the kvzip reconstruction pass repeats prompts without an instruction", reason)
     return []
+
+
+def instruction_for(tokenizer) -> list[int]:
+    """``REPEAT_INSTRUCTION`` as ``tokenizer``'s ids. With a chat template: the prompt's
+    turn closed (the EOS token), the instruction as a user turn, then the assistant's
+    turn opened (as KVzip asks chat models; on SmolLM2's multi-turn needles 77% of full
+    vs 69% as plain text, same 20 samples); else the plain text."""
+    if not getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.encode(REPEAT_INSTRUCTION, add_special_tokens=False))
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": REPEAT_INSTRUCTION.strip()}], add_generation_prompt=True, tokenize=True,
+    )
+    ids = list(ids if isinstance(ids, list) else ids["input_ids"])
+    end = getattr(tokenizer, "eos_token_id", None)
+    return ([end] if end is not None else []) + ids
 
 
 class ReconstructionPass:
