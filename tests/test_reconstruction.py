@@ -73,9 +73,8 @@ def test_reconstruction_scores_follow_copying():
     assert int(scores[0, :n].argmax()) == target
 
 
-def test_the_repeat_instruction_is_a_user_turn_in_the_models_chat_format():
-    """SmolLM2 (a chat template): the prompt's turn closed, the instruction as a user
-    turn, the assistant's turn opened; a tokenizer without a template: the plain text."""
+def test_the_repeat_instruction_in_the_models_tokens():
+    """SmolLM2's tokenizer: the instruction's ids decode to it, no special tokens added."""
     import sys
     from pathlib import Path
 
@@ -86,9 +85,6 @@ def test_the_repeat_instruction_is_a_user_turn_in_the_models_chat_format():
     from kvcompress.vllm_glue.reconstruction import REPEAT_INSTRUCTION, instruction_for
 
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2_checkpoint()))
-    text = tokenizer.decode(instruction_for(tokenizer))
-    assert text.startswith(tokenizer.eos_token)
-    assert f"user\n{REPEAT_INSTRUCTION.strip()}{tokenizer.eos_token}" in text
-    assert text.endswith("<|im_start|>assistant\n")
-    tokenizer.chat_template = None
-    assert tokenizer.decode(instruction_for(tokenizer)) == REPEAT_INSTRUCTION
+    ids = instruction_for(tokenizer)
+    assert tokenizer.decode(ids) == REPEAT_INSTRUCTION
+    assert not set(ids) & set(tokenizer.all_special_ids)

@@ -177,6 +177,34 @@ def test_scheduler_holds_every_ranks_own_head_lengths_mid_run(kvc_tp_llm):
     assert page_stats(kvc_tp_llm)["mismatches"] == 0
 
 
+def test_kvzip_reconstruction_runs_on_every_rank_over_its_own_heads(kvc_tp_llm, tiny_model):
+    """kvzip at TP=2: every rank runs the reconstruction pass (its forward's collectives
+    in step) over the KV head it holds; the ranks' raw scores side by side equal Hugging
+    Face's eager attention for the repeated prompt (``reconstruction_oracle``)."""
+    import torch
+    from reconstruction_oracle import reconstruction_scores
+
+    engine = kvc_tp_llm.llm_engine
+    (prompt,) = _prompts([260], seed=11)
+    kvc_tp_llm.collective_rpc("kvcompress_record_compressions", args=(True,))
+    engine.add_request("kvzip-tp", prompt, _params(8, kv_compress_rate=4, kv_compress_policy="kvzip"))
+    recorded = None
+    try:
+        while engine.has_unfinished_requests():
+            engine.step()
+            per_rank = kvc_tp_llm.collective_rpc("kvcompress_record_compressions", args=(True,))
+            if recorded is None and all(per_rank):
+                recorded = [next(iter(rank.values())) for rank in per_rank]
+    finally:
+        kvc_tp_llm.collective_rpc("kvcompress_record_compressions", args=(False,))
+    assert recorded is not None, "kvzip: no compression"
+    scores = torch.cat([torch.tensor(rank["reconstruction_scores"]) for rank in recorded], dim=1)
+    chunk = engine.vllm_config.scheduler_config.max_num_batched_tokens
+    want = reconstruction_scores(tiny_model, prompt["prompt_token_ids"], chunk)
+    torch.testing.assert_close(scores, want, atol=1e-4, rtol=1e-3)
+    assert page_stats(kvc_tp_llm)["mismatches"] == 0
+
+
 def test_the_output_vllm_reads_is_tp_rank_zeros_where_the_reports_are_gathered():
     """The reports are gathered to TP rank 0 (``runner._gather_reports``); vLLM's mp
     executor reads the output of world rank ``world_size - tp * pcp`` (TP rank 0 of the
@@ -248,30 +276,3 @@ def test_ray_executor_under_pressure_matches_the_mp_executor(ray_tp_llm, mp_pres
     _assert_pressure_run_kept_every_rank_in_step(ray_run)
     assert ray_run[0] == mp_pressure_run[0]
 
-
-def test_kvzip_reconstruction_runs_on_every_rank_over_its_own_heads(kvc_tp_llm, tiny_model):
-    """kvzip at TP=2: every rank runs the reconstruction pass (its forward's collectives
-    in step) over the KV head it holds; the ranks' raw scores side by side equal Hugging
-    Face's eager attention for the repeated prompt (``reconstruction_oracle``)."""
-    import torch
-    from reconstruction_oracle import reconstruction_scores
-
-    engine = kvc_tp_llm.llm_engine
-    (prompt,) = _prompts([260], seed=11)
-    kvc_tp_llm.collective_rpc("kvcompress_record_compressions", args=(True,))
-    engine.add_request("kvzip-tp", prompt, _params(8, kv_compress_rate=4, kv_compress_policy="kvzip"))
-    recorded = None
-    try:
-        while engine.has_unfinished_requests():
-            engine.step()
-            per_rank = kvc_tp_llm.collective_rpc("kvcompress_record_compressions", args=(True,))
-            if recorded is None and all(per_rank):
-                recorded = [next(iter(rank.values())) for rank in per_rank]
-    finally:
-        kvc_tp_llm.collective_rpc("kvcompress_record_compressions", args=(False,))
-    assert recorded is not None, "kvzip: no compression"
-    scores = torch.cat([torch.tensor(rank["reconstruction_scores"]) for rank in recorded], dim=1)
-    chunk = engine.vllm_config.scheduler_config.max_num_batched_tokens
-    want = reconstruction_scores(tiny_model, prompt["prompt_token_ids"], chunk)
-    torch.testing.assert_close(scores, want, atol=1e-4, rtol=1e-3)
-    assert page_stats(kvc_tp_llm)["mismatches"] == 0
