@@ -34,9 +34,10 @@ random         uniform random           uniform                                 
 ============== ======================== ========================================= ===========
 
 L1/L2: attention probabilities (or their squares) summed over the query heads of the KV
-head's group (GQA). kvzip scores no prompt query: once the prompt is prefilled, the model
-is asked to repeat it (``kvcompress.vllm_glue.reconstruction``), and each KV keeps the largest
-probability a repeating query of its group gives it, whatever the question; a sum and the papers' mean rank KVs identically. A ``--kv-compress-*``
+head's group (GQA); a sum and the papers' mean rank KVs identically. kvzip scores no prompt
+query: once the prompt is prefilled, the model is asked to repeat it
+(``kvcompress.vllm_glue.reconstruction``), and each KV keeps the largest probability a
+repeating query of its group gives it, whatever the question. A ``--kv-compress-*``
 metric flag given explicitly on the server overrides that setting for every policy.
 
 Budgets are whole pages per (layer, head); see ``kvcompress.ops.budget_split`` for the

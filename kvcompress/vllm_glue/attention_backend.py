@@ -56,7 +56,8 @@ def supported_head_sizes(platform=None) -> tuple[int, ...]:
 class PerHeadAttentionMetadata:
     """``step`` is None for warm-up and profiling runs (nothing is read or written).
     ``decode_only``: attend over the ``DecodeBuffers`` (a decode-only step, or the
-    capture of a decode CUDA graph, whose buffers then hold only padding rows)."""
+    capture of a decode CUDA graph, whose buffers then hold only padding rows). A
+    ``ReconstructionStep`` marks the runner's kvzip reconstruction pass."""
 
     num_actual_tokens: int
     step: PerHeadStep | ReconstructionStep | None
@@ -335,8 +336,7 @@ class PerHeadAttentionImpl(AttentionImpl):
             state.pool, step.tables.layer(layer_index)[0], step.head_lens[layer_index], self.scale,
             out=output.view(num_tokens, self.num_heads, self.head_size),
         )
-        layer_scores = step.scores[layer_index, :, : scores.shape[1]]
-        torch.maximum(layer_scores, scores[:, : layer_scores.shape[1]], out=layer_scores)
+        torch.maximum(step.scores[layer_index], scores, out=step.scores[layer_index])
         return output
 
     def _prompt_metrics(self, state, step, metrics, query, batch: PagedBatch) -> None:

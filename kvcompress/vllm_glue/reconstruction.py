@@ -127,11 +127,10 @@ class ReconstructionPass:
             self._forward(step, instruction + request.context[start : start + chunk], num_cached)
         if self.recorded is not None:
             self.recorded[request.request_id] = step.scores[:, :, :num_cached].clone()
-        pool = state.pool
+        pool, spec = state.pool, request.spec
         for layer in range(cache.num_layers):
             layer_tables, lens = tables.layer(layer)[0], step.head_lens[layer]
             accumulate_metrics(pool.slot_metrics, layer_tables, lens, step.scores[layer])
-            spec = request.spec
             pool_metrics(pool.slot_metrics, layer_tables, lens, spec.pool_kernel, spec.pool, request.word_starts)
 
     def _forward(self, step: ReconstructionStep, token_ids: list[int], first_position: int) -> None:

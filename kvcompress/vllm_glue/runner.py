@@ -746,7 +746,8 @@ class PerHeadRunnerMixin:
             spec = self.kvc_requests[request_id].compression.policy.metric
             if spec.reconstructs and first + count >= prompt_len:
                 pending = self._kvc_pending_reconstruction(request_id, first + count, spec)
-                self.kvc_reconstructions += [pending] if pending is not None else []
+                if pending is not None:
+                    self.kvc_reconstructions.append(pending)
             if not spec.scores_prompt:
                 continue  # position / random / reconstruction policies: no prompt queries
             scoring_from = 0 if spec.queries == "full" else prompt_len - spec.observation_window
