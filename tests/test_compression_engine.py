@@ -194,5 +194,37 @@ def test_every_option_runs_in_the_engine(tiny_model):
         assert stats["compressions_on_interval"] > 0
         assert stats["mismatches"] == 0 and stats["num_free"] == stats["num_pages"]
         assert worker_page_stats(llm)["evict_mismatches"] == 0
+        _check_deferred_decode_metrics(llm)
     finally:
         _shutdown(llm)
+
+
+def _check_deferred_decode_metrics(llm) -> None:
+    """The same request, decode metric queries scored every step and then four at a time
+    (kvcompress/ops/deferred_metrics.py): every interval compression reads the same
+    metrics, and the deferred run took fewer metric passes."""
+
+    def compressions(request_id: str, batch: int) -> tuple[list[dict], int]:
+        passes_before = llm.collective_rpc("kvcompress_defer_decode_metrics", args=(batch,))[0]
+        llm.collective_rpc("kvcompress_record_compressions", args=(True,))
+        engine = llm.llm_engine
+        engine.add_request(request_id, _prompt(500, 77), _params(70))
+        while engine.has_unfinished_requests():
+            engine.step()
+        recorded = llm.collective_rpc("kvcompress_record_compressions", args=(False,))[0]
+        return [recorded[key] for key in sorted(recorded)], passes_before
+
+    every_step, _ = compressions("metrics-every-step", 1)
+    deferred, passes_every_step = compressions("metrics-deferred", 4)
+    passes_deferred = llm.collective_rpc("kvcompress_defer_decode_metrics", args=(4,))[0]
+    if passes_every_step == 0:
+        pytest.skip("decode metrics are not deferred on this backend")
+    assert 0 < passes_deferred < passes_every_step
+    assert len(every_step) == len(deferred) > 0
+    for one, other in zip(every_step, deferred):
+        assert one["evict_pages"] == other["evict_pages"]
+        for head_one, head_other in zip(one["heads"], other["heads"], strict=True):
+            positions_one, metrics_one = zip(*head_one)
+            positions_other, metrics_other = zip(*head_other)
+            assert positions_one == positions_other
+            np.testing.assert_allclose(metrics_other, metrics_one, rtol=1e-5, atol=1e-7)

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvcompress.ops.deferred_metrics import DeferredDecodeQueries
 from kvcompress.ops.flattened import decode_by_slot_flat, paged_attention_flat
 from kvcompress.ops.kv_pool import KVPool, MetricSink, PagedBatch, SlotBatch
 from kvcompress.ops.page_tables import ChunkedPageTables
@@ -238,6 +239,14 @@ class DecodeStepMetrics:
         self.num_layers = block_tables.shape[0]
         self.queries = torch.empty((self.num_layers, rows.shape[0], num_q_heads, head_dim), dtype=dtype)
         self.layers_recorded = 0
+        self.deferred: DeferredDecodeQueries | None = None
+        self.slots: np.ndarray | None = None
+        self.positions: np.ndarray | None = None
+
+    def defer(self, deferred: DeferredDecodeQueries, slots: np.ndarray, positions: np.ndarray) -> None:
+        """Hand the queries to ``deferred`` instead of scoring them at once: the rows'
+        sequence slots ``slots [M]`` and query positions ``positions [M]``."""
+        self.deferred, self.slots, self.positions = deferred, slots, positions
 
     def record(self, layer: int, query: torch.Tensor) -> bool:
         """Keep layer ``layer``'s metric-row queries (``query [B, Hq, D]``); True once
@@ -247,12 +256,23 @@ class DecodeStepMetrics:
         return self.layers_recorded == self.num_layers
 
     def run(self, pool: KVPool, scale: float, power: int) -> None:
-        """Add every layer's metric-row attention to ``pool.slot_metrics``."""
+        """Add every layer's metric-row attention to ``pool.slot_metrics`` (deferred:
+        keep the queries, and score those of the slots that now hold enough)."""
         from kvcompress.ops.metrics import decode_metrics_by_head
 
         num_layers, num_seqs, num_pages = self.block_tables.shape
         heads = self.num_kv_heads
         num_rows = num_seqs // heads
+        if self.deferred is not None:
+            full = self.deferred.add(self.slots, self.positions, self.queries, scale, power)
+            if full.size:
+                rows = self.rows[torch.from_numpy(full)]
+                self.deferred.flush(
+                    pool, self.slots[full].tolist(),
+                    self.block_tables.view(num_layers, num_rows, heads, num_pages)[:, rows],
+                    self.seq_lens.view(num_layers, num_rows, heads)[:, rows],
+                )
+            return
         tables = self.block_tables.view(num_layers, num_rows, heads, num_pages)[:, self.rows]
         lens = self.seq_lens.view(num_layers, num_rows, heads)[:, self.rows]
         group = self.queries.shape[2] // heads

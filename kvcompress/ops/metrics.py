@@ -207,6 +207,7 @@ def decode_metrics_by_head(
     scale: float,
     power: int = 2,
     max_pages_per_pass: int = 4096,
+    query_positions: torch.Tensor | None = None,
 ) -> None:
     """``decode_metrics`` over head-sequences of any layers at once, reading only the
     pages each head holds (no padding to the longest head).
@@ -226,6 +227,10 @@ def decode_metrics_by_head(
         scale: softmax scale; power: 2 (L2) or 1 (L1).
         max_pages_per_pass: pages gathered at once (bounds the key copy to
             ``max_pages_per_pass * b * D`` float32; whole heads per pass, at least one).
+        query_positions: ``[S, G]`` token position of each query, for queries kept
+            from earlier steps (:mod:`kvcompress.ops.deferred_metrics`): a query sees
+            only the KVs at positions up to its own (``pool.slot_positions``), as in
+            its own step. None: every query sees every KV the head holds.
     """
     num_heads, num_pages = block_tables.shape
     if num_heads == 0:
@@ -236,7 +241,7 @@ def decode_metrics_by_head(
         raise ValueError("decode_metrics_by_head: a head holds more KVs than its page table row")
     ends = torch.cumsum(pages_held, 0).tolist()
     if ends[-1] <= max_pages_per_pass:
-        _decode_metrics_heads(query, pool, block_tables, head_lens, pages_held, scale, power)
+        _decode_metrics_heads(query, pool, block_tables, head_lens, pages_held, scale, power, query_positions)
         return
     start_head, start_page = 0, 0
     for head, end_page in enumerate(ends):
@@ -245,11 +250,12 @@ def decode_metrics_by_head(
             _decode_metrics_heads(
                 query[start_head : head + 1], pool, block_tables[start_head : head + 1],
                 head_lens[start_head : head + 1], pages_held[start_head : head + 1], scale, power,
+                None if query_positions is None else query_positions[start_head : head + 1],
             )
             start_head, start_page = head + 1, end_page
 
 
-def _decode_metrics_heads(query, pool, block_tables, head_lens, pages_held, scale, power) -> None:
+def _decode_metrics_heads(query, pool, block_tables, head_lens, pages_held, scale, power, query_positions=None) -> None:
     """One pass of :func:`decode_metrics_by_head` over whole heads."""
     num_heads, num_pages = block_tables.shape
     group = query.shape[1]
@@ -266,7 +272,11 @@ def _decode_metrics_heads(query, pool, block_tables, head_lens, pages_held, scal
     scores = torch.bmm(query[head_of_page].float(), keys).mul_(scale)  # [N, G, b]
     slot = page_index.unsqueeze(-1) * block_size + torch.arange(block_size, device=device)
     past_end = slot >= head_lens.long()[head_of_page].unsqueeze(-1)  # [N, b]
-    scores.masked_fill_(past_end.unsqueeze(1), float("-inf"))
+    if query_positions is None:
+        scores.masked_fill_(past_end.unsqueeze(1), float("-inf"))
+    else:  # [N, G, b]: later KVs than a query's own are not in its softmax
+        later = pool.slot_positions[page_ids].unsqueeze(1) > query_positions[head_of_page].unsqueeze(-1)
+        scores.masked_fill_(later | past_end.unsqueeze(1), float("-inf"))
     head_max = torch.full((num_heads, group), float("-inf"), device=device).scatter_reduce_(
         0, head_of_page.unsqueeze(-1).expand(-1, group), scores.amax(dim=2), "amax",
     )

@@ -44,6 +44,7 @@ from kvcompress.ops import PerHeadPagedCache, compress_sequences
 from kvcompress.ops.paged_cache import pages_for
 from kvcompress.ops import cpu_attention
 from kvcompress.ops.cpu_decode_plan import DecodeBatchPlan
+from kvcompress.ops.deferred_metrics import DeferredDecodeQueries
 from kvcompress.ops.dispatch import resolve_ops
 from kvcompress.ops.prefix_groups import PrefixGroups
 from kvcompress.ops.word_spans import WordEdges, span_starts
@@ -267,6 +268,8 @@ class PerHeadRunnerMixin:
         self.kvc_plan_kernel_decode = ops.kernel_page_layout and cpu_attention.supports_pool(
             dtype, state.pool
         )
+        # Their metric queries wait per sequence to be scored several at once.
+        self.kvc_deferred_metrics = DeferredDecodeQueries() if self.kvc_plan_kernel_decode else None
         # ... and keep that plan between steps while the same rows decode.
         self.kvc_decode_plan: DecodeBatchPlan | None = None
         if self.kvc_plan_kernel_decode and cache.host is not None:
@@ -296,6 +299,8 @@ class PerHeadRunnerMixin:
         if slots:
             self.kvc_slot_shared_pages[slots] = 0
             self.kvc_cache.release(torch.tensor(slots, dtype=torch.int64))
+            if self.kvc_deferred_metrics is not None:
+                self.kvc_deferred_metrics.drop(slots)
 
     def _update_states(self, scheduler_output):
         set_current_step(None)
@@ -340,6 +345,7 @@ class PerHeadRunnerMixin:
         stats = self.kvc_stats
         rank = self.kvc_tp_rank
         ordered = sum(orders[r].evict_pages_on(rank) for r in request_ids)
+        self._kvc_flush_deferred_metrics([self.kvc_requests[r].seq_slot for r in request_ids])
         pages_freed = kvs_evicted = 0
         # One batched compression per policy present in this step's orders.
         state = get_worker_state()
@@ -393,6 +399,22 @@ class PerHeadRunnerMixin:
         stats.compress_seconds += time.perf_counter() - started
         return request_ids
 
+    def _kvc_flush_deferred_metrics(self, slots: list[int]) -> None:
+        """Score the decode queries still pending for ``slots`` (before their metrics
+        are read or their KVs evicted)."""
+        deferred = self.kvc_deferred_metrics
+        slots = [slot for slot in slots if deferred is not None and slot in deferred]
+        if not slots:
+            return
+        cache = self.kvc_cache
+        rows = np.asarray(slots, dtype=np.int64)
+        tables, lens = cpu_attention.decode_tables(cache.block_size, cache.tables, rows, cache.host.head_lens[rows])
+        num_layers = tables.shape[0]
+        deferred.flush(
+            get_worker_state().pool, slots,
+            torch.from_numpy(tables).view(num_layers, len(slots), lens.shape[2], -1), torch.from_numpy(lens),
+        )
+
     def _kvc_record_inputs(self, request_ids: list[str], orders: dict[str, CompressionOrder]) -> None:
         """What a compression of ``request_ids`` is about to read (tests' oracles):
         per head the (position, metric) of every KV it holds, and the order."""
@@ -430,6 +452,17 @@ class PerHeadRunnerMixin:
         if not on or self.kvc_reconstruction.recorded is None:  # kept until its compression reads it
             self.kvc_reconstruction.recorded = {} if on else None
         return recorded
+
+    def kvcompress_defer_decode_metrics(self, batch: int) -> int:
+        """Score decode metric queries ``batch`` at a time from now on (1: every step);
+        for tests, between requests (queries still pending are dropped). Returns the
+        metric passes the previous queue ran; 0 where the metric pass is not deferred
+        (not on vLLM's CPU kernel)."""
+        deferred = self.kvc_deferred_metrics
+        if deferred is None:
+            return 0
+        self.kvc_deferred_metrics = DeferredDecodeQueries(batch)
+        return deferred.passes
 
     def _kvc_column(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.kvc_cache.device)
@@ -560,9 +593,16 @@ class PerHeadRunnerMixin:
             # Heads of never-compressed rows all hold the row's tokens.
             uniform=True if not rows.any_compresses else None,
         )
+        self._kvc_defer_metrics(kernel_decode, rows, computed, flagged)
         if self.kvc_prefix_step is not None:
             self._kvc_apply_prefix_cache(self.kvc_prefix_step)
         self._kvc_publish_decode_step(rows, positions_t, plan, query_start, kernel_decode)
+
+    def _kvc_defer_metrics(self, kernel_decode, rows: BatchRows, computed: np.ndarray, flagged: np.ndarray) -> None:
+        """The step's metric queries go to the per-sequence queue (scored a few at once)."""
+        metrics = kernel_decode[0].metrics if kernel_decode else None
+        if metrics is not None and self.kvc_deferred_metrics is not None:
+            metrics.defer(self.kvc_deferred_metrics, rows.slots[flagged], computed[flagged])
 
     def _kvc_apply_prefix_cache(self, step: PrefixCacheStep) -> None:
         """After this step's appends: the cache takes the blocks vLLM cached (their
@@ -661,6 +701,7 @@ class PerHeadRunnerMixin:
                 torch.from_numpy(flagged) if flagged.size else None,
                 uniform=True if not rows.any_compresses else None,
             )
+            self._kvc_defer_metrics(kernel_decode, rows, computed, flagged)
         else:
             self._kvc_fill_decode_buffers(get_worker_state().decode_buffers, rows.seq_slots, positions_t, plan, flagged)
         self._kvc_publish_decode_step(rows, positions_t, plan, query_start.tolist(), kernel_decode)

@@ -22,3 +22,6 @@ class PerHeadWorkerRPCs:
 
     def kvcompress_record_compressions(self, on: bool) -> dict[str, dict]:
         return self.model_runner.kvcompress_record_compressions(on)
+
+    def kvcompress_defer_decode_metrics(self, batch: int) -> int:
+        return self.model_runner.kvcompress_defer_decode_metrics(batch)

@@ -1,0 +1,166 @@
+"""Deferred decode metrics (kvcompress/ops/deferred_metrics.py) against the metric pass
+run in every step: the same slot metrics, whatever the batch of queries per pass, the
+steps a sequence adds a query in, or when a compression flushes it early."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvcompress.ops import KVPool
+from kvcompress.ops.cpu_attention import pool_views
+from kvcompress.ops.deferred_metrics import DeferredDecodeQueries
+from kvcompress.ops.metrics import decode_metrics_by_head
+
+
+class GrowingCache:
+    """Sequences whose heads hold a random kept subset of their first ``context``
+    positions (as a compression leaves them), then one new KV per head per step."""
+
+    def __init__(self, num_seqs, num_layers, num_kv_heads, head_dim, block_size, seed):
+        self.gen = torch.Generator().manual_seed(seed)
+        self.block_size = block_size
+        self.shape = (num_layers, num_seqs, num_kv_heads)
+        num_pages = 600
+        buffer = torch.randn((num_pages, 2, block_size, head_dim), generator=self.gen)
+        key_cache, value_cache = pool_views(buffer)
+        self.positions = torch.full((num_pages, block_size), -1, dtype=torch.int32)
+        self.pool = KVPool(key_cache, value_cache, self.positions, torch.zeros((num_pages, block_size)))
+        self.free = torch.randperm(num_pages - 1, generator=self.gen).add(1).tolist()  # page 0: never
+        self.context = 200
+        self.pages = {}  # (layer, seq, head) -> [page ids]
+        self.lens = np.zeros(self.shape, np.int64)
+        for key in np.ndindex(*self.shape):
+            keep = int(torch.randint(1, self.context, (1,), generator=self.gen))
+            kept = torch.randperm(self.context, generator=self.gen)[:keep].sort().values
+            self.pages[key] = []
+            for position in kept.tolist():
+                self._append(key, position)
+
+    def _append(self, key, position):
+        length = int(self.lens[key])
+        if length % self.block_size == 0:
+            self.pages[key].append(self.free.pop())
+        self.positions[self.pages[key][-1], length % self.block_size] = position
+        self.lens[key] = length + 1
+
+    def step(self, position):
+        for key in np.ndindex(*self.shape):
+            self._append(key, position)
+
+    def tables(self, seqs):
+        """``([L, n, H, P] page ids, [L, n, H] lengths)`` of sequences ``seqs``."""
+        num_pages = max(len(self.pages[key]) for key in self.pages)
+        tables = torch.zeros((self.shape[0], len(seqs), self.shape[2], num_pages), dtype=torch.int32)
+        for layer, index, head in np.ndindex(self.shape[0], len(seqs), self.shape[2]):
+            row = self.pages[(layer, seqs[index], head)]
+            tables[layer, index, head, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        return tables, torch.from_numpy(self.lens[:, seqs])
+
+
+def score_now(cache, seqs, queries, scale):
+    """The every-step pass: ``queries [L, M, Hq, D]`` of sequences ``seqs``."""
+    tables, lens = cache.tables(seqs)
+    num_layers, _, num_kv_heads, num_pages = tables.shape
+    group = queries.shape[2] // num_kv_heads
+    decode_metrics_by_head(
+        queries.reshape(-1, group, queries.shape[3]), cache.pool, tables.reshape(-1, num_pages),
+        lens.reshape(-1), scale, 2,
+    )
+
+
+@pytest.mark.parametrize("batch", [1, 3, 4])
+@pytest.mark.parametrize("group,block_size", [(1, 16), (4, 16), (8, 32)])
+def test_deferred_queries_give_the_every_step_metrics(batch, group, block_size):
+    num_seqs, num_layers, num_kv_heads, head_dim, scale = 3, 2, 2, 32, 0.2
+    now = GrowingCache(num_seqs, num_layers, num_kv_heads, head_dim, block_size, seed=5)
+    later = GrowingCache(num_seqs, num_layers, num_kv_heads, head_dim, block_size, seed=5)
+    deferred = DeferredDecodeQueries(batch)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(11):
+        position = now.context + step
+        now.step(position)
+        later.step(position)
+        # Some sequences add a query this step (a stride, rows joining and leaving).
+        seqs = [s for s in range(num_seqs) if torch.rand(1, generator=gen) < 0.7]
+        if not seqs:
+            continue
+        queries = torch.randn((num_layers, len(seqs), num_kv_heads * group, head_dim), generator=gen)
+        score_now(now, seqs, queries, scale)
+        full = deferred.add(np.array(seqs), np.full(len(seqs), position), queries, scale, 2)
+        if full.size:
+            due = [seqs[i] for i in full]
+            deferred.flush(later.pool, due, *later.tables(due))
+        if step == 6:  # a compression of sequence 0 flushes it whatever it holds
+            deferred.flush(later.pool, [0], *later.tables([0]))
+            if batch == 1:  # nothing ever waits
+                torch.testing.assert_close(later.pool.slot_metrics, now.pool.slot_metrics, rtol=1e-5, atol=1e-7)
+    assert (now.pool.slot_metrics > 0).sum() > 100
+    if batch > 1:  # something was still pending: the metrics differ until the flush
+        assert any(s in deferred for s in range(num_seqs))
+    deferred.flush(later.pool, list(range(num_seqs)), *later.tables(list(range(num_seqs))))
+    assert not any(s in deferred for s in range(num_seqs))
+    torch.testing.assert_close(later.pool.slot_metrics, now.pool.slot_metrics, rtol=1e-5, atol=1e-7)
+
+
+def test_flush_of_sequence_zero_matches_its_every_step_metrics():
+    """A compression reads one sequence's metrics: after flushing it alone, its slots
+    equal the every-step pass's, while the others' still wait."""
+    now = GrowingCache(2, 2, 2, 32, 16, seed=9)
+    later = GrowingCache(2, 2, 2, 32, 16, seed=9)
+    deferred = DeferredDecodeQueries(8)
+    gen = torch.Generator().manual_seed(2)
+    for step in range(5):
+        position = now.context + step
+        now.step(position)
+        later.step(position)
+        queries = torch.randn((2, 2, 8, 32), generator=gen)
+        score_now(now, [0, 1], queries, 0.18)
+        assert deferred.add(np.array([0, 1]), np.array([position] * 2), queries, 0.18, 2).size == 0
+    deferred.flush(later.pool, [0], *later.tables([0]))
+    pages_0 = sorted({p for key, row in now.pages.items() if key[1] == 0 for p in row})
+    pages_1 = sorted({p for key, row in now.pages.items() if key[1] == 1 for p in row})
+    torch.testing.assert_close(later.pool.slot_metrics[pages_0], now.pool.slot_metrics[pages_0], rtol=1e-5, atol=1e-7)
+    assert later.pool.slot_metrics[pages_1].abs().sum() == 0
+    assert 1 in deferred and 0 not in deferred
+    deferred.drop([1])
+    assert 1 not in deferred
+
+
+def test_a_query_does_not_see_later_kvs():
+    """Without the position mask a kept query would also score KVs appended after it:
+    the masked pass differs from an unmasked one over the same heads (the mask is live)."""
+    cache = GrowingCache(1, 1, 1, 16, 16, seed=3)
+    deferred = DeferredDecodeQueries(2)
+    gen = torch.Generator().manual_seed(4)
+    cache.step(cache.context)
+    first = torch.randn((1, 1, 2, 16), generator=gen)
+    deferred.add(np.array([0]), np.array([cache.context]), first, 0.25, 2)
+    cache.step(cache.context + 1)
+    second = torch.randn((1, 1, 2, 16), generator=gen)
+    deferred.add(np.array([0]), np.array([cache.context + 1]), second, 0.25, 2)
+    deferred.flush(cache.pool, [0], *cache.tables([0]))
+    masked = cache.pool.slot_metrics.clone()
+    cache.pool.slot_metrics.zero_()
+    tables, lens = cache.tables([0])
+    both = torch.cat([first, second], dim=2).view(1, 4, 16)
+    decode_metrics_by_head(both, cache.pool, tables.view(1, -1), lens.view(-1), 0.25, 2)
+    assert not torch.allclose(masked, cache.pool.slot_metrics)
+    # The newest KV (position context + 1) gets attention only from the second query.
+    page = cache.pages[(0, 0, 0)][-1]
+    offset = (int(cache.lens[0, 0, 0]) - 1) % 16
+    assert masked[page, offset] > 0
+    cache.pool.slot_metrics.zero_()
+    decode_metrics_by_head(second.view(1, 2, 16), cache.pool, tables.view(1, -1), lens.view(-1), 0.25, 2)
+    torch.testing.assert_close(masked[page, offset], cache.pool.slot_metrics[page, offset])
+
+
+def test_one_scale_and_power():
+    deferred = DeferredDecodeQueries(2)
+    queries = torch.zeros((1, 1, 2, 8))
+    deferred.add(np.array([3]), np.array([10]), queries, 0.5, 2)
+    with pytest.raises(ValueError, match="one scale and metric power"):
+        deferred.add(np.array([3]), np.array([11]), queries, 0.5, 1)
+    with pytest.raises(ValueError, match="batch must be >= 1"):
+        DeferredDecodeQueries(0)
