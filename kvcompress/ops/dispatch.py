@@ -72,6 +72,7 @@ from kvcompress.ops.kv_pool import KVPool, MetricSink, PagedBatch, SlotBatch
 from kvcompress.ops.move_cache import move_cache as reference_move_cache
 from kvcompress.ops.page_tables import fill_page_tables as reference_fill_page_tables
 from kvcompress.ops.paged_attention import paged_attention as reference_paged_attention
+from kvcompress.ops.paged_attention import write_kv
 
 __all__ = [
     "BACKENDS",
@@ -468,6 +469,22 @@ class KernelOps:
         if self.backends.get("paged_decode_by_slot") != "vllm_cpu":
             raise RuntimeError(f"decode_planned needs the vllm_cpu backend (resolved: {self})")
         return cpu_attention.decode_planned(query, pool, tables, scale, out, metric_power)
+
+    def write_kv(
+        self, pool: KVPool, key: torch.Tensor, value: torch.Tensor,
+        write_pages: torch.Tensor, write_offsets: torch.Tensor,
+    ) -> None:
+        """Store new KVs in their pages; arguments as
+        :func:`kvcompress.ops.paged_attention.write_kv` (``key`` / ``value``
+        ``[T, H, D]``, targets ``[T, H]``). On vLLM's CPU kernel layout vLLM's own
+        ``cpu_attn_reshape_and_cache`` writes them (a fourth of the indexed copy's time)."""
+        if self.kernel_page_layout:
+            from kvcompress.ops import cpu_attention
+
+            if cpu_attention.supports(key, pool):
+                cpu_attention.write_kv_cpu(pool, key, value, write_pages, write_offsets)
+                return
+        write_kv(pool.key_cache, pool.value_cache, key, value, write_pages, write_offsets)
 
     def move_cache(
         self, pool: KVPool, src_pages: torch.Tensor, src_offsets: torch.Tensor,

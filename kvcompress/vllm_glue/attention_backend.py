@@ -30,7 +30,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from kvcompress.config import SUPPORTED_BLOCK_SIZES
-from kvcompress.ops import MetricSink, PagedBatch, SlotBatch, write_kv
+from kvcompress.ops import MetricSink, PagedBatch, SlotBatch
 from kvcompress.ops.cpu_attention import KERNEL_HEAD_SIZES
 from kvcompress.ops.dispatch import decode_by_slot_capturable
 from kvcompress.ops.metrics import accumulate_metrics, attention_metrics, pool_metrics
@@ -261,9 +261,8 @@ class PerHeadAttentionImpl(AttentionImpl):
     def _store_kvs(self, state, key, value, num_rows, write_pages, write_offsets) -> None:
         """Write the first ``num_rows`` new K/V rows (``[T, num_kv_heads * D]`` or
         ``[T, num_kv_heads, D]``) at their ``[num_rows, num_kv_heads]`` slots."""
-        write_kv(
-            state.pool.key_cache,
-            state.pool.value_cache,
+        state.ops.write_kv(
+            state.pool,
             key[:num_rows].view(num_rows, self.num_kv_heads, self.head_size),
             value[:num_rows].view(num_rows, self.num_kv_heads, self.head_size),
             write_pages,
