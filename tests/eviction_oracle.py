@@ -33,11 +33,13 @@ def compress_one_and_read(llm, prompt: list[int], policy: str, rate: float = 4.0
     try:
         while recorded is None and engine.has_unfinished_requests():
             engine.step()
-            positions = list(llm.collective_rpc("kvcompress_kept_positions")[0].values())
+            # The engine core keeps stepping between these calls: read the positions
+            # after the record, so they are never those from before its compression
+            # (later steps only append positions past the context).
             inputs = llm.collective_rpc("kvcompress_record_compressions", args=(True,))[0]
             if inputs:
                 (recorded,) = inputs.values()
-                (heads,) = positions
+                (heads,) = llm.collective_rpc("kvcompress_kept_positions")[0].values()
                 kept = [{p for p in head if p < recorded["context_len"]} for head in heads]
     finally:
         llm.collective_rpc("kvcompress_record_compressions", args=(False,))
