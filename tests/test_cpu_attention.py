@@ -239,11 +239,13 @@ def test_kv_writes_by_vllms_op_equal_the_indexed_copy(num_kv_heads, head_dim, bl
 
     gen = torch.Generator().manual_seed(head_dim + block_size)
     num_pages, num_tokens = 40, 37
-    pools = []
-    for _ in range(2):
+
+    def make_pool():
         buffer = torch.randn((num_pages, 2, block_size, head_dim), generator=torch.Generator().manual_seed(3)).to(dtype)
-        pools.append(KVPool(*cpu_attention.pool_views(buffer), torch.zeros((num_pages, block_size), dtype=torch.int32),
-                            torch.zeros((num_pages, block_size))))
+        return KVPool(*cpu_attention.pool_views(buffer), torch.zeros((num_pages, block_size), dtype=torch.int32),
+                      torch.zeros((num_pages, block_size)))
+
+    pools = [make_pool(), make_pool()]
     # Distinct targets: every (token, head) its own (page, offset).
     flat = torch.randperm(num_pages * block_size, generator=gen)[: num_tokens * num_kv_heads]
     write_pages, write_offsets = (flat // block_size).view(num_tokens, num_kv_heads), (flat % block_size).view(num_tokens, num_kv_heads)
@@ -256,9 +258,15 @@ def test_kv_writes_by_vllms_op_equal_the_indexed_copy(num_kv_heads, head_dim, bl
     assert torch.equal(pools[0].key_cache, pools[1].key_cache)
     assert torch.equal(pools[0].value_cache, pools[1].value_cache)
     assert torch.equal(pools[1].key_cache[write_pages, write_offsets], key)
-    # The engine's ops pick it on the kernel layout.
+    # The planner's flat slots (AppendPlan.slots) write the same; so do the engine's ops,
+    # which pick it on the kernel layout.
+    planned = make_pool()
+    cpu_attention.write_kv_cpu(planned, key, value, write_pages, write_offsets, flat.view(num_tokens, num_kv_heads))
+    assert torch.equal(pools[0].key_cache, planned.key_cache)
+    assert torch.equal(pools[0].value_cache, planned.value_cache)
     ops = resolve_ops(torch.device("cpu"))
     if ops.kernel_page_layout:
-        pools[1].key_cache.zero_()
-        ops.write_kv(pools[1], key, value, write_pages, write_offsets)
-        assert torch.equal(pools[1].key_cache[write_pages, write_offsets], key)
+        for slots in (None, flat.view(num_tokens, num_kv_heads)):
+            pools[1].key_cache.zero_()
+            ops.write_kv(pools[1], key, value, write_pages, write_offsets, slots)
+            assert torch.equal(pools[1].key_cache[write_pages, write_offsets], key)

@@ -120,6 +120,10 @@ def in_kernel_layout(pool: KVPool) -> bool:
     )
 
 
+# pool -> {dtype: supports_pool's answer}, dropped with the pool.
+_SUPPORTED: "weakref.WeakKeyDictionary[KVPool, dict[torch.dtype, bool]]" = weakref.WeakKeyDictionary()
+
+
 def supports(query: torch.Tensor, pool: KVPool) -> bool:
     """Whether the kernel takes this query and pool (else the reference runs)."""
     return query.device.type == "cpu" and supports_pool(query.dtype, pool)
@@ -127,15 +131,22 @@ def supports(query: torch.Tensor, pool: KVPool) -> bool:
 
 def supports_pool(dtype: torch.dtype, pool: KVPool) -> bool:
     """Whether the kernel takes queries of ``dtype`` over ``pool`` (the pool's head size,
-    dtype, device and page layout; vLLM's kernels loadable)."""
-    return (
-        pool.device.type == "cpu"
-        and dtype == pool.key_cache.dtype
-        and dtype in KERNEL_DTYPES
-        and pool.key_cache.shape[-1] in KERNEL_HEAD_SIZES
-        and in_kernel_layout(pool)
-        and unavailable_reason() is None
-    )
+    dtype, device and page layout; vLLM's kernels loadable). Decided once per pool and
+    dtype: a pool's tensors never change, and this is asked for every layer's call."""
+    decided = _SUPPORTED.get(pool)
+    if decided is None:
+        decided = _SUPPORTED[pool] = {}
+    answer = decided.get(dtype)
+    if answer is None:
+        answer = decided[dtype] = (
+            pool.device.type == "cpu"
+            and dtype == pool.key_cache.dtype
+            and dtype in KERNEL_DTYPES
+            and pool.key_cache.shape[-1] in KERNEL_HEAD_SIZES
+            and in_kernel_layout(pool)
+            and unavailable_reason() is None
+        )
+    return answer
 
 
 # pool -> its kernel (K, V) views, dropped with the pool (a strong reference here would
@@ -171,6 +182,7 @@ def _kernel_cache_views(pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
 
 def write_kv_cpu(
     pool: KVPool, key: torch.Tensor, value: torch.Tensor, write_pages: torch.Tensor, write_offsets: torch.Tensor,
+    slots: torch.Tensor | None = None,
 ) -> None:
     """:func:`kvcompress.ops.paged_attention.write_kv` by vLLM's ``cpu_attn_reshape_and_cache``
     (``pool`` in the kernel layout, :func:`supports`): each (token, KV head) is one row of
@@ -179,13 +191,18 @@ def write_kv_cpu(
     Args:
         key, value: ``[T, H, D]`` (any row stride).
         write_pages, write_offsets: ``[T, H]`` integer targets.
+        slots: ``[T, H]`` int64 ``page * b + offset`` when the planner has them
+            (``AppendPlan.slots``: the decode plan keeps them), else derived here.
     """
     num_tokens, num_kv_heads, head_dim = key.shape
     rows = num_tokens * num_kv_heads
     if rows == 0:
         return
     key4, value4 = _kernel_caches(pool)
-    slots = write_pages.to(torch.int64).reshape(rows) * pool.block_size + write_offsets.reshape(rows)
+    if slots is None:
+        slots = write_pages.to(torch.int64).reshape(rows) * pool.block_size + write_offsets.reshape(rows)
+    else:
+        slots = slots.reshape(rows)
     torch.ops._C.cpu_attn_reshape_and_cache(
         key.to(key4.dtype).reshape(rows, 1, head_dim), value.to(value4.dtype).reshape(rows, 1, head_dim),
         key4, value4, slots, kernel_isa(pool.block_size, head_dim), 1.0, 1.0, "auto",

@@ -472,17 +472,18 @@ class KernelOps:
 
     def write_kv(
         self, pool: KVPool, key: torch.Tensor, value: torch.Tensor,
-        write_pages: torch.Tensor, write_offsets: torch.Tensor,
+        write_pages: torch.Tensor, write_offsets: torch.Tensor, slots: torch.Tensor | None = None,
     ) -> None:
         """Store new KVs in their pages; arguments as
         :func:`kvcompress.ops.paged_attention.write_kv` (``key`` / ``value``
-        ``[T, H, D]``, targets ``[T, H]``). On vLLM's CPU kernel layout vLLM's own
+        ``[T, H, D]``, targets ``[T, H]``; ``slots`` ``[T, H]`` their flat slots when
+        the planner has them). On vLLM's CPU kernel layout vLLM's own
         ``cpu_attn_reshape_and_cache`` writes them (a fourth of the indexed copy's time)."""
         if self.kernel_page_layout:
             from kvcompress.ops import cpu_attention
 
             if cpu_attention.supports(key, pool):
-                cpu_attention.write_kv_cpu(pool, key, value, write_pages, write_offsets)
+                cpu_attention.write_kv_cpu(pool, key, value, write_pages, write_offsets, slots)
                 return
         write_kv(pool.key_cache, pool.value_cache, key, value, write_pages, write_offsets)
 
