@@ -234,18 +234,15 @@ def test_kv_writes_by_vllms_op_equal_the_indexed_copy(num_kv_heads, head_dim, bl
     """``write_kv_cpu`` (vLLM's ``cpu_attn_reshape_and_cache`` over (token, head) rows)
     stores every new K and V where ``paged_attention.write_kv`` does, from strided
     ``[T, H, D]`` slices of a fused QKV row as the model gives them; nothing else moves."""
-    from kvcompress.ops.dispatch import resolve_ops
     from kvcompress.ops.paged_attention import write_kv
 
     gen = torch.Generator().manual_seed(head_dim + block_size)
     num_pages, num_tokens = 40, 37
-
-    def make_pool():
+    pools = []
+    for _ in range(2):
         buffer = torch.randn((num_pages, 2, block_size, head_dim), generator=torch.Generator().manual_seed(3)).to(dtype)
-        return KVPool(*cpu_attention.pool_views(buffer), torch.zeros((num_pages, block_size), dtype=torch.int32),
-                      torch.zeros((num_pages, block_size)))
-
-    pools = [make_pool(), make_pool()]
+        pools.append(KVPool(*cpu_attention.pool_views(buffer), torch.zeros((num_pages, block_size), dtype=torch.int32),
+                            torch.zeros((num_pages, block_size))))
     # Distinct targets: every (token, head) its own (page, offset).
     flat = torch.randperm(num_pages * block_size, generator=gen)[: num_tokens * num_kv_heads]
     write_pages, write_offsets = (flat // block_size).view(num_tokens, num_kv_heads), (flat % block_size).view(num_tokens, num_kv_heads)
@@ -258,15 +255,36 @@ def test_kv_writes_by_vllms_op_equal_the_indexed_copy(num_kv_heads, head_dim, bl
     assert torch.equal(pools[0].key_cache, pools[1].key_cache)
     assert torch.equal(pools[0].value_cache, pools[1].value_cache)
     assert torch.equal(pools[1].key_cache[write_pages, write_offsets], key)
-    # The planner's flat slots (AppendPlan.slots) write the same; so do the engine's ops,
-    # which pick it on the kernel layout.
-    planned = make_pool()
-    cpu_attention.write_kv_cpu(planned, key, value, write_pages, write_offsets, flat.view(num_tokens, num_kv_heads))
-    assert torch.equal(pools[0].key_cache, planned.key_cache)
-    assert torch.equal(pools[0].value_cache, planned.value_cache)
+
+
+@pytest.mark.parametrize("num_tokens", [3, 700])
+def test_engine_ops_write_prompt_batches_by_vllms_op_and_decode_rows_by_indexed_copy(num_tokens, monkeypatch):
+    """The engine's ``write_kv`` on the kernel layout: batches of at least
+    ``KERNEL_WRITE_MIN_ROWS`` (token, head) rows go to vLLM's op, a decode step's few rows
+    to the indexed copy; either way every K / V lands where the indexed copy puts it."""
+    from kvcompress.ops.dispatch import resolve_ops
+    from kvcompress.ops.paged_attention import write_kv
+
     ops = resolve_ops(torch.device("cpu"))
-    if ops.kernel_page_layout:
-        for slots in (None, flat.view(num_tokens, num_kv_heads)):
-            pools[1].key_cache.zero_()
-            ops.write_kv(pools[1], key, value, write_pages, write_offsets, slots)
-            assert torch.equal(pools[1].key_cache[write_pages, write_offsets], key)
+    if not ops.kernel_page_layout:
+        pytest.skip("vLLM's CPU kernel is not this engine's attention here")
+    num_kv_heads, head_dim, block_size, num_pages = 2, 64, 64, 40
+    gen = torch.Generator().manual_seed(num_tokens)
+    pools = []
+    for _ in range(2):
+        buffer = torch.randn((num_pages, 2, block_size, head_dim), generator=torch.Generator().manual_seed(5))
+        pools.append(KVPool(*cpu_attention.pool_views(buffer), torch.zeros((num_pages, block_size), dtype=torch.int32),
+                            torch.zeros((num_pages, block_size))))
+    flat = torch.randperm(num_pages * block_size, generator=gen)[: num_tokens * num_kv_heads]
+    write_pages, write_offsets = (flat // block_size).view(num_tokens, num_kv_heads), (flat % block_size).view(num_tokens, num_kv_heads)
+    qkv = torch.randn((num_tokens, num_kv_heads * 4 * head_dim), generator=gen)
+    key = qkv[:, num_kv_heads * 2 * head_dim : num_kv_heads * 3 * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    value = qkv[:, num_kv_heads * 3 * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+    calls = []
+    original = cpu_attention.write_kv_cpu
+    monkeypatch.setattr(cpu_attention, "write_kv_cpu", lambda *args: calls.append(1) or original(*args))
+    ops.write_kv(pools[0], key, value, write_pages, write_offsets)
+    write_kv(pools[1].key_cache, pools[1].value_cache, key, value, write_pages, write_offsets)
+    assert (num_tokens == 700) == bool(calls)
+    assert torch.equal(pools[0].key_cache, pools[1].key_cache)
+    assert torch.equal(pools[0].value_cache, pools[1].value_cache)

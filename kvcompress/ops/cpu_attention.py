@@ -132,7 +132,7 @@ def supports(query: torch.Tensor, pool: KVPool) -> bool:
 def supports_pool(dtype: torch.dtype, pool: KVPool) -> bool:
     """Whether the kernel takes queries of ``dtype`` over ``pool`` (the pool's head size,
     dtype, device and page layout; vLLM's kernels loadable). Decided once per pool and
-    dtype: a pool's tensors never change, and this is asked for every layer's call."""
+    dtype: a pool's tensors never change, and this is asked at every layer's call."""
     decided = _SUPPORTED.get(pool)
     if decided is None:
         decided = _SUPPORTED[pool] = {}
@@ -180,9 +180,15 @@ def _kernel_cache_views(pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
     return key4, value4
 
 
+# (token, KV head) rows from which vLLM's writer beats two indexed copies: below it the
+# op's thread start-up (it runs a parallel loop) outweighs the copy, measured on a 2-core
+# host, tiny shapes: 64 tokens x 2 heads 24 vs 63 us, 256 x 2 57 vs 73 us, 2048 x 2 975
+# vs 505 us. Decode steps write a few rows per layer, prompt chunks thousands.
+KERNEL_WRITE_MIN_ROWS = 1024
+
+
 def write_kv_cpu(
     pool: KVPool, key: torch.Tensor, value: torch.Tensor, write_pages: torch.Tensor, write_offsets: torch.Tensor,
-    slots: torch.Tensor | None = None,
 ) -> None:
     """:func:`kvcompress.ops.paged_attention.write_kv` by vLLM's ``cpu_attn_reshape_and_cache``
     (``pool`` in the kernel layout, :func:`supports`): each (token, KV head) is one row of
@@ -191,18 +197,13 @@ def write_kv_cpu(
     Args:
         key, value: ``[T, H, D]`` (any row stride).
         write_pages, write_offsets: ``[T, H]`` integer targets.
-        slots: ``[T, H]`` int64 ``page * b + offset`` when the planner has them
-            (``AppendPlan.slots``: the decode plan keeps them), else derived here.
     """
     num_tokens, num_kv_heads, head_dim = key.shape
     rows = num_tokens * num_kv_heads
     if rows == 0:
         return
     key4, value4 = _kernel_caches(pool)
-    if slots is None:
-        slots = write_pages.to(torch.int64).reshape(rows) * pool.block_size + write_offsets.reshape(rows)
-    else:
-        slots = slots.reshape(rows)
+    slots = write_pages.to(torch.int64).reshape(rows) * pool.block_size + write_offsets.reshape(rows)
     torch.ops._C.cpu_attn_reshape_and_cache(
         key.to(key4.dtype).reshape(rows, 1, head_dim), value.to(value4.dtype).reshape(rows, 1, head_dim),
         key4, value4, slots, kernel_isa(pool.block_size, head_dim), 1.0, 1.0, "auto",

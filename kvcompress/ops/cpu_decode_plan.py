@@ -86,9 +86,9 @@ class DecodeBatchPlan:
                 decode step adds one KV to every head, so it cannot change).
 
         Returns:
-            Where each new KV goes (``[L, B, H]`` pages, offsets and flat slots, as
-            ``append_one``; the offsets int32) and every layer's
-            :class:`KernelDecodeLayer`. Both are this object's: valid until the next step.
+            Where each new KV goes (``[L, B, H]`` pages and offsets, as ``append_one``;
+            the offsets int32) and every layer's :class:`KernelDecodeLayer`. Both are
+            this object's: valid until the next step.
         """
         if rows_key is self._rows_key and self.cache.version == self._version:
             self._advance(slots, positions)
@@ -97,9 +97,6 @@ class DecodeBatchPlan:
         set_decode_work(
             self._layers, self.pool, self._tables_t, self._counters[0], self.num_q_heads, metric_rows, self._uniform,
         )
-        # The KV writes' slot mapping for every layer, one conversion a step (the kernel's
-        # writer takes int64; the counters stay int32 for its lengths).
-        self._plan.slots = torch.from_numpy(self._counters[1]).to(torch.int64)
         return self._plan, self._layers
 
     def _rebuild(self, rows_key: object, slots: np.ndarray, positions: np.ndarray, uniform: bool | None) -> None:

@@ -472,18 +472,20 @@ class KernelOps:
 
     def write_kv(
         self, pool: KVPool, key: torch.Tensor, value: torch.Tensor,
-        write_pages: torch.Tensor, write_offsets: torch.Tensor, slots: torch.Tensor | None = None,
+        write_pages: torch.Tensor, write_offsets: torch.Tensor,
     ) -> None:
         """Store new KVs in their pages; arguments as
         :func:`kvcompress.ops.paged_attention.write_kv` (``key`` / ``value``
-        ``[T, H, D]``, targets ``[T, H]``; ``slots`` ``[T, H]`` their flat slots when
-        the planner has them). On vLLM's CPU kernel layout vLLM's own
-        ``cpu_attn_reshape_and_cache`` writes them (a fourth of the indexed copy's time)."""
+        ``[T, H, D]``, targets ``[T, H]``). On vLLM's CPU kernel layout vLLM's own
+        ``cpu_attn_reshape_and_cache`` writes prompt-sized batches (half the indexed
+        copy's time at 2048 tokens); the few rows of a decode step take the indexed copy
+        (the op's thread start-up costs more than they do)."""
         if self.kernel_page_layout:
             from kvcompress.ops import cpu_attention
 
-            if cpu_attention.supports(key, pool):
-                cpu_attention.write_kv_cpu(pool, key, value, write_pages, write_offsets, slots)
+            rows = key.shape[0] * key.shape[1]
+            if rows >= cpu_attention.KERNEL_WRITE_MIN_ROWS and cpu_attention.supports(key, pool):
+                cpu_attention.write_kv_cpu(pool, key, value, write_pages, write_offsets)
                 return
         write_kv(pool.key_cache, pool.value_cache, key, value, write_pages, write_offsets)
 

@@ -90,14 +90,10 @@ class AppendPlan:
     Attributes:
         write_pages: ``[num_layers, num_tokens, num_kv_heads]`` int64 page ids.
         write_offsets: ``[num_layers, num_tokens, num_kv_heads]`` int64 slot in page.
-        slots: ``[num_layers, num_tokens, num_kv_heads]`` int64 flat slots
-            ``page * block_size + offset`` (the slot mapping of vLLM's CPU KV write), or
-            None where the planner did not compute them (the writer derives them).
     """
 
     write_pages: torch.Tensor
     write_offsets: torch.Tensor
-    slots: torch.Tensor | None = None
 
 
 class PerHeadPagedCache:
@@ -465,10 +461,8 @@ class PerHeadPagedCache:
                 slots[rows], layers, heads, page_column[starts_page],
             )
         host.head_lens[slots] = old_lens + 1
-        flat_slots = write_pages * self.block_size + write_offsets
-        host.place(flat_slots, positions.numpy()[:, None, None])
+        host.place(write_pages * self.block_size + write_offsets, positions.numpy()[:, None, None])
         return AppendPlan(
             write_pages=torch.from_numpy(np.ascontiguousarray(write_pages.transpose(1, 0, 2))),
             write_offsets=torch.from_numpy(np.ascontiguousarray(write_offsets.transpose(1, 0, 2))),
-            slots=torch.from_numpy(np.ascontiguousarray(flat_slots.transpose(1, 0, 2))),
         )

@@ -258,17 +258,15 @@ class PerHeadAttentionImpl(AttentionImpl):
             self._prompt_metrics(state, step, metrics, query, batch)
         return output
 
-    def _store_kvs(self, state, key, value, num_rows, write_pages, write_offsets, slots=None) -> None:
+    def _store_kvs(self, state, key, value, num_rows, write_pages, write_offsets) -> None:
         """Write the first ``num_rows`` new K/V rows (``[T, num_kv_heads * D]`` or
-        ``[T, num_kv_heads, D]``) at their ``[num_rows, num_kv_heads]`` slots (``slots``:
-        their flat slots, when the step's plan has them)."""
+        ``[T, num_kv_heads, D]``) at their ``[num_rows, num_kv_heads]`` slots."""
         state.ops.write_kv(
             state.pool,
             key[:num_rows].view(num_rows, self.num_kv_heads, self.head_size),
             value[:num_rows].view(num_rows, self.num_kv_heads, self.head_size),
             write_pages,
             write_offsets,
-            slots,
         )
 
     def _decode_planned(self, layer, query, key, value, output, step: PerHeadStep) -> torch.Tensor:
@@ -278,10 +276,9 @@ class PerHeadAttentionImpl(AttentionImpl):
         state = step_state.get_worker_state()
         layer_index = state.layer_index[layer.layer_name]
         rows = step.num_reqs
-        plan = step.plan
         self._store_kvs(
-            state, key, value, rows, plan.write_pages[layer_index], plan.write_offsets[layer_index],
-            None if plan.slots is None else plan.slots[layer_index],
+            state, key, value, rows,
+            step.plan.write_pages[layer_index], step.plan.write_offsets[layer_index],
         )
         state.ops.decode_planned(
             query[:rows].view(rows, self.num_heads, self.head_size), state.pool,
