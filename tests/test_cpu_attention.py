@@ -228,6 +228,25 @@ def test_slot_order_invariant_and_kernel_on_a_compressed_cache():
         context = [c + n for c, n in zip(context, step)]
 
 
+def _kv_write_case(num_tokens, num_kv_heads, head_dim, block_size, dtype, seed, pool_seed):
+    """Two equal kernel-layout pools of 40 random pages, distinct targets (every (token,
+    head) its own (page, offset)), and K / V as strided ``[T, H, D]`` slices of a fused QKV
+    row as the model gives them: ``(pools, key, value, write_pages, write_offsets)``."""
+    num_pages = 40
+    gen = torch.Generator().manual_seed(seed)
+    pools = []
+    for _ in range(2):
+        buffer = torch.randn((num_pages, 2, block_size, head_dim), generator=torch.Generator().manual_seed(pool_seed)).to(dtype)
+        pools.append(KVPool(*cpu_attention.pool_views(buffer), torch.zeros((num_pages, block_size), dtype=torch.int32),
+                            torch.zeros((num_pages, block_size))))
+    flat = torch.randperm(num_pages * block_size, generator=gen)[: num_tokens * num_kv_heads]
+    write_pages, write_offsets = (flat // block_size).view(num_tokens, num_kv_heads), (flat % block_size).view(num_tokens, num_kv_heads)
+    qkv = torch.randn((num_tokens, (num_kv_heads * 4) * head_dim), generator=gen).to(dtype)
+    key = qkv[:, num_kv_heads * 2 * head_dim : num_kv_heads * 3 * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    value = qkv[:, num_kv_heads * 3 * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+    return pools, key, value, write_pages, write_offsets
+
+
 @pytest.mark.parametrize("num_kv_heads,head_dim,block_size", [(2, 64, 16), (3, 80, 32), (1, 128, 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kv_writes_by_vllms_op_equal_the_indexed_copy(num_kv_heads, head_dim, block_size, dtype):
@@ -236,19 +255,9 @@ def test_kv_writes_by_vllms_op_equal_the_indexed_copy(num_kv_heads, head_dim, bl
     ``[T, H, D]`` slices of a fused QKV row as the model gives them; nothing else moves."""
     from kvcompress.ops.paged_attention import write_kv
 
-    gen = torch.Generator().manual_seed(head_dim + block_size)
-    num_pages, num_tokens = 40, 37
-    pools = []
-    for _ in range(2):
-        buffer = torch.randn((num_pages, 2, block_size, head_dim), generator=torch.Generator().manual_seed(3)).to(dtype)
-        pools.append(KVPool(*cpu_attention.pool_views(buffer), torch.zeros((num_pages, block_size), dtype=torch.int32),
-                            torch.zeros((num_pages, block_size))))
-    # Distinct targets: every (token, head) its own (page, offset).
-    flat = torch.randperm(num_pages * block_size, generator=gen)[: num_tokens * num_kv_heads]
-    write_pages, write_offsets = (flat // block_size).view(num_tokens, num_kv_heads), (flat % block_size).view(num_tokens, num_kv_heads)
-    qkv = torch.randn((num_tokens, (num_kv_heads * 4) * head_dim), generator=gen).to(dtype)
-    key = qkv[:, num_kv_heads * 2 * head_dim : num_kv_heads * 3 * head_dim].view(num_tokens, num_kv_heads, head_dim)
-    value = qkv[:, num_kv_heads * 3 * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+    pools, key, value, write_pages, write_offsets = _kv_write_case(
+        37, num_kv_heads, head_dim, block_size, dtype, seed=head_dim + block_size, pool_seed=3,
+    )
     assert not key.is_contiguous()
     write_kv(pools[0].key_cache, pools[0].value_cache, key, value, write_pages, write_offsets)
     cpu_attention.write_kv_cpu(pools[1], key, value, write_pages, write_offsets.to(torch.int32))
@@ -268,18 +277,9 @@ def test_engine_ops_write_prompt_batches_by_vllms_op_and_decode_rows_by_indexed_
     ops = resolve_ops(torch.device("cpu"))
     if not ops.kernel_page_layout:
         pytest.skip("vLLM's CPU kernel is not this engine's attention here")
-    num_kv_heads, head_dim, block_size, num_pages = 2, 64, 64, 40
-    gen = torch.Generator().manual_seed(num_tokens)
-    pools = []
-    for _ in range(2):
-        buffer = torch.randn((num_pages, 2, block_size, head_dim), generator=torch.Generator().manual_seed(5))
-        pools.append(KVPool(*cpu_attention.pool_views(buffer), torch.zeros((num_pages, block_size), dtype=torch.int32),
-                            torch.zeros((num_pages, block_size))))
-    flat = torch.randperm(num_pages * block_size, generator=gen)[: num_tokens * num_kv_heads]
-    write_pages, write_offsets = (flat // block_size).view(num_tokens, num_kv_heads), (flat % block_size).view(num_tokens, num_kv_heads)
-    qkv = torch.randn((num_tokens, num_kv_heads * 4 * head_dim), generator=gen)
-    key = qkv[:, num_kv_heads * 2 * head_dim : num_kv_heads * 3 * head_dim].view(num_tokens, num_kv_heads, head_dim)
-    value = qkv[:, num_kv_heads * 3 * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+    pools, key, value, write_pages, write_offsets = _kv_write_case(
+        num_tokens, 2, 64, 64, torch.float32, seed=num_tokens, pool_seed=5,
+    )
     calls = []
     original = cpu_attention.write_kv_cpu
     monkeypatch.setattr(cpu_attention, "write_kv_cpu", lambda *args: calls.append(1) or original(*args))
