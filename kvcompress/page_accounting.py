@@ -26,6 +26,22 @@ from __future__ import annotations
 import numpy as np
 
 
+def live_sequence_limit(num_pages: int, pages_per_token_block: int, max_num_seqs: int) -> int:
+    """Sequences that may hold pages at once in a pool of ``num_pages`` pages (one TP
+    rank's), ``pages_per_token_block`` (``L x H`` of that rank) pages per token block:
+    ``max_num_seqs``, or fewer where the pool cannot give that many sequences one page
+    per (layer, KV head) each.
+
+    A sequence that has run a step owns at least one page in every head, the page of
+    its newest KV (prefix-cache hits are whole blocks before it), so more live
+    sequences than ``num_pages // (L x H)`` cannot exist in practice; the engine sizes
+    its per-sequence tables (page tables, head lengths) for this many and the scheduler
+    admits no more (``KVCompressScheduler``), so the bound holds even where heads are
+    compressed to nothing. Never below 1.
+    """
+    return max(1, min(max_num_seqs, num_pages // max(1, pages_per_token_block)))
+
+
 class PageAccounting:
     """Counts pages per request and in the pool.
 

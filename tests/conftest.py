@@ -50,10 +50,17 @@ def tiny_kv_budget(tokens: int, *, block_size: int, max_num_seqs: int, max_model
 
     layout = PerHeadLayout(TINY_LAYERS, TINY_KV_HEADS, TINY_HEAD_DIM, 4, block_size, max_num_seqs,
                            max_model_len, max_num_seqs)
-    fixed = layout.metadata_bytes(0)
-    per_page = layout.metadata_bytes(1) - fixed
     pages_bytes = tokens * TINY_BYTES_PER_TOKEN + layout.page_bytes  # + a page: no rounding short
-    return fixed + -(-pages_bytes * (layout.page_bytes + per_page) // layout.page_bytes)
+    budget = pages_bytes
+    # The tables' sequence slots follow the memory (slots_for_memory): grow to a fixed point.
+    while True:
+        slots = layout.slots_for_memory(budget)
+        fixed = layout.metadata_bytes(0, max_seqs=slots)
+        per_page = layout.metadata_bytes(1, max_seqs=slots) - fixed
+        needed = fixed + -(-pages_bytes * (layout.page_bytes + per_page) // layout.page_bytes)
+        if needed <= budget:
+            return budget
+        budget = needed
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from vllm.logger import init_logger
 
 from kvcompress.ops.page_tables import chunk_pages_for
+from kvcompress.page_accounting import live_sequence_limit
 from kvcompress.ops.paged_cache import PerHeadPagedCache
 from kvcompress.vllm_glue.step import DecodeBuffers
 
@@ -33,8 +34,9 @@ class PerHeadLayout:
         num_layers, num_kv_heads, head_dim: the model's attention shape (this rank).
         dtype_bytes: bytes per K or V element.
         block_size: tokens per page.
-        max_num_seqs: the scheduler's limit (the cache has one more sequence slot: the
-            padding rows' empty one).
+        max_num_seqs: the scheduler's limit; the cache has slots for as many sequences
+            or for as many as the pool gives one page per (layer, KV head), whichever
+            is fewer (:meth:`sequence_slots`), and one more: the padding rows' empty one.
         max_model_len: the longest sequence (sizes each head's page table).
         max_rows: rows of the decode buffers (max_num_seqs or the largest CUDA graph).
         prefix_caching: prefix-cache hits copy page ids of shared prefixes into each
@@ -73,9 +75,12 @@ class PerHeadLayout:
         """K and V of one page (one layer, one KV head, ``block_size`` tokens)."""
         return 2 * self.block_size * self.head_dim * self.dtype_bytes
 
-    @property
-    def max_seqs(self) -> int:
-        return self.max_num_seqs + 1
+    def sequence_slots(self, num_pages: int) -> int:
+        """Sequence slots of the cache over a pool of ``num_pages`` pages: the sequences
+        that may hold pages at once (``live_sequence_limit``: ``max_num_seqs``, or one
+        page per (layer, KV head) each if the pool holds fewer) and the padding rows'
+        empty slot."""
+        return live_sequence_limit(num_pages, self.num_layers * self.num_kv_heads, self.max_num_seqs) + 1
 
     @property
     def max_pages_per_head(self) -> int:
@@ -90,24 +95,34 @@ class PerHeadLayout:
         blocks = kv_bytes // (self.page_bytes * self.num_layers * self.num_kv_heads)
         return min(self.max_pages_per_head, blocks)
 
-    def metadata_bytes(self, num_pages: int, shared_pages_per_head: int = 0) -> int:
-        """Everything but the pages, for a pool of ``num_pages`` allocatable pages."""
+    def metadata_bytes(self, num_pages: int, shared_pages_per_head: int = 0, max_seqs: int | None = None) -> int:
+        """Everything but the pages, for a pool of ``num_pages`` allocatable pages and
+        ``max_seqs`` sequence slots (default: :meth:`sequence_slots` of that pool)."""
+        if max_seqs is None:
+            max_seqs = self.sequence_slots(num_pages)
         cache = PerHeadPagedCache.metadata_bytes(
-            num_pages, self.num_layers, self.num_kv_heads, self.block_size, self.max_seqs,
+            num_pages, self.num_layers, self.num_kv_heads, self.block_size, max_seqs,
             self.max_pages_per_head, shared_pages_per_head,
         )
-        buffers = DecodeBuffers.nbytes_for(self.num_layers, self.num_kv_heads, self.max_rows, self.max_seqs)
+        buffers = DecodeBuffers.nbytes_for(self.num_layers, self.num_kv_heads, self.max_rows, max_seqs)
         return cache + buffers
+
+    def slots_for_memory(self, available: int) -> int:
+        """Sequence slots the tables are sized for in ``available`` bytes of KV memory:
+        those of the most pages it could hold (the pool gets fewer once the metadata is
+        taken out, and the worker's cache fewer or as many slots)."""
+        return self.sequence_slots(available // self.page_bytes)
 
     def page_bytes_for(self, available: int) -> int:
         """Of ``available`` bytes of KV memory, what may go to pages so that the pages'
         own metadata fits in the rest; raises naming the flags when the fixed part (the
         page tables) does not fit at all."""
         shared = self.max_shared_pages_per_head(available)
-        fixed = self.metadata_bytes(0, shared)
+        slots = self.slots_for_memory(available)
+        fixed = self.metadata_bytes(0, shared, slots)
         # Linear but for whole chunks of page ids: the slope over one chunk bounds it.
         span = chunk_pages_for(self.max_pages_per_head)
-        per_page = -(-(self.metadata_bytes(span, shared) - fixed) // span)
+        per_page = -(-(self.metadata_bytes(span, shared, slots) - fixed) // span)
         room = available - fixed
         # At least one page per (layer, KV head) and the scratch page.
         least = (self.num_layers * self.num_kv_heads + 1) * (self.page_bytes + per_page)
@@ -132,7 +147,7 @@ class PerHeadMemoryBudget:
         logger.info(
             "kvcompress: %.3f GiB of the %.3f GiB KV memory hold per-head metadata (page tables "
             "for %d sequences x %d tokens, slot positions and metrics); %.3f GiB go to pages",
-            (available - for_pages) / GIB, available / GIB, layout.max_num_seqs, layout.max_model_len,
-            for_pages / GIB,
+            (available - for_pages) / GIB, available / GIB, layout.slots_for_memory(available) - 1,
+            layout.max_model_len, for_pages / GIB,
         )
         return for_pages

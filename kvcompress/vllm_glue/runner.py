@@ -47,6 +47,7 @@ from kvcompress.ops.cpu_decode_plan import DecodeBatchPlan
 from kvcompress.ops.deferred_metrics import DeferredDecodeQueries
 from kvcompress.ops.dispatch import resolve_ops
 from kvcompress.ops.prefix_groups import PrefixGroups
+from kvcompress.page_accounting import live_sequence_limit
 from kvcompress.ops.word_spans import WordEdges, span_starts
 from kvcompress.vllm_glue.step import (
     DecodeBuffers,
@@ -191,7 +192,10 @@ class PerHeadRunnerMixin:
             num_layers=num_layers,
             num_kv_heads=num_kv_heads,
             block_size=block_size,
-            max_seqs=max_num_seqs + 1,  # + the padding rows' empty slot
+            # As many sequences as may hold pages at once (the scheduler admits no
+            # more; the budget's tables were sized for at least these) + the padding
+            # rows' empty slot.
+            max_seqs=live_sequence_limit(num_pages, num_layers * num_kv_heads, max_num_seqs) + 1,
             max_pages_per_head=max_pages_per_head,
             device=pool.device,
             ops=ops,
@@ -925,6 +929,7 @@ class PerHeadRunnerMixin:
             "num_free": self.kvc_cache.allocator.num_free,
             "held_by_live_requests": int(held.sum().item()),
             "live_requests": len(self.kvc_requests),
+            "sequence_slots": self.kvc_cache.max_seqs,  # the padding rows' slot included
             "attention_backend": get_worker_state().ops.backends["paged_attention"],
             **dataclasses.asdict(self.kvc_stats),
         }

@@ -19,7 +19,7 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 from kvcompress.compression_planner import CompressionPlanner
 from kvcompress.config import KVCompressConfig
 from kvcompress.contract import StepCompression
-from kvcompress.page_accounting import PageAccounting
+from kvcompress.page_accounting import PageAccounting, live_sequence_limit
 from kvcompress.vllm_glue.kv_layout import pages_in_pool
 from kvcompress.vllm_glue.kv_manager import PerHeadKVCacheManager, logical_block_count
 from kvcompress.vllm_glue.metrics import with_kvcompress_stats
@@ -56,6 +56,17 @@ class KVCompressScheduler(Scheduler):
             max_requests=vllm_config.scheduler_config.max_num_seqs * 2,
             num_ranks=num_ranks,
         )
+        # The worker's cache has sequence slots for this many (live_sequence_limit):
+        # vLLM's admission bound, lowered where the pool is the smaller limit.
+        max_num_seqs = vllm_config.scheduler_config.max_num_seqs
+        live_limit = live_sequence_limit(num_pages, num_layers * heads_per_rank, max_num_seqs)
+        if live_limit < self.max_num_active_reqs:
+            logger.info(
+                "kvcompress: the pool gives one page per (layer, KV head) to at most %d "
+                "sequences at once: at most %d run at a time (--max-num-seqs %d)",
+                live_limit, live_limit, max_num_seqs,
+            )
+            self.max_num_active_reqs = live_limit
         self.planner = CompressionPlanner(settings, accounting)
         if self.log_stats:  # vLLM takes stats every step (make_stats): count for them
             self.planner.enable_metrics()
@@ -156,6 +167,7 @@ class KVCompressScheduler(Scheduler):
         return {
             **self.planner.page_stats(),
             "running": [request.request_id for request in self.running],
+            "running_limit": self.max_num_active_reqs,  # admission bound (live_sequence_limit)
         }
 
     def kvcompress_reset_peaks(self) -> None:
