@@ -1304,6 +1304,10 @@ def main(argv: list[str] | None = None) -> dict:
                         help="kvcompress engine: decode queries add to the metrics every N tokens (default: the engine's)")
     parser.add_argument("--kv-compress-block-size", type=int, default=None,
                         help="kvcompress engine: tokens per page (default: the engine's)")
+    parser.add_argument("--kv-compress-protected-window", type=int, default=None,
+                        help="kvcompress engine: last tokens never evicted (default: the engine's)")
+    parser.add_argument("--kv-compress-sink-tokens", type=int, default=None,
+                        help="kvcompress engine: first tokens never evicted (default: each policy's)")
     parser.add_argument("--out", default=None, help="write <OUT>.json/.md/.png")
     parser.add_argument("--show-outputs", action="store_true")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm bars")
@@ -1322,7 +1326,9 @@ def main(argv: list[str] | None = None) -> dict:
         kvc_settings={"pool_kernel": args.kv_compress_pool_kernel,
                       "observation_window": args.kv_compress_observation_window,
                       "decode_metric_stride": args.kv_compress_decode_metric_stride,
-                      "block_size": args.kv_compress_block_size},
+                      "block_size": args.kv_compress_block_size,
+                      "protected_window": args.kv_compress_protected_window,
+                      "sink_tokens": args.kv_compress_sink_tokens},
     )  # fmt: skip
     results["argv"] = " ".join(sys.argv[1:] if argv is None else argv)
     if args.show_outputs:
