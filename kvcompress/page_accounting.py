@@ -42,6 +42,12 @@ def live_sequence_limit(num_pages: int, pages_per_token_block: int, max_num_seqs
     return max(1, min(max_num_seqs, num_pages // max(1, pages_per_token_block)))
 
 
+def cache_sequence_slots(num_pages: int, pages_per_token_block: int, max_num_seqs: int) -> int:
+    """Sequence slots of a per-head cache over that pool: the :func:`live_sequence_limit`
+    sequences and the padding rows' empty slot (one more)."""
+    return live_sequence_limit(num_pages, pages_per_token_block, max_num_seqs) + 1
+
+
 class PageAccounting:
     """Counts pages per request and in the pool.
 

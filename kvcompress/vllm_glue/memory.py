@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from vllm.logger import init_logger
 
 from kvcompress.ops.page_tables import chunk_pages_for
-from kvcompress.page_accounting import live_sequence_limit
+from kvcompress.page_accounting import cache_sequence_slots
 from kvcompress.ops.paged_cache import PerHeadPagedCache
 from kvcompress.vllm_glue.step import DecodeBuffers
 
@@ -76,11 +76,9 @@ class PerHeadLayout:
         return 2 * self.block_size * self.head_dim * self.dtype_bytes
 
     def sequence_slots(self, num_pages: int) -> int:
-        """Sequence slots of the cache over a pool of ``num_pages`` pages: the sequences
-        that may hold pages at once (``live_sequence_limit``: ``max_num_seqs``, or one
-        page per (layer, KV head) each if the pool holds fewer) and the padding rows'
-        empty slot."""
-        return live_sequence_limit(num_pages, self.num_layers * self.num_kv_heads, self.max_num_seqs) + 1
+        """Sequence slots of the cache over a pool of ``num_pages`` pages (the runner's
+        :func:`~kvcompress.page_accounting.cache_sequence_slots`)."""
+        return cache_sequence_slots(num_pages, self.num_layers * self.num_kv_heads, self.max_num_seqs)
 
     @property
     def max_pages_per_head(self) -> int:

@@ -47,7 +47,7 @@ from kvcompress.ops.cpu_decode_plan import DecodeBatchPlan
 from kvcompress.ops.deferred_metrics import DeferredDecodeQueries
 from kvcompress.ops.dispatch import resolve_ops
 from kvcompress.ops.prefix_groups import PrefixGroups
-from kvcompress.page_accounting import live_sequence_limit
+from kvcompress.page_accounting import cache_sequence_slots
 from kvcompress.ops.word_spans import WordEdges, span_starts
 from kvcompress.vllm_glue.step import (
     DecodeBuffers,
@@ -192,10 +192,8 @@ class PerHeadRunnerMixin:
             num_layers=num_layers,
             num_kv_heads=num_kv_heads,
             block_size=block_size,
-            # As many sequences as may hold pages at once (the scheduler admits no
-            # more; the budget's tables were sized for at least these) + the padding
-            # rows' empty slot.
-            max_seqs=live_sequence_limit(num_pages, num_layers * num_kv_heads, max_num_seqs) + 1,
+            # The scheduler admits no more; the budget's tables were sized for these.
+            max_seqs=cache_sequence_slots(num_pages, num_layers * num_kv_heads, max_num_seqs),
             max_pages_per_head=max_pages_per_head,
             device=pool.device,
             ops=ops,
