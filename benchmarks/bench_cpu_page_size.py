@@ -7,7 +7,13 @@ with a prepared work split; no KV write):
   request with all its KV heads (vLLM's CPU default block size);
 - ``per-head bN``: kvcompress's pool, one page per (layer, KV head) of N tokens, each
   (request, KV head) one kernel sequence of one KV head and G query heads (head-as-sequence,
-  ``kvcompress/ops/cpu_attention.py``), pages scattered over the pool.
+  ``kvcompress/ops/cpu_attention.py``), in the engine's ``[2, N, b, D]`` buffer (K region,
+  V region; ``cpu_attention.pool_views``).
+
+Page order (``--orders``): ``scattered``, a random permutation of the pool (stock's blocks
+and kvcompress's pages alike: a long-running engine's worst case); ``ascending``, each
+sequence's pages in increasing order, as kvcompress's allocator hands a head its prompt
+pages (``kvcompress/ops/allocator.py``; stock's free-block queue makes no such promise).
 
 Every request holds ``--context`` KVs in every head (rate 1: what stock holds). Variants
 are interleaved in a fresh random order each round, each after a cache flush; medians.
@@ -35,16 +41,35 @@ SHAPES = {
 }
 
 
-def _case(torch, kv_heads_per_seq, query_heads, head_dim, block, lens, dtype, generator):
-    """One kernel call's inputs: ``len(lens)`` sequences over a scattered page pool."""
+def _caches(torch, kv_heads_per_seq, block, head_dim, num_pages, dtype, generator):
+    """Stock's K / V caches ``[N, Hkv, b, D]``, or (one KV head) kvcompress's pool views."""
+    from kvcompress.ops import cpu_attention
+
+    if kv_heads_per_seq > 1:
+        shape = (num_pages, kv_heads_per_seq, block, head_dim)
+        return (torch.randn(shape, generator=generator).to(dtype),
+                torch.randn(shape, generator=generator).to(dtype))
+    buffer = torch.randn(2, num_pages, block, head_dim, generator=generator).to(dtype)
+    key, value = cpu_attention.pool_views(buffer)
+    stride = key.stride(0)  # the kernel's [N, 1, b, D] views, as the engine passes them
+    return (torch.as_strided(key, (num_pages, 1, block, head_dim), (stride, block * head_dim, head_dim, 1)),
+            torch.as_strided(value, (num_pages, 1, block, head_dim), (stride, block * head_dim, head_dim, 1)))
+
+
+def _case(torch, kv_heads_per_seq, query_heads, head_dim, block, lens, dtype, generator, order_name):
+    """One kernel call's inputs: ``len(lens)`` sequences over a page pool, their pages in
+    ``order_name`` order (``scattered`` or ``ascending``)."""
     from kvcompress.ops.cpu_attention import kernel_isa
 
     num_seqs = len(lens)
     pages_per_seq = -(-max(lens) // block)
     num_pages = num_seqs * pages_per_seq + num_seqs  # slack: the pool is larger than the batch
-    key_cache = torch.randn(num_pages, kv_heads_per_seq, block, head_dim, generator=generator).to(dtype)
-    value_cache = torch.randn(num_pages, kv_heads_per_seq, block, head_dim, generator=generator).to(dtype)
-    order = torch.randperm(num_pages, generator=generator)[: num_seqs * pages_per_seq]
+    key_cache, value_cache = _caches(torch, kv_heads_per_seq, block, head_dim, num_pages, dtype, generator)
+    if order_name == "scattered":
+        order = torch.randperm(num_pages, generator=generator)[: num_seqs * pages_per_seq]
+    else:  # each sequence's pages ascending, the sequences' runs in random order
+        runs = torch.randperm(num_seqs, generator=generator)
+        order = (runs[:, None] * pages_per_seq + torch.arange(pages_per_seq)).reshape(-1)
     block_table = order.view(num_seqs, pages_per_seq).to(torch.int32)
     query = torch.randn(num_seqs, query_heads, head_dim, generator=generator).to(dtype)
     out = torch.empty_like(query)
@@ -66,16 +91,21 @@ def _case(torch, kv_heads_per_seq, query_heads, head_dim, block, lens, dtype, ge
     return run
 
 
-def measure(torch, shape: str, batch: int, context: int, blocks, rounds: int) -> dict[str, float]:
-    """Median ms per call of stock's cache and the per-head pool at each page size."""
+def measure(torch, shape: str, batch: int, context: int, blocks, rounds: int, orders) -> dict[str, float]:
+    """Median ms per call of stock's cache and the per-head pool at each page size, in
+    each page order."""
     kv_heads, group, head_dim, dtype_name = SHAPES[shape]
     dtype = getattr(torch, dtype_name)
     generator = torch.Generator().manual_seed(0)
-    variants = {"stock b128": _case(torch, kv_heads, kv_heads * group, head_dim, 128, [context] * batch, dtype, generator)}
-    for block in blocks:
-        variants[f"per-head b{block}"] = _case(
-            torch, 1, group, head_dim, block, [context] * (batch * kv_heads), dtype, generator
+    variants = {}
+    for order in orders:
+        variants[f"stock b128 {order}"] = _case(
+            torch, kv_heads, kv_heads * group, head_dim, 128, [context] * batch, dtype, generator, order
         )
+        for block in blocks:
+            variants[f"per-head b{block} {order}"] = _case(
+                torch, 1, group, head_dim, block, [context] * (batch * kv_heads), dtype, generator, order
+            )
     flush = torch.empty(64 * 2**20 // 4)
     names = list(variants)
     for name in names:
@@ -99,6 +129,7 @@ def main(argv=None) -> int:
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--blocks", type=int, nargs="+", default=[16, 32, 64, 128])
     parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--orders", nargs="+", choices=("scattered", "ascending"), default=["scattered", "ascending"])
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--out", default=None, help="write <OUT>.md")
     args = parser.parse_args(argv)
@@ -123,27 +154,29 @@ def main(argv=None) -> int:
         "# vLLM's CPU attention kernel: stock blocks vs per-head pages\n",
         f"- machine: {machine}; {args.threads} threads; decode, one layer, "
         f"context {args.context} KVs in every head; median of {args.rounds} interleaved rounds\n",
-        "| shape (KV heads x G, D, dtype) | batch | " + " | ".join(f"{c} ms" for c in columns)
-        + " | " + " | ".join(f"b{b} / stock" for b in args.blocks) + " |",
-        "|" + "---|" * (2 + 2 * len(args.blocks) + 1),
+        "| shape (KV heads x G, D, dtype) | batch | page order | " + " | ".join(f"{c} ms" for c in columns)
+        + " | " + " | ".join(f"b{b} / stock scattered" for b in args.blocks) + " |",
+        "|" + "---|" * (3 + 2 * len(args.blocks) + 1),
     ]
     print(lines[1])
     for shape in args.shapes:
         kv_heads, group, head_dim, dtype_name = SHAPES[shape]
         for batch in args.batches:
-            ms = measure(torch, shape, batch, args.context, args.blocks, args.rounds)
-            stock = ms["stock b128"]
-            row = (
-                f"| {shape} ({kv_heads}x{group}, {head_dim}, {dtype_name}) | {batch} | "
-                + " | ".join(f"{ms[c]:.3f}" for c in columns) + " | "
-                + " | ".join(f"{ms[f'per-head b{b}'] / stock:.2f}" for b in args.blocks) + " |"
-            )
-            print(row, flush=True)
-            lines.append(row)
+            ms = measure(torch, shape, batch, args.context, args.blocks, args.rounds, args.orders)
+            stock = ms.get("stock b128 scattered") or ms[f"stock b128 {args.orders[0]}"]
+            for order in args.orders:
+                row = (
+                    f"| {shape} ({kv_heads}x{group}, {head_dim}, {dtype_name}) | {batch} | {order} | "
+                    + " | ".join(f"{ms[f'{c} {order}']:.3f}" for c in columns) + " | "
+                    + " | ".join(f"{ms[f'per-head b{b} {order}'] / stock:.2f}" for b in args.blocks) + " |"
+                )
+                print(row, flush=True)
+                lines.append(row)
     lines.append(
-        "\nper-head bN / stock: kvcompress's decode attention time at page size N over stock's at "
-        "its 128-token blocks, same KVs (the kernel's work per page is fixed, so small pages cost "
-        "more per KV)."
+        "\nper-head bN / stock scattered: kvcompress's decode attention time at page size N (in "
+        "the row's page order) over stock's at its 128-token blocks scattered over its cache, same "
+        "KVs. The kernel's work per page is fixed, so small pages cost more per KV; pages read in "
+        "ascending order cost less than scattered ones (the hardware prefetcher follows them)."
     )
     if args.out:
         path = Path(args.out).with_suffix(".md")

@@ -81,7 +81,7 @@ def breakdown(stats: pstats.Stats) -> dict[str, float]:
     }
 
 
-def profile_run(llm, prompts, params, label: str) -> dict:
+def profile_run(llm, prompts, params, label: str, stats_dir: str | None = None) -> dict:
     profiler = cProfile.Profile()
     started = time.perf_counter()
     profiler.enable()
@@ -89,6 +89,9 @@ def profile_run(llm, prompts, params, label: str) -> dict:
     profiler.disable()
     wall = time.perf_counter() - started
     seconds = breakdown(pstats.Stats(profiler))
+    if stats_dir:  # raw profile, for `python -m pstats` or a diff of two runs
+        Path(stats_dir).mkdir(parents=True, exist_ok=True)
+        profiler.dump_stats(str(Path(stats_dir) / (label.replace(" ", "-") + ".prof")))
     step = seconds["engine step"] or wall
     return {
         "label": label, "wall_seconds": wall, "seconds": seconds,
@@ -107,6 +110,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--rates", type=float, nargs="+", default=[1, 8])
     parser.add_argument("--block-size", type=int, default=None)
     parser.add_argument("--out", default=None, help="write <OUT>.json and <OUT>.md")
+    parser.add_argument("--stats-dir", default=None, help="also save each run's cProfile stats here")
     args = parser.parse_args(argv)
 
     bench._setup_env()
@@ -132,12 +136,13 @@ def _profile(args) -> list[dict]:
     results = []
     stock = LLM(model=path, **engine_args)
     bench._warmup(stock, params()())
-    results.append(profile_run(stock, prompts, params(), "stock vLLM"))
+    results.append(profile_run(stock, prompts, params(), "stock vLLM", args.stats_dir))
     bench._shutdown(stock)
     kvc = kvcompress.LLM(path, kv_compress_protected_window=8, kv_compress_block_size=args.block_size, **engine_args)
     bench._warmup(kvc, params({"kv_compress_rate": 1})())
     for rate in args.rates:
-        results.append(profile_run(kvc, prompts, params({"kv_compress_rate": rate}), f"kvcompress rate {rate:g}"))
+        results.append(profile_run(kvc, prompts, params({"kv_compress_rate": rate}), f"kvcompress rate {rate:g}",
+                                   args.stats_dir))
     bench._shutdown(kvc)
 
     header = "| run | out tok/s (profiled) | max batch | " + " | ".join(row for row, _, _ in CATEGORIES) + " |"

@@ -16,8 +16,9 @@ def make_case(
 ):
     """A pool and a batch: sequence s has ``query_lens[s]`` new tokens at the end of each
     head, after a random kept subset of its earlier positions (ragged heads, partial
-    pages). ``kernel_layout``: pages as vLLM's CPU kernel stores them (K ``[D, b]``),
-    else row-major ``[N, 2, b, D]`` halves."""
+    pages). ``kernel_layout``: pages as vLLM's CPU kernel stores them (K ``[D, b]``) in
+    the engine's ``[2, N, b, D]`` buffer, else row-major ``[N, 2, b, D]`` halves (strided
+    K / V views)."""
     gen = torch.Generator().manual_seed(seed)
     num_seqs = len(query_lens)
     contexts = torch.randint(0, max_context, (num_seqs,), generator=gen)
@@ -35,10 +36,11 @@ def make_case(
     pages_needed = (head_lens + block_size - 1) // block_size
     max_pages = int(pages_needed.max())
     num_pages = int(pages_needed.sum()) + 7
-    buffer = torch.randn((num_pages, 2, block_size, head_dim), generator=gen).to(dtype)
-    if kernel_layout:
+    if kernel_layout:  # the engine's pool: K region, V region
+        buffer = torch.randn((2, num_pages, block_size, head_dim), generator=gen).to(dtype)
         key_cache, value_cache = cpu_attention.pool_views(buffer)
-    else:
+    else:  # K / V interleaved per page: strided views (the ops take any page stride)
+        buffer = torch.randn((num_pages, 2, block_size, head_dim), generator=gen).to(dtype)
         key_cache, value_cache = buffer[:, 0], buffer[:, 1]
     slot_positions = torch.full((num_pages, block_size), -1, dtype=torch.int32)
     slot_metrics = torch.zeros((num_pages, block_size), dtype=torch.float32)

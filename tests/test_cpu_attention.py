@@ -185,7 +185,7 @@ def test_slot_order_invariant_and_kernel_on_a_compressed_cache():
     gen = torch.Generator().manual_seed(7)
     num_layers, num_kv_heads, group, head_dim, block_size = 2, 2, 3, 64, 16
     cache = PerHeadPagedCache(600, num_layers, num_kv_heads, block_size, max_seqs=3, max_pages_per_head=40)
-    buffer = torch.zeros(600, 2, block_size, head_dim)
+    buffer = torch.zeros(2, 600, block_size, head_dim)
     pool = cache.kv_pool(*cpu_attention.pool_views(buffer))
     assert cpu_attention.in_kernel_layout(pool)
     slots = torch.tensor([cache.new_sequence() for _ in range(3)])
@@ -236,7 +236,7 @@ def _kv_write_case(num_tokens, num_kv_heads, head_dim, block_size, dtype, seed, 
     gen = torch.Generator().manual_seed(seed)
     pools = []
     for _ in range(2):
-        buffer = torch.randn((num_pages, 2, block_size, head_dim), generator=torch.Generator().manual_seed(pool_seed)).to(dtype)
+        buffer = torch.randn((2, num_pages, block_size, head_dim), generator=torch.Generator().manual_seed(pool_seed)).to(dtype)
         pools.append(KVPool(*cpu_attention.pool_views(buffer), torch.zeros((num_pages, block_size), dtype=torch.int32),
                             torch.zeros((num_pages, block_size))))
     flat = torch.randperm(num_pages * block_size, generator=gen)[: num_tokens * num_kv_heads]

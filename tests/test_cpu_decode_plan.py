@@ -35,7 +35,7 @@ class Twin:
 
         self.cache = PerHeadPagedCache(NUM_PAGES, NUM_LAYERS, num_kv_heads, block_size, MAX_SEQS, MAX_PAGES)
         self.cache.slot_metrics.fill_(7.0)  # stale metrics of earlier occupants: appends zero them
-        buffer = torch.randn((NUM_PAGES + 1, 2, block_size, head_dim), generator=torch.Generator().manual_seed(0))
+        buffer = torch.randn((2, NUM_PAGES + 1, block_size, head_dim), generator=torch.Generator().manual_seed(0))
         key, value = cpu_attention.pool_views(buffer)
         self.pool = self.cache.kv_pool(key, value)
         self.num_q_heads = num_kv_heads * group

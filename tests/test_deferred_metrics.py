@@ -23,7 +23,7 @@ class GrowingCache:
         self.block_size = block_size
         self.shape = (num_layers, num_seqs, num_kv_heads)
         num_pages = 600
-        buffer = torch.randn((num_pages, 2, block_size, head_dim), generator=self.gen)
+        buffer = torch.randn((2, num_pages, block_size, head_dim), generator=self.gen)
         key_cache, value_cache = pool_views(buffer)
         self.positions = torch.full((num_pages, block_size), -1, dtype=torch.int32)
         self.pool = KVPool(key_cache, value_cache, self.positions, torch.zeros((num_pages, block_size)))

@@ -24,10 +24,10 @@ mask) equals the stored-position mask ``slot_positions <= query_position`` the r
 applies. ``tests/test_cpu_attention.py`` checks the invariant on engine-made caches.
 
 **The page layout** the kernel reads (its ``vec`` / ``vec16`` paths, x86): inside a page,
-K is stored ``[D, block_size]`` and V ``[block_size, D]``; both halves of a page share
-one stride. :func:`pool_views` makes the ``[num_pages, block_size, D]`` K / V views of a
-``[N, 2, b, D]`` buffer in that layout (K a transposed, strided view), which every other
-op here (reference attention, metrics, MoveCache) reads as it reads row-major pools.
+K is stored ``[D, block_size]`` and V ``[block_size, D]``; K and V share one page
+stride. :func:`pool_views` makes the ``[num_pages, block_size, D]`` K / V views of a
+``[2, N, b, D]`` buffer (K region, V region) in that layout (K a transposed, strided
+view), which every other op here (reference attention, metrics, MoveCache) reads as it reads row-major pools.
 The kernel's AMX path (bf16, block 32, AMX hosts) packs pages differently; this module
 always asks for ``vec`` / ``vec16``, which run on every x86 host.
 
@@ -95,13 +95,14 @@ def kernel_isa(block_size: int, head_dim: int) -> str:
 
 
 def pool_views(buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K / V ``[N, b, D]`` views of ``buffer [N, 2, b, D]`` in the kernel's page layout:
-    K is stored ``[D, b]`` in the first half of a page (the view is transposed), V
-    ``[b, D]`` in the second."""
-    num_pages, _, block_size, head_dim = buffer.shape
-    halves = buffer.view(num_pages, 2, block_size * head_dim)
-    key_cache = halves[:, 0].view(num_pages, head_dim, block_size).transpose(1, 2)
-    value_cache = halves[:, 1].view(num_pages, block_size, head_dim)
+    """K / V ``[N, b, D]`` views of ``buffer [2, N, b, D]`` (every page's K in the first
+    region, its V in the second, as vLLM lays out its own caches) in the kernel's page
+    layout: K stored ``[D, b]`` inside a page (the view is transposed), V ``[b, D]``.
+    Both views step ``b * D`` elements per page, so a head's pages taken in ascending
+    order are read as one forward stream of K and one of V."""
+    _, num_pages, block_size, head_dim = buffer.shape
+    key_cache = buffer[0].view(num_pages, head_dim, block_size).transpose(1, 2)
+    value_cache = buffer[1]
     return key_cache, value_cache
 
 

@@ -27,8 +27,9 @@ class KVPool:
 
     Attributes:
         key_cache, value_cache: ``[num_pages, block_size, head_dim]``, the cache dtype;
-            may be strided views (``pool[:, 0]`` / ``pool[:, 1]`` of a ``[N, 2, b, D]``
-            buffer), the head dim contiguous.
+            may be strided views (the engine's are ``buffer[0]`` / ``buffer[1]`` of a
+            ``[2, N, b, D]`` buffer; ``pool[:, 0]`` / ``pool[:, 1]`` of a ``[N, 2, b, D]``
+            one work too), the head dim contiguous.
         slot_positions: ``[num_pages, block_size]`` int32, token position of the KV in
             each slot (RoPE and the causal mask read it, not the slot order).
         slot_metrics: ``[num_pages, block_size]`` float32, eviction metric of the KV in

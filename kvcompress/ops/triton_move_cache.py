@@ -3,7 +3,8 @@
 Same call and semantics as the reference :func:`kvcompress.ops.move_cache.move_cache`.
 One program copies ``MOVES`` moves; K and V rows are copied in their storage dtype
 (bit exact). The pool's ``key_cache`` / ``value_cache`` may be strided views (e.g.
-``pool[:, 0]`` and ``pool[:, 1]`` of a ``[N, 2, b, D]`` buffer). Sources and destinations must be
+``pool[:, 0]`` and ``pool[:, 1]`` of a ``[N, 2, b, D]`` buffer; the engine's are the two
+regions of a ``[2, N, b, D]`` one). Sources and destinations must be
 disjoint, as for the reference (no program reads a slot another one writes).
 
 Importable without triton (``HAS_TRITON`` is then False and the launcher raises).

@@ -6,7 +6,7 @@ attention over caches ``[num_blocks, block_size, num_kv_heads, head_size]`` (any
 strides) with int32 block tables whose rows may point anywhere, per-sequence KV
 lengths (``seqused_k``) and a causal mask aligned to each sequence's end. The
 per-(layer, KV head) pool is such a cache with ONE KV head: the K / V views
-``[N, b, D]`` of the ``[N, 2, b, D]`` pool become ``[N, b, 1, D]`` (no copy). As in
+``[N, b, D]`` of the pool (any page stride) become ``[N, b, 1, D]`` (no copy). As in
 :mod:`kvcompress.ops.cpu_attention`:
 
 - decode rows: kernel sequence ``r`` is row ``r // H``'s KV head ``r % H``; the query

@@ -175,8 +175,10 @@ class PerHeadRunnerMixin:
                 f"KV buffer of {flat.numel()} bytes cannot hold {buffer_pages} pages "
                 f"of {page_bytes} bytes"
             )
+        # K region then V region (as vLLM's own caches): a head's pages, taken in
+        # ascending order by the allocator, are read as two forward streams.
         pool = flat[: buffer_pages * page_bytes].view(dtype).view(
-            buffer_pages, 2, block_size, head_dim
+            2, buffer_pages, block_size, head_dim
         )
         max_model_len = self.vllm_config.model_config.max_model_len
         max_num_seqs = self.vllm_config.scheduler_config.max_num_seqs
@@ -286,11 +288,11 @@ class PerHeadRunnerMixin:
 
     @staticmethod
     def _kvc_page_views(buffer: torch.Tensor, ops) -> tuple[torch.Tensor, torch.Tensor]:
-        """K / V ``[num_pages, block_size, head_dim]`` views of ``buffer [N, 2, b, D]``:
+        """K / V ``[num_pages, block_size, head_dim]`` views of ``buffer [2, N, b, D]``:
         in vLLM's CPU kernel layout when the attention runs on it, else row-major."""
         if ops.kernel_page_layout:
             return cpu_attention.pool_views(buffer)
-        return buffer[:, 0], buffer[:, 1]
+        return buffer[0], buffer[1]
 
     def _kvc_release(self, request_ids) -> None:
         gone = [r for r in request_ids if r in self.kvc_requests]
