@@ -88,9 +88,10 @@ def worker_cls_for_platform(engine_args: Any, platform: Any) -> str:
 
 def default_block_size(platform: Any) -> int:
     """Tokens per page when ``--kv-compress-block-size`` is not given: 64 on CPU, where
-    vLLM's attention kernel runs at stock speed from 64-token pages on (its work per
-    page is fixed; measured in ``benchmarks/results/kernel-page-size-cpu.md``), else 16
-    (the paper's; finer pages free memory sooner under compression)."""
+    vLLM's attention kernel reads 64-token pages at stock speed even scattered over the
+    pool (its work per page is fixed: smaller pages cost more when scattered; measured in
+    ``benchmarks/results/kernel-page-size-cpu.md``), else 16 (the paper's; finer pages
+    free memory sooner under compression)."""
     return 64 if platform.is_cpu() else 16
 
 
