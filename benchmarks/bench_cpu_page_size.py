@@ -50,10 +50,7 @@ def _caches(torch, kv_heads_per_seq, block, head_dim, num_pages, dtype, generato
         return (torch.randn(shape, generator=generator).to(dtype),
                 torch.randn(shape, generator=generator).to(dtype))
     buffer = torch.randn(2, num_pages, block, head_dim, generator=generator).to(dtype)
-    key, value = cpu_attention.pool_views(buffer)
-    stride = key.stride(0)  # the kernel's [N, 1, b, D] views, as the engine passes them
-    return (torch.as_strided(key, (num_pages, 1, block, head_dim), (stride, block * head_dim, head_dim, 1)),
-            torch.as_strided(value, (num_pages, 1, block, head_dim), (stride, block * head_dim, head_dim, 1)))
+    return cpu_attention.kernel_cache_views(*cpu_attention.pool_views(buffer))  # as the engine passes them
 
 
 def _case(torch, kv_heads_per_seq, query_heads, head_dim, block, lens, dtype, generator, order_name):

@@ -27,7 +27,8 @@ applies. ``tests/test_cpu_attention.py`` checks the invariant on engine-made cac
 K is stored ``[D, block_size]`` and V ``[block_size, D]``; K and V share one page
 stride. :func:`pool_views` makes the ``[num_pages, block_size, D]`` K / V views of a
 ``[2, N, b, D]`` buffer (K region, V region) in that layout (K a transposed, strided
-view), which every other op here (reference attention, metrics, MoveCache) reads as it reads row-major pools.
+view), which every other op here (reference attention, metrics, MoveCache) reads as it
+reads row-major pools.
 The kernel's AMX path (bf16, block 32, AMX hosts) packs pages differently; this module
 always asks for ``vec`` / ``vec16``, which run on every x86 host.
 
@@ -162,12 +163,13 @@ def _kernel_caches(pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
     ``stride(0)`` and the ``[D, b]`` / ``[b, D]`` page interiors), built once per pool."""
     views = _KERNEL_CACHES.get(pool)
     if views is None:
-        views = _KERNEL_CACHES[pool] = _kernel_cache_views(pool)
+        views = _KERNEL_CACHES[pool] = kernel_cache_views(pool.key_cache, pool.value_cache)
     return views
 
 
-def _kernel_cache_views(pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
-    key, value = pool.key_cache, pool.value_cache
+def kernel_cache_views(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's ``[N, 1, b, D]`` views of K / V ``[N, b, D]`` in its page layout
+    (:func:`pool_views`): one KV head, the pages' own stride."""
     num_pages, block_size, head_dim = key.shape
     page_stride = key.stride(0)
     key4 = torch.as_strided(

@@ -88,8 +88,9 @@ def worker_cls_for_platform(engine_args: Any, platform: Any) -> str:
 
 def default_block_size(platform: Any) -> int:
     """Tokens per page when ``--kv-compress-block-size`` is not given: 64 on CPU, where
-    vLLM's attention kernel reads 64-token pages at stock speed even scattered over the
-    pool (its work per page is fixed: smaller pages cost more when scattered; measured in
+    vLLM's attention kernel reads 64-token pages within 0.97-1.14x of stock's time even
+    scattered over the pool, and faster than stock in the ascending runs the allocator
+    hands out (its work per page is fixed: smaller pages cost more when scattered;
     ``benchmarks/results/kernel-page-size-cpu.md``), else 16 (the paper's; finer pages
     free memory sooner under compression)."""
     return 64 if platform.is_cpu() else 16
