@@ -73,6 +73,7 @@ if not _WANT_CUDA:
 @pytest.fixture(scope="module", autouse=True)
 def _interpreter():
     if _WANT_CUDA:
+        _load_kernels()  # compiled kernels; nothing to restore
         yield
         return
     os.environ["TRITON_INTERPRET"] = "1"
@@ -663,18 +664,20 @@ for module, names in ((ta, ["_decode_kernel", "_decode_reduce_kernel", "_decode_
     for name in names:
         setattr(module, name, Recorder(getattr(module, name)))
 
-def attention(dtype, head_dim, group, block_size, partition_size, metrics):
-    lens = torch.tensor([[40, 5], [70, 3], [16, 16]])
+def attention(dtype, head_dim, group, block_size, partition_size, metrics, length_scale=1):
+    lens = torch.tensor([[40, 5], [70, 3], [16, 16]]) * length_scale
     pool = torch.zeros(64, 2, block_size, head_dim, dtype=dtype)
     query = torch.zeros(7, 2 * group, head_dim, dtype=dtype)
     kv = KVPool(pool[:, 0], pool[:, 1], torch.zeros(64, block_size, dtype=torch.int32),
                 torch.zeros(64, block_size))
-    batch = PagedBatch(torch.zeros(3, 2, 8, dtype=torch.int64), lens, [0, 1, 2, 7], torch.arange(7))
+    tables = torch.zeros(3, 2, 8 * length_scale, dtype=torch.int64)
+    batch = PagedBatch(tables, lens, [0, 1, 2, 7], torch.arange(7))
     ta.paged_attention_triton(
         query, kv, batch, 0.1, metrics=MetricSink(torch.ones(3, dtype=torch.bool)) if metrics else None,
         partition_size=partition_size)
 
 attention(torch.bfloat16, 128, 4, 16, 32, True)    # v2 decode + reduce + metrics + varlen
+attention(torch.bfloat16, 128, 4, 16, 512, True, length_scale=512)  # 35K-token heads: 64-part blocks
 attention(torch.float16, 64, 1, 32, 512, False)    # v1 decode
 attention(torch.float32, 256, 8, 16, 512, False)   # float32 operands, widest head
 pool = torch.zeros(8, 2, 16, 128, dtype=torch.bfloat16)

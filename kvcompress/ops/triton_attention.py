@@ -277,19 +277,24 @@ if HAS_TRITON:
         qh = h * GROUP + rows
         # Global max and exp-sum of every query row over all partitions.
         stat = (b.to(tl.int64) * num_q_heads + qh) * num_parts  # [GROUP_PAD]
+        # Tiles accumulate elementwise and are reduced after each loop: a reduction
+        # inside the loop trips an assertion in Triton 3.6's OptimizeThreadLocality pass
+        # once PART_BLOCK reaches 64 (seen on an H200, 32K-token heads).
         parts = tl.arange(0, PART_BLOCK)
-        big_m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        m_tile = tl.full([GROUP_PAD, PART_BLOCK], float("-inf"), tl.float32)
         for first in range(0, used, PART_BLOCK):
             ok = row_ok[:, None] & (first + parts < used)[None, :]
             pm = tl.load(part_max_ptr + stat[:, None] + first + parts[None, :], mask=ok, other=float("-inf"))
-            big_m = tl.maximum(big_m, tl.max(pm, 1))
+            m_tile = tl.maximum(m_tile, pm)
+        big_m = tl.max(m_tile, 1)
         m_safe = tl.where(big_m == float("-inf"), 0.0, big_m)
-        norm = tl.zeros([GROUP_PAD], tl.float32)
+        norm_tile = tl.zeros([GROUP_PAD, PART_BLOCK], tl.float32)
         for first in range(0, used, PART_BLOCK):
             ok = row_ok[:, None] & (first + parts < used)[None, :]
             pm = tl.load(part_max_ptr + stat[:, None] + first + parts[None, :], mask=ok, other=float("-inf"))
             ps = tl.load(part_sum_ptr + stat[:, None] + first + parts[None, :], mask=ok, other=0.0)
-            norm += tl.sum(tl.where(ok, ps * tl.exp(pm - m_safe[:, None]), 0.0), 1)
+            norm_tile += tl.where(ok, ps * tl.exp(pm - m_safe[:, None]), 0.0)
+        norm = tl.sum(norm_tile, 1)
         inv_norm = tl.where(norm > 0.0, 1.0 / tl.where(norm > 0.0, norm, 1.0), 0.0)
 
         d = tl.arange(0, HEAD_PAD)
