@@ -582,6 +582,96 @@ def check_allocate_pages(device, ops, seed: int) -> dict:
     return {"op": "allocate_pages", "pages": inputs["total"], "ok": bool(torch.equal(mine, ref))}
 
 
+def run_cache_lifecycle(device: torch.device, ops, seed: int) -> dict:
+    """Drive a :class:`PerHeadPagedCache` through what the engine does to it: a chunked
+    prefill of ragged prompts (two chunks, all sequences in one batch), the prompt
+    metrics of the last 8 queries, decode steps whose queries add to the metrics (the
+    attention op's metric path), one compression (eviction schedule, MoveCache, tail
+    pages freed), then decode steps over the compacted heads and the pages the
+    allocator hands out again. Everything but the inputs runs on ``device`` through
+    ``ops``. Returns the attention outputs of every step and layer, the head lengths
+    after the compression and each head's kept positions (all on the CPU)."""
+    from kvcompress.ops.metrics import accumulate_metrics, attention_metrics
+
+    layers, heads, group, head_dim, block_size = 2, 2, 2, 64, 16
+    prompts, decode_before, decode_after = [50, 37, 70], 5, 6
+    gen = torch.Generator().manual_seed(seed)
+    total = max(prompts) + decode_before + decode_after
+    num_seqs = len(prompts)
+    queries = torch.randn(num_seqs, total, layers, heads * group, head_dim, generator=gen)
+    keys = torch.randn(num_seqs, total, layers, heads, head_dim, generator=gen)
+    values = torch.randn(num_seqs, total, layers, heads, head_dim, generator=gen)
+    num_pages = 96
+    cache = PerHeadPagedCache(num_pages, layers, heads, block_size, max_seqs=4, max_pages_per_head=8,
+                              device=device, ops=ops)
+    buffer = torch.zeros(2, num_pages, block_size, head_dim, device=device)
+    pool = cache.kv_pool(buffer[0], buffer[1])
+    slots = torch.tensor([cache.new_sequence() for _ in range(num_seqs)], device=device)
+    scale = head_dim ** -0.5
+    outputs = []
+
+    def step(spans, metric_rows=None):
+        """One engine step: sequence i gets tokens [spans[i][0], spans[i][1])."""
+        counts = torch.tensor([end - start for start, end in spans])
+        positions = torch.cat([torch.arange(start, end) for start, end in spans])
+        plan = cache.append(slots, counts, positions.to(device))
+        starts = [0] + torch.cumsum(counts, 0).tolist()
+        for layer in range(layers):
+            rows = [(i, start, end) for i, (start, end) in enumerate(spans)]
+            key = torch.cat([keys[i, a:b, layer] for i, a, b in rows]).to(device)
+            value = torch.cat([values[i, a:b, layer] for i, a, b in rows]).to(device)
+            query = torch.cat([queries[i, a:b, layer] for i, a, b in rows]).to(device)
+            ops.write_kv(pool, key, value, plan.write_pages[layer], plan.write_offsets[layer])
+            batch = PagedBatch(cache.flat_page_tables()[slots, layer], cache.head_lens[slots, layer], starts,
+                               positions.to(device))
+            sink = None if metric_rows is None else MetricSink(metric_rows.to(device))
+            out = ops.paged_attention(query, pool, batch, scale, metrics=sink, partition_size=32)
+            outputs.append(out.float().cpu())
+            if metric_rows is None and all(end == length for (_, end), length in zip(spans, prompts)):
+                for i, (start, end) in enumerate(spans):  # prompt metrics: the last 8 queries
+                    tables = cache.flat_page_tables()[slots[i], layer]
+                    lens = cache.head_lens[slots[i], layer]
+                    metric = attention_metrics(
+                        queries[i, end - 8:end, layer].to(device), torch.arange(end - 8, end, device=device),
+                        pool.key_cache, pool.slot_positions, tables, lens, scale)
+                    accumulate_metrics(pool.slot_metrics, tables, lens, metric)
+
+    step([(0, length // 2) for length in prompts])
+    step([(length // 2, length) for length in prompts])
+    flagged = torch.tensor([True, False, True])
+    for t in range(decode_before):
+        step([(length + t, length + t + 1) for length in prompts], metric_rows=flagged)
+    context = torch.tensor([length + decode_before for length in prompts], device=device)
+    held = int(cache.pages_held(slots).sum().item())
+    evict = torch.tensor([6, 3, 8], device=device)
+    result = compress_sequences(cache, pool, slots, evict, context, 4, 1, ops=ops)
+    _, positions, _ = gather_logical(cache, slots)
+    lens = result.new_head_lens
+    kept = [sorted(positions[s, l, h, : int(lens[s, l, h])].tolist())
+            for s in range(num_seqs) for l in range(layers) for h in range(heads)]
+    for t in range(decode_before, decode_before + decode_after):
+        step([(length + t, length + t + 1) for length in prompts], metric_rows=flagged)
+    return {"outputs": outputs, "new_head_lens": lens.cpu(), "kept_positions": kept,
+            "pages_freed": int(result.pages_freed), "pages_held_before": held}
+
+
+def check_cache_lifecycle(device: torch.device, ops, seed: int) -> dict:
+    """:func:`run_cache_lifecycle` with the engine's ops on ``device`` against the same
+    calls on the CPU with the reference ops: every step's attention equal (float32
+    tolerance), the same KVs kept by the compression, the same pages freed."""
+    got = run_cache_lifecycle(device, ops, seed)
+    want = run_cache_lifecycle(torch.device("cpu"), resolved_ops(torch.device("cpu"), "reference", *ops_dispatch.OPS),
+                               seed)
+    errors = [rel_error(a, b) for a, b in zip(got["outputs"], want["outputs"])]
+    same_kept = got["kept_positions"] == want["kept_positions"]
+    same_lens = bool(torch.equal(got["new_head_lens"], want["new_head_lens"]))
+    ok = (len(errors) == len(want["outputs"]) and max(errors) <= TOLERANCE[torch.float32]
+          and same_kept and same_lens and got["pages_freed"] == want["pages_freed"])
+    return {"op": "cache lifecycle (" + str(ops) + ")", "dtype": "float32", "head_dim": 64, "block_size": 16,
+            "group": 2, "steps": len(errors) // 2, "rel_error": max(errors), "same_kept_kvs": same_kept,
+            "same_head_lens": same_lens, "pages_freed": got["pages_freed"], "ok": bool(ok)}
+
+
 def run_checks(device, ops, quick: bool) -> list[dict]:
     results = []
     seed = 100
@@ -626,6 +716,11 @@ def run_checks(device, ops, quick: bool) -> list[dict]:
             results.append(check_allocate_pages(device, ops, seed))
         except Exception as exc:
             results.append({"op": "allocate_pages", "ok": False, "error": repr(exc)})
+    seed += 1
+    try:
+        results.append(check_cache_lifecycle(device, ops_dispatch.resolve_ops(device), seed))
+    except Exception as exc:
+        results.append({"op": "cache lifecycle", "ok": False, "error": repr(exc)})
     if triton_available(device):
         for dtype, head_dim, block_size, group in ((torch.bfloat16, 128, 16, 4), (torch.float16, 64, 32, 2),
                                                    (torch.float32, 256, 16, 1)):
