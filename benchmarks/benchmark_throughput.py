@@ -9,8 +9,9 @@ One stock ``vllm.LLM`` runs every input length, is shut down, then one
 ``kvcompress.LLM`` runs every (input length, rate): the rate is set per request
 (``SamplingParams(extra_args={"kv_compress_rate": r})``), so one engine serves all rates.
 ``--repeats N`` does this N times, alternating which engine goes first, and reports each
-row as its median-time run (all runs in a repetitions table): machines here drift by
-10-20% between runs, so single runs compare poorly.
+row as its median-time run (all runs in a repetitions table, with the median of the
+paired per-repetition ratios: each pair ran back to back, so drift cancels within it):
+machines here drift by 10-20% between runs, so single runs compare poorly.
 ``max_model_len`` covers the longest input.
 
 Per (input length, engine, rate): requests/s, output tokens/s, total (prompt + output)
@@ -74,6 +75,7 @@ import datetime
 import json
 import math
 import os
+import statistics
 import sys
 import time
 import warnings
@@ -645,8 +647,19 @@ def add_multipliers(rows: list[dict[str, Any]]) -> None:
             row["throughput_multiplier"] = row["max_batch_multiplier"] = None
             continue
         row["throughput_multiplier"] = row["total_tokens_per_s"] / base["total_tokens_per_s"]
+        row["paired_multiplier_median"] = paired_median(row, base)
         row["max_batch_multiplier"] = row["max_decode_batch"] / max(1, base["max_decode_batch"])
         add_ideal(row, base)
+
+
+def paired_median(row: dict[str, Any], stock: dict[str, Any]) -> float | None:
+    """The median over repetitions of kvcompress / stock total tokens/s, each repetition's
+    two runs taken back to back (machine drift cancels within a pair); None with fewer
+    than two repetitions or for stock's own row."""
+    mine, theirs = row.get("repeat_total_tokens_per_s"), stock.get("repeat_total_tokens_per_s")
+    if row["engine"] != KVC or not mine or not theirs or len(mine) != len(theirs):
+        return None
+    return float(statistics.median(a / b for a, b in zip(mine, theirs)))
 
 
 def add_ideal(row: dict[str, Any], stock: dict[str, Any]) -> None:
@@ -824,11 +837,13 @@ def repeats_table(results: dict[str, Any]) -> str:
         if not each:
             continue
         base = stock.get(row["input_len"], {}).get("repeat_total_tokens_per_s")
-        ratios = "-"
+        ratios = paired = "-"
         if row["engine"] == KVC and base and len(base) == len(each):
             ratios = ", ".join(f"{mine / theirs:.2f}" for mine, theirs in zip(each, base))
-        cell_rows.append(_run_cells(row) + [", ".join(f"{x:.0f}" for x in each), ratios])
-    header = "| input | engine | rate | total tok/s of each run | x stock of each run |"
+        if row.get("paired_multiplier_median") is not None:
+            paired = f"{row['paired_multiplier_median']:.2f}"
+        cell_rows.append(_run_cells(row) + [", ".join(f"{x:.0f}" for x in each), ratios, paired])
+    header = "| input | engine | rate | total tok/s of each run | x stock of each run | median x stock (paired) |"
     return _markdown(header, cell_rows) if cell_rows else ""
 
 

@@ -75,6 +75,11 @@ def test_benchmark_throughput_smoke(tmp_path):
     assert "## Repetitions" in report and "2 repetitions" in report
     each = [line for line in report.splitlines() if line.startswith("| 512 | kvcompress | 4 |")][-1]
     assert each.count(",") == 2  # two runs' tok/s and two ratios
+    # The paired figure: the median of each repetition's kvcompress / stock ratio.
+    ratios = [a / b for a, b in zip(kvc4["repeat_total_tokens_per_s"], stock["repeat_total_tokens_per_s"])]
+    assert kvc4["paired_multiplier_median"] == pytest.approx((ratios[0] + ratios[1]) / 2)
+    assert stock["paired_multiplier_median"] is None
+    assert each.endswith(f"| {kvc4['paired_multiplier_median']:.2f} |")
 
     # Step split: every request's first token comes from a prompt step, so decode steps
     # produce at most the other tokens; at rate 1 kvcompress schedules like stock.
