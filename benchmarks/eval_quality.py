@@ -1308,6 +1308,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="kvcompress engine: last tokens never evicted (default: the engine's)")
     parser.add_argument("--kv-compress-sink-tokens", type=int, default=None,
                         help="kvcompress engine: first tokens never evicted (default: each policy's)")
+    parser.add_argument("--kv-compress-min-cache-tokens", type=int, default=None,
+                        help="kvcompress engine: tokens per head never compressed below (default: the "
+                             "engine's 128, which floors every rate above 16 at 2K; 0 for a true rate)")
     parser.add_argument("--out", default=None, help="write <OUT>.json/.md/.png")
     parser.add_argument("--show-outputs", action="store_true")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm bars")
@@ -1328,7 +1331,8 @@ def main(argv: list[str] | None = None) -> dict:
                       "decode_metric_stride": args.kv_compress_decode_metric_stride,
                       "block_size": args.kv_compress_block_size,
                       "protected_window": args.kv_compress_protected_window,
-                      "sink_tokens": args.kv_compress_sink_tokens},
+                      "sink_tokens": args.kv_compress_sink_tokens,
+                      "min_cache_tokens": args.kv_compress_min_cache_tokens},
     )  # fmt: skip
     results["argv"] = " ".join(sys.argv[1:] if argv is None else argv)
     if args.show_outputs:
