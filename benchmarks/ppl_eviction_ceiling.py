@@ -19,11 +19,12 @@ asks whether any per-head selection of the same size does better. For each of
 One eviction at the prompt's end, the continuation's own KVs all kept: this is rate
 ``r`` without continual compression, so its figures are not the engine's (which
 recompresses every 64 steps); the two scorings are compared under the same protocol.
-No word-span pooling (kvc's default has it; it changes needle answers, not this).
+No word-span pooling (kvc's default has it; its effect on perplexity is not measured here).
 
-Usage: ``python benchmarks/ppl_eviction_ceiling.py [--samples 8] [--rates 2 4 8 16]
---out benchmarks/results/ppl-eviction-ceiling-smollm2-cpu`` (about 1 min per window on
-2 cores).
+Usage: ``python benchmarks/ppl_eviction_ceiling.py [--samples 8] [--rates 4 8 16]
+[--hybrids] [--lookahead 8 16 32 64] [--metric-variants] [--extra window128 ...] --out
+PREFIX`` (1-2.5 min per window on one thread; the commands behind the results are in
+``results/ppl-eviction-ceiling-smollm2-cpu.md``).
 """
 
 from __future__ import annotations
