@@ -652,14 +652,20 @@ def add_multipliers(rows: list[dict[str, Any]]) -> None:
         add_ideal(row, base)
 
 
-def paired_median(row: dict[str, Any], stock: dict[str, Any]) -> float | None:
-    """The median over repetitions of kvcompress / stock total tokens/s, each repetition's
-    two runs taken back to back (machine drift cancels within a pair); None with fewer
-    than two repetitions or for stock's own row."""
+def paired_ratios(row: dict[str, Any], stock: dict[str, Any]) -> list[float] | None:
+    """Each repetition's kvcompress / stock total tokens/s, the two runs of a repetition
+    taken back to back (machine drift cancels within a pair); None without repetitions
+    or for stock's own row."""
     mine, theirs = row.get("repeat_total_tokens_per_s"), stock.get("repeat_total_tokens_per_s")
     if row["engine"] != KVC or not mine or not theirs or len(mine) != len(theirs):
         return None
-    return float(statistics.median(a / b for a, b in zip(mine, theirs)))
+    return [a / b for a, b in zip(mine, theirs)]
+
+
+def paired_median(row: dict[str, Any], stock: dict[str, Any]) -> float | None:
+    """The median of :func:`paired_ratios` (None where there are none)."""
+    ratios = paired_ratios(row, stock)
+    return float(statistics.median(ratios)) if ratios else None
 
 
 def add_ideal(row: dict[str, Any], stock: dict[str, Any]) -> None:
@@ -836,10 +842,9 @@ def repeats_table(results: dict[str, Any]) -> str:
         each = row.get("repeat_total_tokens_per_s")
         if not each:
             continue
-        base = stock.get(row["input_len"], {}).get("repeat_total_tokens_per_s")
-        ratios = paired = "-"
-        if row["engine"] == KVC and base and len(base) == len(each):
-            ratios = ", ".join(f"{mine / theirs:.2f}" for mine, theirs in zip(each, base))
+        each_ratio = paired_ratios(row, stock.get(row["input_len"], {}))
+        ratios = ", ".join(f"{ratio:.2f}" for ratio in each_ratio) if each_ratio else "-"
+        paired = "-"
         if row.get("paired_multiplier_median") is not None:
             paired = f"{row['paired_multiplier_median']:.2f}"
         cell_rows.append(_run_cells(row) + [", ".join(f"{x:.0f}" for x in each), ratios, paired])

@@ -71,7 +71,7 @@ class Recorder:
     extra_scores: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
 
 
-def prefill_scores(probs: torch.Tensor, window: int) -> dict[str, torch.Tensor]:
+def prefill_scores(probs: torch.Tensor) -> dict[str, torch.Tensor]:
     """Other question-free scorings from the prompt's own attention ``[H, G, P, P]``
     (float64), each ``[H, P]``: longer windows (L2), and every query's probability
     averaged over the queries that see the key (``all-mean``: a key at position k is
@@ -117,7 +117,7 @@ def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, *
         rec.window_scores[layer] = rows.square().sum(dim=(1, 2))
         rec.window_l1_scores[layer] = rows.sum(dim=(1, 2))
         if rec.extra:
-            for name, score in prefill_scores(probs.double(), rec.window).items():
+            for name, score in prefill_scores(probs.double()).items():
                 rec.extra_scores.setdefault(name, {})[layer] = score
     elif rec.mode == "future":
         future_probs = probs[:, :, :, : rec.prompt_len].double()
@@ -158,17 +158,19 @@ def select_per_head(scores: torch.Tensor, counts: torch.Tensor, protected: int) 
     return keep
 
 
-DISTANCE_BINS = (64, 256, 512, 1024, 2048)
-"""Tokens from the prompt's end: the kept KVs' share per bin [64, 256), [256, 512), ..."""
+DISTANCE_BINS = (256, 512, 1024, 2048)
+"""Upper edges, in tokens from the prompt's end, of the bins the kept KVs are counted in:
+[protected, 256), [256, 512), [512, 1024), [1024, 2048)."""
 
 
 def distance_shares(keep: torch.Tensor, protected: int) -> list[float]:
     """Share of the kept unprotected KVs ``[L, H, P]`` in each ``DISTANCE_BINS`` bin of
-    distance from the prompt's end (the protected ones, at distance < 64, left out)."""
+    distance from the prompt's end (the last ``protected``, always kept, left out)."""
     prompt_len = keep.shape[-1]
     distance = prompt_len - 1 - torch.arange(prompt_len)
+    edges = (protected, *DISTANCE_BINS)
     counts = [int(keep[..., (distance >= lo) & (distance < hi)].sum())
-              for lo, hi in zip(DISTANCE_BINS[:-1], DISTANCE_BINS[1:])]  # fmt: skip
+              for lo, hi in zip(edges[:-1], edges[1:])]  # fmt: skip
     total = max(1, sum(counts))
     return [c / total for c in counts]
 
@@ -200,6 +202,27 @@ def perplexity(nll: list[float]) -> float:
     return math.exp(sum(nll) / len(nll))
 
 
+def recorded_scorings(rec: Recorder, layers: list[int], pool: int, extra, metric_variants: bool) -> dict:
+    """Every scoring asked for, each ``[L, H, P]``, from what ``rec`` recorded."""
+
+    def stacked(per_layer: dict[int, torch.Tensor]) -> torch.Tensor:
+        return torch.stack([per_layer[i] for i in layers])
+
+    window = stacked(rec.window_scores)
+    scorings = {"kvc": max_pool(window, pool), "oracle": stacked(rec.future_scores)}
+    if metric_variants:  # the power of the metric: L1 for kvc, L2 for the oracle
+        scorings["kvc-l1"] = max_pool(stacked(rec.window_l1_scores), pool)
+        scorings["oracle-l2"] = stacked(rec.future_l2_scores)
+    for first, per_layer in rec.lookahead_scores.items():
+        scorings[f"kvc+first{first}"] = max_pool(window + stacked(per_layer), pool)
+    for name, per_layer in rec.extra_scores.items():
+        if name in extra:
+            scorings[name] = stacked(per_layer)
+        if f"{name}+pool" in extra:
+            scorings[f"{name}+pool"] = max_pool(stacked(per_layer), pool)
+    return scorings
+
+
 def run(samples: int, rates: list[float], window: int, pool: int, protected: int, extra=(), hybrids=False,
         lookahead=(), metric_variants=False, log=print) -> dict:
     global RECORDER
@@ -229,23 +252,7 @@ def run(samples: int, rates: list[float], window: int, pool: int, protected: int
             RECORDER.mode = "future"
             nll = {"full": continuation_nll(model, cache, forced, len(prompt), first_logits)}
             layers = sorted(RECORDER.window_scores)
-            scorings = {
-                "kvc": max_pool(torch.stack([RECORDER.window_scores[i] for i in layers]), pool),
-                "oracle": torch.stack([RECORDER.future_scores[i] for i in layers]),
-            }
-            window_scores = torch.stack([RECORDER.window_scores[i] for i in layers])
-            if metric_variants:  # the power of the metric: L1 for kvc, L2 for the oracle
-                scorings["kvc-l1"] = max_pool(torch.stack([RECORDER.window_l1_scores[i] for i in layers]), pool)
-                scorings["oracle-l2"] = torch.stack([RECORDER.future_l2_scores[i] for i in layers])
-            for first, per_layer in RECORDER.lookahead_scores.items():
-                ahead = torch.stack([per_layer[i] for i in layers])
-                scorings[f"kvc+first{first}"] = max_pool(window_scores + ahead, pool)
-            for name, per_layer in RECORDER.extra_scores.items():
-                stacked = torch.stack([per_layer[i] for i in layers])
-                if name in extra:
-                    scorings[name] = stacked
-                if f"{name}+pool" in extra:
-                    scorings[f"{name}+pool"] = max_pool(stacked, pool)
+            scorings = recorded_scorings(RECORDER, layers, pool, extra, metric_variants)
             RECORDER.mode = "masked"
             where: dict[str, list[float]] = {}
             for rate in rates:
