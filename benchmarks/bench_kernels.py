@@ -670,6 +670,31 @@ def check_cache_lifecycle(device: torch.device, ops, seed: int) -> dict:
             "same_head_lens": same_lens, "pages_freed": got["pages_freed"], "ok": bool(ok)}
 
 
+def run_vllm_unified_cases(vllm_path: Path | None) -> list[dict]:
+    """``tests/unified_attention_cases.py`` compiled for the GPU (ragged per-head caches,
+    GQA 1..8, head sizes 64..128, block sizes 16 / 32, decode / prefill / mixed / chunked
+    batches, the slot-indexed decode with a padding row, the decode metric pass) in float32,
+    bfloat16 and float16, each judged by its dtype's tolerance (relative to max |reference|)."""
+    paths = [str(vllm_path.resolve())] if vllm_path is not None else []
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths + [str(ROOT), str(ROOT / "tests")]))
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "unified_attention_cases.py"), "--device", "cuda",
+         "--dtypes", "float32", "bfloat16", "float16"],
+        capture_output=True, text=True, env=env, timeout=900)
+    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not results or "unavailable" in results[0]:
+        return [{"case": "unified_attention_cases.py", "ok": False,
+                 "error": (done.stdout[-500:] + done.stderr[-1500:])}]
+    for result in results:
+        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(result["case"].split()[-1],
+                                                                         torch.float32)
+        metric_ok = result["metric_error"] <= 1e-4 * max(1.0, result.get("metric_total", 0.0))
+        result["ok"] = bool(result["rel_error"] <= TOLERANCE[dtype] and metric_ok
+                            and result.get("padding_row_max", 0.0) == 0.0)
+    return results
+
+
 def run_checks(device, ops, quick: bool) -> list[dict]:
     results = []
     seed = 100
@@ -845,6 +870,140 @@ def bench_decode(device, timer, dtype, batches, contexts, copy_gbps, mem_fractio
                 del case
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
+    return rows
+
+
+def load_vllm_unified(vllm_path: Path | None) -> str | None:
+    """Make vLLM's Triton ``unified_attention`` callable here: None, or why not.
+
+    ``vllm_path``: a tree of vLLM's Python sources without its compiled parts
+    (``scripts/stage_vllm_sources.sh``), for a GPU machine with no vLLM installed. Its
+    version metadata says "+cpu", so vLLM's platform stays CPU (its CUDA platform would
+    import the compiled ``vllm._C``) and vLLM switches its Triton off: the real triton is
+    handed to ``vllm.triton_utils`` before the kernel module is imported."""
+    if vllm_path is not None:
+        sys.path.insert(0, str(vllm_path.resolve()))
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    try:
+        import triton
+        import triton.language as tl
+        from vllm import triton_utils
+
+        if not triton_utils.HAS_TRITON:
+            triton_utils.triton, triton_utils.tl, triton_utils.HAS_TRITON = triton, tl, True
+        from kvcompress.ops import unified_attention
+
+        return unified_attention.unavailable_reason()
+    except Exception as exc:
+        return f"vLLM is not importable: {exc!r}"[:300]
+
+
+def stock_decode_inputs(batch: int, context: int, shapes: dict, dtype, device, seed: int):
+    """What stock vLLM's TRITON_ATTN decode reads for ``batch`` sequences of ``context``
+    tokens: a ``[2, N, b, H, D]`` cache (all KV heads of a token in one page) on randomly
+    scattered pages, ``[B, P]`` int32 block tables, one query row per sequence."""
+    block_size, num_kv_heads, head_dim = shapes["block_size"], shapes["num_kv_heads"], shapes["head_dim"]
+    pages = -(-context // block_size)
+    num_pages = batch * pages + 7
+    gen = torch.Generator(device=device).manual_seed(seed)
+    kv = torch.randn((2, num_pages, block_size, num_kv_heads, head_dim), generator=gen, device=device,
+                     dtype=dtype)
+    tables = torch.randperm(num_pages, device=device)[: batch * pages].view(batch, pages).to(torch.int32)
+    query = torch.randn((batch, shapes["num_q_heads"], head_dim), generator=gen, device=device, dtype=dtype)
+    return kv, tables, query
+
+
+def bench_vllm_parity(device, timer, dtype, batches, contexts, rates, mem_fraction, cuda_ok, triton_ok,
+                      shapes=LLAMA, seed=0) -> list[dict]:
+    """Decode attention of one Llama-3.1-8B layer: stock vLLM's Triton unified attention
+    over its own cache (every head at ``context``) against kvcompress's backends over the
+    per-head pool at each rate (rate 1: every head at ``context``, the kernel-parity case;
+    rate r: per-head lengths uniform in [context / 2r, 3 context / 2r], mean context / r).
+    The stock call takes vLLM's split-KV variant below 128 / H sequences, as its backend
+    does; ``vllm_triton`` is the same kernel over head-as-sequence flattened tables."""
+    from kvcompress.ops.unified_attention import _load
+
+    unified_attention = _load()
+    rows = []
+    group = shapes["num_q_heads"] // shapes["num_kv_heads"]
+    head_dim, block_size, num_kv_heads = shapes["head_dim"], shapes["block_size"], shapes["num_kv_heads"]
+    element = torch.tensor([], dtype=dtype).element_size()
+    scale = 1.0 / math.sqrt(head_dim)
+    for context in contexts:
+        for batch in batches:
+            need = 2 * decode_case_bytes(batch, num_kv_heads, group, head_dim, block_size, context, element)
+            free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 2**63
+            if need > mem_fraction * free:
+                rows.append({"batch": batch, "context": context, "skipped": f"needs {need / 2**30:.1f} GiB"})
+                continue
+            stock_ms = None
+            try:
+                kv, tables, query = stock_decode_inputs(batch, context, shapes, dtype, device, seed + batch)
+                out = torch.empty_like(query)
+                starts = torch.arange(batch + 1, dtype=torch.int32, device=device)
+                lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+                split = {}
+                if batch <= 128 // num_kv_heads:
+                    rows_3d, padded = max(batch, 16), 1 << (head_dim - 1).bit_length()
+                    split = dict(
+                        seq_threshold_3D=128 // num_kv_heads, num_par_softmax_segments=16,
+                        softmax_segm_output=torch.empty((rows_3d, shapes["num_q_heads"], 16, padded),
+                                                        dtype=torch.float32, device=device),
+                        softmax_segm_max=torch.empty((rows_3d, shapes["num_q_heads"], 16),
+                                                     dtype=torch.float32, device=device),
+                        softmax_segm_expsum=torch.empty((rows_3d, shapes["num_q_heads"], 16),
+                                                        dtype=torch.float32, device=device))
+                stock_ms = timer(lambda: unified_attention(
+                    query, kv[0], kv[1], out, starts, 1, lens, context, scale, True, (-1, -1), tables, 0,
+                    None, None, None, **split))
+                del kv, tables, query, out, split
+            except Exception as exc:
+                rows.append({"batch": batch, "context": context, "error": f"stock: {exc!r}"[:300]})
+                traceback.print_exc()
+            for rate in rates:
+                row = {"batch": batch, "context": context, "rate": rate, "stock_ms": stock_ms}
+                rows.append(row)
+                case = None
+                try:
+                    gen = torch.Generator().manual_seed(seed + batch * 7919 + context + rate)
+                    if rate == 1:
+                        lens = torch.full((batch, num_kv_heads), context, dtype=torch.int64)
+                    else:
+                        lens = random_head_lens(batch, num_kv_heads, max(1, context // (2 * rate)),
+                                                max(1, 3 * context // (2 * rate)), gen)
+                    case = make_decode_case(lens, group, head_dim, block_size, dtype, device, seed=seed,
+                                            positions="visible")
+                    max_len = case.max_head_len
+                    out = torch.empty_like(case.query)
+                    kv_pool, hinted = case.kv_pool(), case.paged_batch(max_head_len=max_len)
+                    backends = ["vllm_triton"] + (["triton"] if triton_ok else [])
+                    for name in backends:
+                        ops = resolved_ops(device, name, "paged_attention")
+                        ms = timer(lambda: ops.paged_attention(case.query, kv_pool, hinted, case.scale, out=out))
+                        row[f"{name}_ms"] = ms
+                        if batch * context <= 64 * 4096:
+                            out.fill_(float("nan"))
+                            ops.paged_attention(case.query, kv_pool, hinted, case.scale, out=out)
+                            ref = reference_paged_attention(case.query, kv_pool, case.paged_batch(), case.scale)
+                            row[f"{name}_rel_error"] = rel_error(out.float(), ref.float())
+                    if cuda_ok:
+                        cuda = cuda_ops()
+                        row["cuda_ms"] = timer(lambda: cuda.paged_decode_attention(
+                            out, case.query, case.key_cache, case.value_cache, case.slot_positions,
+                            case.block_tables, case.head_lens, case.query_positions, case.scale, 0,
+                            None, None, 2, max_len))
+                    for name in ("vllm_triton", "triton", "cuda"):
+                        if stock_ms and row.get(f"{name}_ms"):
+                            row[f"{name}_x_stock"] = stock_ms / row[f"{name}_ms"]
+                    print(f"  B={batch:4d} ctx={context:6d} rate={rate}: " + ", ".join(
+                        f"{k} {v:.3f}" for k, v in row.items() if k.endswith("_ms") and v), flush=True)
+                except Exception as exc:
+                    row["error"] = repr(exc)[:300]
+                    traceback.print_exc()
+                finally:
+                    del case
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
     return rows
 
 
@@ -1144,6 +1303,33 @@ def markdown_report(report: dict) -> str:
                 fmt(r.get("sdpa_ms")), fmt(r.get("sdpa_GBps"), 0),
                 fmt(r.get("reference_ms")), note[:80]]) + " |")
         lines.append("")
+    parity = report.get("vllm_parity") or []
+    if parity:
+        lines += [f"## Stock vLLM's Triton decode vs kvcompress's per-head backends ({report.get('dtype')}, "
+                  "Llama-3.1-8B layer: 32 q / 8 KV heads, head 128, block 16; cold L2)", "",
+                  "Stock = vLLM's `unified_attention` over its own cache, every head at ctx (split-KV "
+                  "below 16 sequences, as its backend). kvcompress at rate 1 holds every head at ctx "
+                  "(kernel parity); at rate r the per-head lengths are uniform in [ctx/2r, 3ctx/2r]. "
+                  "x stock = stock ms / backend ms (above 1: faster than stock).", "",
+                  "| batch | ctx | rate | stock ms | vllm_triton ms | x stock | triton ms | x stock | "
+                  "cuda ms | x stock | note |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in parity:
+            lines.append("| " + " | ".join([
+                str(r["batch"]), str(r["context"]), str(r.get("rate", "-")), fmt(r.get("stock_ms")),
+                fmt(r.get("vllm_triton_ms")), fmt(r.get("vllm_triton_x_stock"), 2), fmt(r.get("triton_ms")),
+                fmt(r.get("triton_x_stock"), 2), fmt(r.get("cuda_ms")), fmt(r.get("cuda_x_stock"), 2),
+                (r.get("skipped") or r.get("error") or "")[:80]]) + " |")
+        lines.append("")
+    vllm_checks = report.get("vllm_unified_checks") or []
+    if vllm_checks:
+        failed = [c for c in vllm_checks if not c.get("ok")]
+        lines += [f"## vLLM's Triton unified attention over flattened per-head tables: "
+                  f"{len(vllm_checks) - len(failed)}/{len(vllm_checks)} cases within tolerance", "",
+                  "| case | rel error | metric error | ok |", "|---|---|---|---|"]
+        for c in vllm_checks:
+            lines.append(f"| {c['case']} | {fmt(c.get('rel_error'), 6)} | {fmt(c.get('metric_error'), 8)} | "
+                         f"{'yes' if c.get('ok') else 'NO'} |")
+        lines.append("")
     move = report.get("move_cache")
     if move:
         lines += [f"## MoveCache ({move['moves']} moves, {move['bytes_per_move']} B per move)", "",
@@ -1211,8 +1397,16 @@ def parse_args(argv=None):
     parser.add_argument("--quick", action="store_true", help="fewer checks and shapes")
     parser.add_argument("--checks-only", action="store_true", help="build and check, no benchmark")
     parser.add_argument("--skip-checks", action="store_true")
-    parser.add_argument("--skip", nargs="*", default=[], choices=("decode", "move", "alloc", "evict"),
+    parser.add_argument("--skip", nargs="*", default=[], choices=("decode", "parity", "move", "alloc", "evict"),
                         help="benchmark sections to skip")
+    parser.add_argument("--vllm-path", type=Path, default=None,
+                        help="vLLM's Python sources for a machine without vLLM "
+                        "(scripts/stage_vllm_sources.sh): checks and times vLLM's Triton unified "
+                        "attention (the CUDA default) over flattened per-head tables")
+    parser.add_argument("--parity-batches", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument("--parity-contexts", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--rates", type=int, nargs="+", default=[1, 8],
+                        help="compression rates of the stock-vs-kvcompress decode section")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--moves", type=int, default=1 << 20, help="MoveCache moves")
@@ -1316,7 +1510,20 @@ def main(argv=None) -> int:
     else:
         report["build"] = "none (dry run)"
 
+    vllm_ok = False
+    if not dry:
+        with section(report, "vLLM's Triton unified attention"):
+            reason = load_vllm_unified(args.vllm_path)
+            vllm_ok = reason is None
+            report["environment"]["vllm_unified"] = reason or "loaded"
+            print(f"   {reason or 'loaded'}", flush=True)
+
     if not args.skip_checks:
+        if vllm_ok:
+            with section(report, "vLLM unified attention checks (tests/unified_attention_cases.py)"):
+                report["vllm_unified_checks"] = run_vllm_unified_cases(args.vllm_path)
+                for c in report["vllm_unified_checks"]:
+                    print(f"   {'ok  ' if c.get('ok') else 'FAIL'} {c}", flush=True)
         with section(report, "correctness checks"):
             if dry:  # harness on the reference ops (checks the script, not kernels)
                 report["checks"] = dry_run_checks() + run_checks(device, ReferenceOps(), quick=True)
@@ -1341,6 +1548,11 @@ def main(argv=None) -> int:
                 shapes = dict(LLAMA, num_q_heads=4, num_kv_heads=2, head_dim=64) if dry else LLAMA
                 report["decode"] = bench_decode(device, timer, dtype, batches, contexts, copy_gbps,
                                                 args.mem_fraction, cuda_ok, triton_ok, shapes=shapes)
+        if "parity" not in args.skip and vllm_ok:
+            with section(report, "stock vLLM decode vs kvcompress"):
+                batches = args.parity_batches if not args.quick else [1, 64]
+                report["vllm_parity"] = bench_vllm_parity(device, timer, dtype, batches, args.parity_contexts,
+                                                          args.rates, args.mem_fraction, cuda_ok, triton_ok)
         if "move" not in args.skip:
             with section(report, "MoveCache"):
                 report["move_cache"] = bench_move_cache(device, timer, dtype, 256 if dry else args.moves,
@@ -1360,7 +1572,8 @@ def main(argv=None) -> int:
     json_path, md_path = write_report(report, out_dir)
     print(markdown_report(report))
     print(f"wrote {json_path} and {md_path}")
-    failed = [c for c in report.get("checks") or [] if not c.get("ok")]
+    failed = [c for c in (report.get("checks") or []) + (report.get("vllm_unified_checks") or [])
+              if not c.get("ok")]
     return 1 if failed or report["errors"] else 0
 
 

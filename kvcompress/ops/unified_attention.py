@@ -96,10 +96,47 @@ def _attend(
         max_query_len, max_seq_len: upper bounds (host ints; they size the grid).
     """
     key, value = _caches(pool)
+    split = _split_kv_buffers(query, seq_lens.numel()) if max_query_len == 1 else {}
     _load()(
         query, key, value, out, query_start_loc, max_query_len, seq_lens, max(1, max_seq_len),
-        scale, True, (-1, -1), block_table, 0, None, None, None,
+        scale, True, (-1, -1), block_table, 0, None, None, None, **split,
     )
+
+
+# vLLM's TRITON_ATTN backend: decode batches of at most 128 / num_kv_heads sequences
+# run the kernel's split-KV ("3D") variant over 16 segments of each sequence, so a
+# short batch of long heads still fills the GPU. A flattened sequence has one KV head.
+SPLIT_KV_MAX_SEQUENCES = 128
+SPLIT_KV_SEGMENTS = 16
+
+
+def _split_kv_buffers(query: torch.Tensor, num_sequences: int) -> dict:
+    """The split-KV keyword arguments of ``unified_attention`` for a decode call of
+    ``num_sequences`` flattened sequences (none above the threshold): float32 scratch
+    ``[rows, G, segments, next_pow2(D)]`` (output) and ``[rows, G, segments]`` (max,
+    exp-sum), kept per device and shape and grown to the largest call."""
+    if num_sequences > SPLIT_KV_MAX_SEQUENCES:
+        return {}
+    group, head_dim = query.shape[1], query.shape[2]
+    padded = 1 << max(0, (head_dim - 1).bit_length())
+    key = (query.device, group, padded)
+    buffers = _state.setdefault("split_kv", {}).get(key)
+    if buffers is None or buffers[0].shape[0] < query.shape[0]:
+        rows = max(query.shape[0], SPLIT_KV_MAX_SEQUENCES)
+        shape = (rows, group, SPLIT_KV_SEGMENTS)
+        buffers = (
+            torch.empty(shape + (padded,), dtype=torch.float32, device=query.device),
+            torch.empty(shape, dtype=torch.float32, device=query.device),
+            torch.empty(shape, dtype=torch.float32, device=query.device),
+        )
+        _state["split_kv"][key] = buffers
+    return {
+        "seq_threshold_3D": SPLIT_KV_MAX_SEQUENCES,
+        "num_par_softmax_segments": SPLIT_KV_SEGMENTS,
+        "softmax_segm_output": buffers[0],
+        "softmax_segm_max": buffers[1],
+        "softmax_segm_expsum": buffers[2],
+    }
 
 
 def paged_attention_unified(
