@@ -73,6 +73,9 @@ from kvcompress.ops.paged_cache import PerHeadPagedCache, pages_for  # noqa: E40
 # Llama-3.1-8B
 LLAMA = dict(num_layers=32, num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 1.6e-2}
+# vLLM's Triton kernel takes its float32 dot products in TF32 on the GPU (Triton's
+# default, as in stock vLLM): about 1e-3 of max |out| measured on the H200, not 1e-6.
+VLLM_TRITON_TOLERANCE = {torch.float32: 5e-3}
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -663,7 +666,9 @@ def check_cache_lifecycle(device: torch.device, ops, seed: int) -> dict:
     errors = [rel_error(a, b) for a, b in zip(got["outputs"], want["outputs"])]
     same_kept = got["kept_positions"] == want["kept_positions"]
     same_lens = bool(torch.equal(got["new_head_lens"], want["new_head_lens"]))
-    ok = (len(errors) == len(want["outputs"]) and max(errors) <= TOLERANCE[torch.float32]
+    tolerance = (VLLM_TRITON_TOLERANCE if ops.backends.get("paged_attention") == "vllm_triton"
+                 else TOLERANCE)[torch.float32]
+    ok = (len(errors) == len(want["outputs"]) and max(errors) <= tolerance
           and same_kept and same_lens and got["pages_freed"] == want["pages_freed"])
     return {"op": "cache lifecycle (" + str(ops) + ")", "dtype": "float32", "head_dim": 64, "block_size": 16,
             "group": 2, "steps": len(errors) // want["layers"], "rel_error": max(errors), "same_kept_kvs": same_kept,
@@ -690,7 +695,7 @@ def run_vllm_unified_cases(vllm_path: Path | None) -> list[dict]:
         dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(result["case"].split()[-1],
                                                                          torch.float32)
         metric_ok = result["metric_error"] <= 1e-4 * max(1.0, result.get("metric_total", 0.0))
-        result["ok"] = bool(result["rel_error"] <= TOLERANCE[dtype] and metric_ok
+        result["ok"] = bool(result["rel_error"] <= VLLM_TRITON_TOLERANCE.get(dtype, TOLERANCE[dtype]) and metric_ok
                             and result.get("padding_row_max", 0.0) == 0.0)
     return results
 
@@ -893,9 +898,24 @@ def load_vllm_unified(vllm_path: Path | None) -> str | None:
             triton_utils.triton, triton_utils.tl, triton_utils.HAS_TRITON = triton, tl, True
         from kvcompress.ops import unified_attention
 
+        unified_attention._state.clear()  # a failed load before the path was added is cached
         return unified_attention.unavailable_reason()
     except Exception as exc:
         return f"vLLM is not importable: {exc!r}"[:300]
+
+
+def graph_of(launch, device):
+    """``launch`` (GPU work only, fixed addresses) captured in a CUDA graph: its replay."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # compile + warm up outside the capture
+            launch()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+    return graph.replay
 
 
 def stock_decode_inputs(batch: int, context: int, shapes: dict, dtype, device, seed: int):
@@ -953,15 +973,21 @@ def bench_vllm_parity(device, timer, dtype, batches, contexts, rates, mem_fracti
                                                      dtype=torch.float32, device=device),
                         softmax_segm_expsum=torch.empty((rows_3d, shapes["num_q_heads"], 16),
                                                         dtype=torch.float32, device=device))
-                stock_ms = timer(lambda: unified_attention(
-                    query, kv[0], kv[1], out, starts, 1, lens, context, scale, True, (-1, -1), tables, 0,
-                    None, None, None, **split))
+                def stock_decode():
+                    unified_attention(query, kv[0], kv[1], out, starts, 1, lens, context, scale, True,
+                                      (-1, -1), tables, 0, None, None, None, **split)
+
+                # As vLLM runs decode-only steps: replayed from a CUDA graph (no Python
+                # launch cost inside the timed region); eager time kept beside it.
+                stock_eager_ms = timer(stock_decode)
+                stock_ms = timer(graph_of(stock_decode, device)) if device.type == "cuda" else stock_eager_ms
                 del kv, tables, query, out, split
             except Exception as exc:
                 rows.append({"batch": batch, "context": context, "error": f"stock: {exc!r}"[:300]})
                 traceback.print_exc()
             for rate in rates:
-                row = {"batch": batch, "context": context, "rate": rate, "stock_ms": stock_ms}
+                row = {"batch": batch, "context": context, "rate": rate, "stock_ms": stock_ms,
+                       "stock_eager_ms": stock_eager_ms if stock_ms else None}
                 rows.append(row)
                 case = None
                 try:
@@ -992,7 +1018,12 @@ def bench_vllm_parity(device, timer, dtype, batches, contexts, rates, mem_fracti
                             out, case.query, case.key_cache, case.value_cache, case.slot_positions,
                             case.block_tables, case.head_lens, case.query_positions, case.scale, 0,
                             None, None, 2, max_len))
-                    for name in ("vllm_triton", "triton", "cuda"):
+                    if triton_ok:
+                        graph_ms, graph_error = bench_graph_decode(timer, case, context, out)
+                        row["graph_ms"] = graph_ms
+                        if graph_error is not None:
+                            row["graph_rel_error"] = graph_error
+                    for name in ("vllm_triton", "triton", "cuda", "graph"):
                         if stock_ms and row.get(f"{name}_ms"):
                             row[f"{name}_x_stock"] = stock_ms / row[f"{name}_ms"]
                     print(f"  B={batch:4d} ctx={context:6d} rate={rate}: " + ", ".join(
@@ -1308,17 +1339,23 @@ def markdown_report(report: dict) -> str:
         lines += [f"## Stock vLLM's Triton decode vs kvcompress's per-head backends ({report.get('dtype')}, "
                   "Llama-3.1-8B layer: 32 q / 8 KV heads, head 128, block 16; cold L2)", "",
                   "Stock = vLLM's `unified_attention` over its own cache, every head at ctx (split-KV "
-                  "below 16 sequences, as its backend). kvcompress at rate 1 holds every head at ctx "
+                  "below 16 sequences, as its backend), replayed from a CUDA graph as vLLM runs "
+                  "decode-only steps (eager beside it). Graph = kvcompress's decode-only default (the "
+                  "slot-indexed Triton decode, grid sized for ctx, metric pass launched) replayed from a "
+                  "CUDA graph; cuda / triton / vllm_triton = `paged_attention` on that backend, eager "
+                  "(vllm_triton reads lengths on the host). kvcompress at rate 1 holds every head at ctx "
                   "(kernel parity); at rate r the per-head lengths are uniform in [ctx/2r, 3ctx/2r]. "
                   "x stock = stock ms / backend ms (above 1: faster than stock).", "",
-                  "| batch | ctx | rate | stock ms | vllm_triton ms | x stock | triton ms | x stock | "
-                  "cuda ms | x stock | note |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| batch | ctx | rate | stock ms (graph) | stock ms (eager) | graph ms | x stock | "
+                  "cuda ms | x stock | triton ms | x stock | vllm_triton ms | x stock | note |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in parity:
             lines.append("| " + " | ".join([
                 str(r["batch"]), str(r["context"]), str(r.get("rate", "-")), fmt(r.get("stock_ms")),
-                fmt(r.get("vllm_triton_ms")), fmt(r.get("vllm_triton_x_stock"), 2), fmt(r.get("triton_ms")),
-                fmt(r.get("triton_x_stock"), 2), fmt(r.get("cuda_ms")), fmt(r.get("cuda_x_stock"), 2),
-                (r.get("skipped") or r.get("error") or "")[:80]]) + " |")
+                fmt(r.get("stock_eager_ms")), fmt(r.get("graph_ms")), fmt(r.get("graph_x_stock"), 2),
+                fmt(r.get("cuda_ms")), fmt(r.get("cuda_x_stock"), 2), fmt(r.get("triton_ms")),
+                fmt(r.get("triton_x_stock"), 2), fmt(r.get("vllm_triton_ms")),
+                fmt(r.get("vllm_triton_x_stock"), 2), (r.get("skipped") or r.get("error") or "")[:80]]) + " |")
         lines.append("")
     vllm_checks = report.get("vllm_unified_checks") or []
     if vllm_checks:
@@ -1498,7 +1535,14 @@ def main(argv=None) -> int:
     timer = Timer(device, iters=3 if dry else args.iters, warmup=1 if dry else args.warmup)
     cuda_ok = False
     triton_ok = False
+    vllm_ok = False
     if not dry:
+        # Before anything asks the dispatcher which backends exist (it caches the answer).
+        with section(report, "vLLM's Triton unified attention"):
+            reason = load_vllm_unified(args.vllm_path)
+            vllm_ok = reason is None
+            report["environment"]["vllm_unified"] = reason or "loaded"
+            print(f"   {reason or 'loaded'}", flush=True)
         with section(report, "build kvcompress._C"):
             started = time.perf_counter()
             report["build"] = build_extension(args.build)
@@ -1509,14 +1553,6 @@ def main(argv=None) -> int:
         report["environment"]["triton_backend"] = triton_ok
     else:
         report["build"] = "none (dry run)"
-
-    vllm_ok = False
-    if not dry:
-        with section(report, "vLLM's Triton unified attention"):
-            reason = load_vllm_unified(args.vllm_path)
-            vllm_ok = reason is None
-            report["environment"]["vllm_unified"] = reason or "loaded"
-            print(f"   {reason or 'loaded'}", flush=True)
 
     if not args.skip_checks:
         if vllm_ok:
