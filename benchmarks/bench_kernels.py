@@ -904,6 +904,82 @@ def load_vllm_unified(vllm_path: Path | None) -> str | None:
         return f"vLLM is not importable: {exc!r}"[:300]
 
 
+def bench_vllm_prompt_steps(device, timer, dtype, mem_fraction, shapes=LLAMA, seed=0,
+                            steps=((512, 4096, 0), (2048, 8192, 0), (512, 4096, 32), (256, 16384, 64))) -> list[dict]:
+    """Steps with prompt rows (one Llama-3.1-8B layer, all eager as vLLM runs them between
+    piecewise graphs): a ``chunk``-token prompt chunk after ``context`` tokens plus
+    ``decodes`` decode rows at ``context``. Stock vLLM's ``unified_attention`` over its
+    own cache against kvcompress's ``vllm_triton`` (one flattened call over H x S
+    sequences) at rates 1 and 8, and at rate 1 the former one call per KV head."""
+    from kvcompress.ops.flattened import flat_prompt
+    from kvcompress.ops.unified_attention import _attend, _load
+
+    unified_attention = _load()
+    group = shapes["num_q_heads"] // shapes["num_kv_heads"]
+    head_dim, block_size, num_kv_heads = shapes["head_dim"], shapes["block_size"], shapes["num_kv_heads"]
+    scale = 1.0 / math.sqrt(head_dim)
+    rows = []
+    for chunk, context, decodes in steps:
+        row = {"chunk": chunk, "context": context, "decodes": decodes}
+        rows.append(row)
+        num_seqs, num_rows = 1 + decodes, chunk + decodes
+        starts = [0] + [chunk + i for i in range(decodes + 1)]
+        try:
+            kv, tables, _ = stock_decode_inputs(num_seqs, context + chunk, shapes, dtype, device, seed)
+            query = torch.randn((num_rows, shapes["num_q_heads"], head_dim), device=device, dtype=dtype)
+            out = torch.empty_like(query)
+            query_start_loc = torch.tensor(starts, dtype=torch.int32, device=device)
+            seq_lens = torch.tensor([context + chunk] + [context + 1] * decodes, dtype=torch.int32, device=device)
+            row["stock_ms"] = timer(lambda: unified_attention(
+                query, kv[0], kv[1], out, query_start_loc, chunk, seq_lens, context + chunk, scale, True,
+                (-1, -1), tables, 0, None, None, None))
+            del kv, tables
+            for rate in (1, 8):
+                gen = torch.Generator().manual_seed(seed + rate)
+                kept = (torch.full((num_seqs, num_kv_heads), context, dtype=torch.int64) if rate == 1 else
+                        random_head_lens(num_seqs, num_kv_heads, context // (2 * rate), 3 * context // (2 * rate), gen))
+                new_tokens = torch.tensor([chunk] + [1] * decodes).unsqueeze(1)
+                case = make_decode_case(kept + new_tokens, group, head_dim, block_size, dtype, device, seed=seed,
+                                        positions="visible")
+                kv_pool = case.kv_pool()
+                max_len = case.max_head_len
+                batch = PagedBatch(case.block_tables, case.head_lens, starts,
+                                   torch.zeros(num_rows, dtype=torch.int64, device=device), max_head_len=max_len)
+                ops = resolved_ops(device, "vllm_triton", "paged_attention")
+                row[f"rate{rate}_ms"] = timer(lambda: ops.paged_attention(query, kv_pool, batch, scale, out=out))
+                if rate == 1:
+                    def per_kv_head():
+                        query_starts = torch.tensor(starts, dtype=torch.int32, device=device)
+                        column = torch.empty((num_rows, group, head_dim), dtype=dtype, device=device)
+                        tables_used = case.block_tables[:, :, : -(-max_len // block_size)]
+                        for head in range(num_kv_heads):
+                            heads = slice(head * group, (head + 1) * group)
+                            _attend(query[:, heads], kv_pool, column, query_starts, chunk,
+                                    case.head_lens[:, head].to(torch.int32), max_len,
+                                    tables_used[:, head].to(torch.int32), scale)
+                            out[:, heads] = column
+
+                    row["rate1_per_head_ms"] = timer(per_kv_head)
+                    check = torch.empty_like(out)
+                    per_kv_head()
+                    flat_prompt(_attend, query, kv_pool, case.block_tables[:, :, : -(-max_len // block_size)],
+                                case.head_lens, starts, max_len, scale, check)
+                    row["one_call_vs_per_head_max_diff"] = (check.float() - out.float()).abs().max().item()
+                del case, kv_pool
+            for key in ("rate1_ms", "rate1_per_head_ms", "rate8_ms"):
+                if row.get(key):
+                    row[key.replace("_ms", "_x_stock")] = row["stock_ms"] / row[key]
+            print(f"  chunk={chunk} ctx={context} decodes={decodes}: " + ", ".join(
+                f"{k} {v:.3f}" for k, v in row.items() if k.endswith("_ms")), flush=True)
+        except Exception as exc:
+            row["error"] = repr(exc)[:300]
+            traceback.print_exc()
+        finally:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
 def graph_of(launch, device):
     """``launch`` (GPU work only, fixed addresses) captured in a CUDA graph: its replay."""
     stream = torch.cuda.Stream(device)
@@ -1357,6 +1433,22 @@ def markdown_report(report: dict) -> str:
                 fmt(r.get("triton_x_stock"), 2), fmt(r.get("vllm_triton_ms")),
                 fmt(r.get("vllm_triton_x_stock"), 2), (r.get("skipped") or r.get("error") or "")[:80]]) + " |")
         lines.append("")
+    prompt_steps = report.get("vllm_prompt_steps") or []
+    if prompt_steps:
+        lines += [f"## Steps with prompt rows: stock vLLM vs kvcompress on vLLM's Triton kernel ({report.get('dtype')}, "
+                  "one Llama-3.1-8B layer, eager)", "",
+                  "A chunk of prompt tokens after ctx tokens plus decode rows at ctx. x stock = stock ms / "
+                  "kvcompress ms. One call = the flattened call over H x S sequences; per head = one call "
+                  "per KV head.", "",
+                  "| chunk | ctx | decode rows | stock ms | rate 1 ms | x stock | rate 1 per head ms | x stock | "
+                  "rate 8 ms | x stock | note |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in prompt_steps:
+            lines.append("| " + " | ".join([
+                str(r["chunk"]), str(r["context"]), str(r["decodes"]), fmt(r.get("stock_ms")),
+                fmt(r.get("rate1_ms")), fmt(r.get("rate1_x_stock"), 2), fmt(r.get("rate1_per_head_ms")),
+                fmt(r.get("rate1_per_head_x_stock"), 2), fmt(r.get("rate8_ms")), fmt(r.get("rate8_x_stock"), 2),
+                (r.get("error") or "")[:80]]) + " |")
+        lines.append("")
     vllm_checks = report.get("vllm_unified_checks") or []
     if vllm_checks:
         failed = [c for c in vllm_checks if not c.get("ok")]
@@ -1434,7 +1526,7 @@ def parse_args(argv=None):
     parser.add_argument("--quick", action="store_true", help="fewer checks and shapes")
     parser.add_argument("--checks-only", action="store_true", help="build and check, no benchmark")
     parser.add_argument("--skip-checks", action="store_true")
-    parser.add_argument("--skip", nargs="*", default=[], choices=("decode", "parity", "move", "alloc", "evict"),
+    parser.add_argument("--skip", nargs="*", default=[], choices=("decode", "parity", "prompt", "move", "alloc", "evict"),
                         help="benchmark sections to skip")
     parser.add_argument("--vllm-path", type=Path, default=None,
                         help="vLLM's Python sources for a machine without vLLM "
@@ -1589,6 +1681,9 @@ def main(argv=None) -> int:
                 batches = args.parity_batches if not args.quick else [1, 64]
                 report["vllm_parity"] = bench_vllm_parity(device, timer, dtype, batches, args.parity_contexts,
                                                           args.rates, args.mem_fraction, cuda_ok, triton_ok)
+        if "prompt" not in args.skip and vllm_ok:
+            with section(report, "steps with prompt rows: stock vLLM vs kvcompress"):
+                report["vllm_prompt_steps"] = bench_vllm_prompt_steps(device, timer, dtype, args.mem_fraction)
         if "move" not in args.skip:
             with section(report, "MoveCache"):
                 report["move_cache"] = bench_move_cache(device, timer, dtype, 256 if dry else args.moves,
