@@ -11,8 +11,9 @@ kernel, a batch of ``B * num_kv_heads`` sequences with ONE KV head and
   ``head_lens[s, h]``;
 - decode rows: the query ``[B, Hq, D]`` is viewed as ``[B * Hkv, G, D]`` (no copy), one
   kernel call per layer;
-- batches with prompt rows: one call per KV head, the query column ``[T, G, D]`` of that
-  head (a strided view, no copy) against that head's tables.
+- batches with prompt rows: one call over every (KV head, request), the query regrouped
+  head-major ``[H * T, G, D]`` (a copy, cheaper than a call per KV head: 22-24% faster on
+  SmolLM2's shapes).
 
 **The slot-order invariant** that makes the kernel's causal mask right: a step's new KVs
 are appended at the END of every head, in position order (``PerHeadPagedCache.append``),

@@ -11,8 +11,9 @@ per-(layer, KV head) pool is such a cache with ONE KV head: the K / V views
 
 - decode rows: kernel sequence ``r`` is row ``r // H``'s KV head ``r % H``; the query
   ``[B, Hq, D]`` is viewed ``[B * H, G, D]``; one call per layer;
-- batches with prompt rows: one call per KV head with that head's query column
-  ``[T, G, D]`` (a strided view; the kernel reads the query's row stride) and tables.
+- batches with prompt rows: one call per layer over every (KV head, request), the query
+  regrouped head-major ``[H * T, G, D]`` (a copy; one call per KV head cost more in host
+  work on the H200).
 
 The causal mask is right by the slot-order invariant written down in
 :mod:`kvcompress.ops.cpu_attention` (new KVs at the end of every head, in position
