@@ -69,6 +69,7 @@ class Recorder:
     future_l2_scores: dict[int, torch.Tensor] = field(default_factory=dict)
     window_l1_scores: dict[int, torch.Tensor] = field(default_factory=dict)
     extra_scores: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
+    inv_freq: torch.Tensor | None = None  # RoPE frequencies [D/2] (expected attention)
 
 
 def prefill_scores(probs: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -88,6 +89,48 @@ def prefill_scores(probs: torch.Tensor) -> dict[str, torch.Tensor]:
     tail_seen = group * (length - torch.clamp(torch.arange(length), min=length - tail)).double()
     scores["tail-mean"] = probs[:, :, -tail:].sum(dim=(1, 2)) / tail_seen
     return scores
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """Hugging Face Llama's RoPE pairing: dims ``i`` and ``i + D/2`` rotate together."""
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)
+
+
+def expected_scores(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, inv_freq: torch.Tensor,
+                    scaling: float, stats_queries: int = 128, horizon: int = 256) -> dict[str, torch.Tensor]:
+    """Expected attention of future queries, with no pass over them: the last
+    ``stats_queries`` prompt queries, un-rotated (RoPE removed), give a Gaussian per query
+    head (mean, covariance); its RoPE rotation averaged over the next ``horizon``
+    positions moves it to where the continuation's queries will be; then
+    ``E[exp(s q.k)] = exp(s mu.k + s^2 k'Sk / 2)`` per prompt key, normalised over the
+    keys, summed over each KV head's group (``expected``) and times ``||v||``
+    (``expected+vnorm``).
+
+    q ``[H, G, P, D]`` post-RoPE prompt queries; key / value ``[H, P, D]`` (post-RoPE
+    keys); inv_freq ``[D/2]``. Returns ``[H, P]`` float64 scores."""
+    heads, group, length, head_dim = q.shape
+    q = q.double()
+    positions = torch.arange(length, dtype=torch.float64)
+    angles = positions[:, None] * inv_freq.double()[None, :]  # [P, D/2]
+    cos, sin = torch.cat([angles.cos()] * 2, dim=-1), torch.cat([angles.sin()] * 2, dim=-1)
+    unrotated = q * cos - rotate_half(q) * sin  # RoPE by -position
+    recent = unrotated[:, :, -stats_queries:]  # [H, G, W, D]
+    mean = recent.mean(dim=2)  # [H, G, D]
+    centred = recent - mean.unsqueeze(2)
+    cov = torch.einsum("hgwd,hgwe->hgde", centred, centred) / max(1, recent.shape[2] - 1)
+    future = torch.arange(length, length + horizon, dtype=torch.float64)[:, None] * inv_freq.double()[None, :]
+    cos_bar = torch.cat([future.cos().mean(0)] * 2)
+    sin_bar = torch.cat([future.sin().mean(0)] * 2)
+    eye = torch.eye(head_dim, dtype=torch.float64)
+    rotation = torch.diag(cos_bar) + torch.diag(sin_bar) @ rotate_half(eye).T  # x -> x cos + rh(x) sin
+    mean_future = mean @ rotation.T
+    cov_future = rotation @ cov @ rotation.T
+    keys = key.double()  # [H, P, D]
+    logits = scaling * torch.einsum("hgd,hpd->hgp", mean_future, keys)
+    logits = logits + 0.5 * scaling**2 * torch.einsum("hpd,hgde,hpe->hgp", keys, cov_future, keys)
+    probs = torch.softmax(logits, dim=-1).sum(dim=1)  # [H, P]
+    return {"expected": probs, "expected+vnorm": probs * value.double().norm(dim=-1)}
 
 
 RECORDER: Recorder | None = None
@@ -117,7 +160,9 @@ def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, *
         rec.window_scores[layer] = rows.square().sum(dim=(1, 2))
         rec.window_l1_scores[layer] = rows.sum(dim=(1, 2))
         if rec.extra:
-            for name, score in prefill_scores(probs.double()).items():
+            scores = prefill_scores(probs.double())
+            scores.update(expected_scores(q, key[0], value[0], rec.inv_freq, scaling))
+            for name, score in scores.items():
                 rec.extra_scores.setdefault(name, {})[layer] = score
     elif rec.mode == "future":
         future_probs = probs[:, :, :, : rec.prompt_len].double()
@@ -246,7 +291,8 @@ def run(samples: int, rates: list[float], window: int, pool: int, protected: int
     with torch.inference_mode():
         for sample in windows:
             prompt, forced = sample["prompt_token_ids"], sample["forced"]
-            RECORDER = Recorder(prompt_len=len(prompt), window=window, extra=bool(extra), lookahead=tuple(lookahead))
+            RECORDER = Recorder(prompt_len=len(prompt), window=window, extra=bool(extra), lookahead=tuple(lookahead),
+                                inv_freq=model.model.rotary_emb.inv_freq)
             out = model(input_ids=torch.tensor([prompt]), use_cache=True)
             cache, first_logits = out.past_key_values, out.logits[0, -1]
             RECORDER.mode = "future"

@@ -125,3 +125,50 @@ def test_selections_match_brute_force(ceiling):
             top = sorted(range(45), key=lambda p: -float(scores[l, h, p]))[: int(counts[l, h])]
             assert sorted(torch.nonzero(per_head[l, h, :45]).flatten().tolist()) == sorted(top)
             assert per_head[l, h, 45:].all()
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, ceiling) -> torch.Tensor:
+    """Hugging Face Llama's RoPE of ``x [..., P, D]`` at ``positions [P]`` (float64)."""
+    angles = positions.double()[:, None] * inv_freq.double()[None, :]
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    return x * cos + ceiling.rotate_half(x) * sin
+
+
+def test_expected_attention_of_one_known_query_is_its_attention(ceiling):
+    """Every prompt query the same vector before RoPE (no spread) and a horizon of one
+    position: the expected attention is exactly that query's attention at the next
+    position, which is computed here directly."""
+    gen = torch.Generator().manual_seed(3)
+    heads, group, length, dim = 2, 3, 20, 8
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).double() / dim))
+    pre = torch.randn(heads, group, 1, dim, generator=gen, dtype=torch.float64).expand(heads, group, length, dim)
+    q = _rope(pre, torch.arange(length), inv_freq, ceiling)
+    keys = torch.randn(heads, length, dim, generator=gen, dtype=torch.float64)
+    values = torch.randn(heads, length, dim, generator=gen, dtype=torch.float64)
+    got = ceiling.expected_scores(q, keys, values, inv_freq, dim**-0.5, stats_queries=length, horizon=1)
+    next_query = _rope(pre[:, :, :1], torch.tensor([length]), inv_freq, ceiling)  # [H, G, 1, D]
+    want = torch.softmax(torch.einsum("hgqd,hpd->hgqp", next_query, keys) * dim**-0.5, -1).sum(dim=(1, 2))
+    torch.testing.assert_close(got["expected"], want, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(got["expected+vnorm"], want * values.norm(dim=-1), rtol=1e-9, atol=1e-12)
+
+
+def test_expected_attention_equals_monte_carlo_over_the_query_gaussian(ceiling):
+    """Spread queries, horizon one: ``E[exp(s q.k)]`` under the Gaussian of the recent
+    queries (their sample mean and covariance, rotated to the next position) against an
+    average over 400k queries drawn from it; normalised over the keys."""
+    gen = torch.Generator().manual_seed(5)
+    heads, group, length, dim = 1, 2, 24, 4
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).double() / dim))
+    pre = 0.7 * torch.randn(heads, group, length, dim, generator=gen, dtype=torch.float64)
+    q = _rope(pre, torch.arange(length), inv_freq, ceiling)
+    keys = torch.randn(heads, length, dim, generator=gen, dtype=torch.float64)
+    got = ceiling.expected_scores(q, keys, keys, inv_freq, dim**-0.5, stats_queries=length, horizon=1)
+    want = torch.zeros(heads, length, dtype=torch.float64)
+    for g in range(group):
+        torch.manual_seed(g)
+        samples = torch.distributions.MultivariateNormal(pre[0, g].mean(0), torch.cov(pre[0, g].T))
+        drawn = samples.sample((400_000,))
+        rotated = _rope(drawn, torch.full((1,), length), inv_freq, ceiling)  # [N, D]
+        expected_exp = torch.exp(rotated @ keys[0].T * dim**-0.5).mean(0)  # [P]
+        want[0] += expected_exp / expected_exp.sum()
+    torch.testing.assert_close(got["expected"], want, rtol=2e-2, atol=1e-4)
