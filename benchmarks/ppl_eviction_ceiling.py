@@ -16,6 +16,11 @@ asks whether any per-head selection of the same size does better. For each of
    (layer, KV head) pairs (the global split kvc uses) plus each head's last
    ``--protected`` prompt tokens, then run the continuation again on that cache.
 
+``--extra expected`` adds an expected-attention scoring that needs no pass over the
+continuation (:func:`expected_scores`: the recent prompt queries as a Gaussian moved by
+RoPE to the coming positions); ``--extra kvc+expected`` adds kvc's and its per-head
+distributions summed, which ``--hybrids`` also ranks under kvc's per-head split.
+
 One eviction at the prompt's end, the continuation's own KVs all kept: this is rate
 ``r`` without continual compression, so its figures are not the engine's (which
 recompresses every 64 steps); the two scorings are compared under the same protocol.
@@ -265,6 +270,10 @@ def recorded_scorings(rec: Recorder, layers: list[int], pool: int, extra, metric
             scorings[name] = stacked(per_layer)
         if f"{name}+pool" in extra:
             scorings[f"{name}+pool"] = max_pool(stacked(per_layer), pool)
+    if "kvc+expected" in extra:  # both as per-head distributions, summed (for kvc's split)
+        expected = stacked(rec.extra_scores["expected"])
+        scorings["kvc+expected"] = (scorings["kvc"] / scorings["kvc"].sum(-1, keepdim=True)
+                                    + expected / expected.sum(-1, keepdim=True))
     return scorings
 
 
@@ -307,6 +316,9 @@ def run(samples: int, rates: list[float], window: int, pool: int, protected: int
                 if hybrids:  # each scoring's ranking under the other's per-head split
                     kept["kvc-rank+oracle-split"] = select_per_head(scorings["kvc"], counts["oracle"], protected)
                     kept["oracle-rank+kvc-split"] = select_per_head(scorings["oracle"], counts["kvc"], protected)
+                    for name in scorings:
+                        if name not in ("kvc", "oracle"):  # every other scoring's ranking, kvc's split
+                            kept[f"{name}-rank+kvc-split"] = select_per_head(scorings[name], counts["kvc"], protected)
                 for name, keep in kept.items():
                     where[f"{name}/r{rate:g}"] = distance_shares(keep, protected)
                     RECORDER.keep = {layer: keep[i] for i, layer in enumerate(layers)}
@@ -368,7 +380,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--extra", nargs="*", default=[],
                         help="more scorings (prefill_scores names, '+pool' for max-pooled)")
     parser.add_argument("--hybrids", action="store_true",
-                        help="also kvc's ranking under the oracle's per-head split, and the reverse")
+                        help="also kvc's ranking under the oracle's per-head split, the reverse, and every "
+                             "other scoring's ranking under kvc's split")
     parser.add_argument("--lookahead", type=int, nargs="*", default=[],
                         help="also kvc's metric plus that of the continuation's first N queries (a "
                              "compression deferred by N decode steps)")

@@ -172,3 +172,18 @@ def test_expected_attention_equals_monte_carlo_over_the_query_gaussian(ceiling):
         expected_exp = torch.exp(rotated @ keys[0].T * dim**-0.5).mean(0)  # [P]
         want[0] += expected_exp / expected_exp.sum()
     torch.testing.assert_close(got["expected"], want, rtol=2e-2, atol=1e-4)
+
+
+def test_kvc_plus_expected_sums_the_two_per_head_distributions(ceiling):
+    gen = torch.Generator().manual_seed(9)
+    rec = ceiling.Recorder(prompt_len=12, window=4)
+    for layer in range(2):
+        rec.window_scores[layer] = torch.rand(3, 12, generator=gen, dtype=torch.float64)
+        rec.future_scores[layer] = torch.rand(3, 12, generator=gen, dtype=torch.float64)
+        rec.extra_scores.setdefault("expected", {})[layer] = torch.rand(3, 12, generator=gen, dtype=torch.float64)
+    got = ceiling.recorded_scorings(rec, [0, 1], 1, ["kvc+expected"], False)["kvc+expected"]
+    for layer in range(2):
+        for head in range(3):
+            kvc, expected = rec.window_scores[layer][head], rec.extra_scores["expected"][layer][head]
+            want = kvc / kvc.sum() + expected / expected.sum()
+            torch.testing.assert_close(got[layer, head], want)
