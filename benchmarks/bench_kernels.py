@@ -376,6 +376,12 @@ def cuda_ops():
     return torch.ops.kvcompress
 
 
+def free_cached(device) -> None:
+    """Hand the CUDA caching allocator's free blocks back (between configs)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def synchronize(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
@@ -873,8 +879,7 @@ def bench_decode(device, timer, dtype, batches, contexts, copy_gbps, mem_fractio
                 traceback.print_exc()
             finally:
                 del case
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+                free_cached(device)
     return rows
 
 
@@ -975,8 +980,7 @@ def bench_vllm_prompt_steps(device, timer, dtype, mem_fraction, shapes=LLAMA, se
             row["error"] = repr(exc)[:300]
             traceback.print_exc()
         finally:
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            free_cached(device)
     return rows
 
 
@@ -1109,8 +1113,7 @@ def bench_vllm_parity(device, timer, dtype, batches, contexts, rates, mem_fracti
                     traceback.print_exc()
                 finally:
                     del case
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
+                    free_cached(device)
     return rows
 
 
@@ -1135,24 +1138,16 @@ def bench_graph_decode(timer, case: DecodeCase, max_head_len: int, out: torch.Te
         paged_decode_by_slot_triton(case.query, kv_pool, slot_batch, case.scale, out=out,
                                     metrics=MetricSink(metric_slots), partition_size=partition_size)
 
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(2):  # compile + warm up outside the capture
-            launch()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        launch()
-    ms = timer(graph.replay)
+    replay = graph_of(launch, device)
+    ms = timer(replay)
     error = None
     if batch * max_head_len <= 64 * 4096:
         out.fill_(float("nan"))
-        graph.replay()
+        replay()
         torch.cuda.synchronize(device)
         ref = reference_paged_attention(case.query, kv_pool, case.paged_batch(), case.scale)
         error = rel_error(out.float(), ref.float())
-    del graph
+    del replay
     return ms, error
 
 
@@ -1371,6 +1366,10 @@ def fmt(value, digits=3):
     return str(value)
 
 
+def md_row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
 def markdown_report(report: dict) -> str:
     lines = [f"# kvcompress kernels on {report['device']} ({report['date']})", ""]
     env = report["environment"]
@@ -1403,12 +1402,12 @@ def markdown_report(report: dict) -> str:
         for r in decode:
             note = (r.get("skipped") or r.get("error") or r.get("sdpa_skipped") or r.get("triton_error")
                     or r.get("graph_error") or "")
-            lines.append("| " + " | ".join([
+            lines.append(md_row([
                 str(r["batch"]), str(r["context"]), fmt(r.get("kv_GB")), fmt(r.get("cuda_ms")),
                 fmt(r.get("cuda_GBps"), 0), fmt(r.get("cuda_pct_copy"), 1), fmt(r.get("triton_ms")),
                 fmt(r.get("triton_GBps"), 0), fmt(r.get("graph_ms")), fmt(r.get("graph_GBps"), 0),
                 fmt(r.get("sdpa_ms")), fmt(r.get("sdpa_GBps"), 0),
-                fmt(r.get("reference_ms")), note[:80]]) + " |")
+                fmt(r.get("reference_ms")), note[:80]]))
         lines.append("")
     parity = report.get("vllm_parity") or []
     if parity:
@@ -1426,12 +1425,12 @@ def markdown_report(report: dict) -> str:
                   "cuda ms | x stock | triton ms | x stock | vllm_triton ms | x stock | note |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in parity:
-            lines.append("| " + " | ".join([
+            lines.append(md_row([
                 str(r["batch"]), str(r["context"]), str(r.get("rate", "-")), fmt(r.get("stock_ms")),
                 fmt(r.get("stock_eager_ms")), fmt(r.get("graph_ms")), fmt(r.get("graph_x_stock"), 2),
                 fmt(r.get("cuda_ms")), fmt(r.get("cuda_x_stock"), 2), fmt(r.get("triton_ms")),
                 fmt(r.get("triton_x_stock"), 2), fmt(r.get("vllm_triton_ms")),
-                fmt(r.get("vllm_triton_x_stock"), 2), (r.get("skipped") or r.get("error") or "")[:80]]) + " |")
+                fmt(r.get("vllm_triton_x_stock"), 2), (r.get("skipped") or r.get("error") or "")[:80]]))
         lines.append("")
     prompt_steps = report.get("vllm_prompt_steps") or []
     if prompt_steps:
@@ -1443,11 +1442,11 @@ def markdown_report(report: dict) -> str:
                   "| chunk | ctx | decode rows | stock ms | rate 1 ms | x stock | rate 1 per head ms | x stock | "
                   "rate 8 ms | x stock | note |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in prompt_steps:
-            lines.append("| " + " | ".join([
+            lines.append(md_row([
                 str(r["chunk"]), str(r["context"]), str(r["decodes"]), fmt(r.get("stock_ms")),
                 fmt(r.get("rate1_ms")), fmt(r.get("rate1_x_stock"), 2), fmt(r.get("rate1_per_head_ms")),
                 fmt(r.get("rate1_per_head_x_stock"), 2), fmt(r.get("rate8_ms")), fmt(r.get("rate8_x_stock"), 2),
-                (r.get("error") or "")[:80]]) + " |")
+                (r.get("error") or "")[:80]]))
         lines.append("")
     vllm_checks = report.get("vllm_unified_checks") or []
     if vllm_checks:
