@@ -7,6 +7,9 @@ The one script to run on a GPU machine (H100 / H200; torch + triton + nvcc, no v
     python benchmarks/bench_kernels.py --checks-only   # build + correctness only
     python benchmarks/bench_kernels.py --dry-run-cpu   # CPU smoke test of this script
                                                        # (reference path, tiny shapes)
+    # vLLM's own Triton attention too (the machine has no vLLM): stage its Python
+    # sources here (bash scripts/stage_vllm_sources.sh .venv .gpu_vllm), carry them, then
+    python benchmarks/bench_kernels.py --vllm-path .gpu_vllm --skip move alloc evict
 
 Steps (each section records its errors and the run goes on):
 
@@ -29,6 +32,11 @@ Steps (each section records its errors and the run goes on):
    contiguous [B, H, L_max, D] cache of the same sequences (the GQA group folded into
    the query length, so no K/V repeat). Configs that do not fit in memory are skipped.
 5. MoveCache GB/s (CUDA op, Triton, reference indexing).
+With ``--vllm-path``: vLLM's Triton ``unified_attention`` over flattened per-head tables
+checked on the GPU (``tests/unified_attention_cases.py --device cuda``), decode timed
+against stock vLLM's kernel over its own cache at several rates (both from CUDA graphs),
+and steps with prompt rows timed against stock (eager).
+
 6. Allocator page-table fill and eviction-schedule latency for 64 sequences x 32
    layers x 8 KV heads x 4K tokens (``schedule_evictions``, ``compress_sequences``).
 
