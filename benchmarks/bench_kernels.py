@@ -1140,7 +1140,7 @@ def bench_graph_decode(timer, case: DecodeCase, max_head_len: int, out: torch.Te
     kv_pool = case.kv_pool()
     slot_batch = SlotBatch(case.block_tables, case.head_lens, seq_slots, case.query_positions,
                            max_head_len=max_head_len, row_index=row_index)
-    partition_size = graph_partition_size(max_head_len, case.key_cache.shape[1])
+    partition_size = graph_partition_size(max_head_len, case.key_cache.shape[1], batch * case.block_tables.shape[1])
 
     def launch():
         paged_decode_by_slot_triton(case.query, kv_pool, slot_batch, case.scale, out=out,

@@ -318,7 +318,7 @@ class PerHeadAttentionImpl(AttentionImpl):
             query[:rows].view(rows, self.num_heads, self.head_size), state.pool, batch, self.scale,
             out=output[:rows].view(rows, self.num_heads, self.head_size),
             metrics=MetricSink(buffers.metric_slots, buffers.metric_power),
-            partition_size=buffers.partition_size,
+            partition_size=buffers.partition_size_for(rows, self.num_kv_heads),
         )
         return output
 
