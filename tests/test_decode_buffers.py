@@ -115,7 +115,8 @@ def test_decode_buffers_refuse_more_rows_than_allocated():
         num_layers=1, num_kv_heads=1, max_rows=2, num_slots=3, pad_slot=0, scratch_page=9,
         max_head_len=131072, block_size=16, metric_power=2, device=torch.device("cpu"),
     )
-    assert long.partition_size % 16 == 0 and 131072 / long.partition_size <= 64
+    narrow = long.partition_size_for(2, 1)
+    assert narrow % 16 == 0 and 131072 / narrow <= 64
     # Wide batches (enough (row, KV head) pairs to fill the GPU) take 2048-key partitions.
     short = DecodeBuffers.allocate(
         num_layers=1, num_kv_heads=8, max_rows=256, num_slots=3, pad_slot=0, scratch_page=9,
@@ -123,5 +124,5 @@ def test_decode_buffers_refuse_more_rows_than_allocated():
     )
     assert short.partition_size_for(1, 8) == 512 and short.partition_size_for(63, 8) == 512
     assert short.partition_size_for(64, 8) == 2048 and short.partition_size_for(256, 8) == 2048
-    assert long.partition_size_for(2, 1) == long.partition_size
-    assert 131072 / long.wide_partition_size <= 64 and long.wide_partition_size % 16 == 0
+    wide = long.partition_size_for(512, 1)
+    assert 131072 / wide <= 64 and wide % 16 == 0

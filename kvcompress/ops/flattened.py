@@ -100,13 +100,10 @@ def paged_attention_flat(
 
     if out is None:
         out = torch.empty_like(query)
-    num_seqs, num_kv_heads, _ = batch.block_tables.shape
-    if num_seqs == 0:
+    if batch.block_tables.shape[0] == 0:
         return out
     starts = batch.query_start_loc
     num_rows = starts[-1]
-    num_q_heads, head_dim = query.shape[1], query.shape[2]
-    group = num_q_heads // num_kv_heads
     max_len = batch.max_head_len if batch.max_head_len is not None else int(batch.head_lens.max())
     tables = batch.block_tables[:, :, : max(1, -(-max_len // pool.block_size))]
     if batch.decode_only():

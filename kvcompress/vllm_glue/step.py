@@ -15,7 +15,7 @@ import torch
 
 from kvcompress.ops import AppendPlan, KernelOps, KVPool, PerHeadPagedCache, resolve_ops
 from kvcompress.ops.cpu_attention import KernelDecodeLayer
-from kvcompress.ops.decode_by_slot import WIDE_BATCH_HEAD_ROWS, graph_partition_size
+from kvcompress.ops.decode_by_slot import graph_partition_size
 from kvcompress.ops.page_tables import ChunkedPageTables
 from kvcompress.ops.paged_cache import pages_for
 from kvcompress.policies import MetricSpec
@@ -41,8 +41,8 @@ class DecodeBuffers:
         row_index: ``[max_rows]`` int32 ``arange`` (kernel row -> query row).
         pad_slot, scratch_page: see above.
         max_head_len: fixed bound of every head length (tokens), sizes the grid.
-        partition_size, wide_partition_size: keys per decode partition (tokens) of
-            narrow and wide batches (:meth:`partition_size_for`).
+        block_size: tokens per page (partition sizes are whole pages,
+            :meth:`partition_size_for`).
         metric_power: decode metric power of the server policy (1 or 2).
     """
 
@@ -55,8 +55,7 @@ class DecodeBuffers:
     pad_slot: int
     scratch_page: int
     max_head_len: int
-    partition_size: int
-    wide_partition_size: int
+    block_size: int
     metric_power: int
 
     @classmethod
@@ -76,8 +75,7 @@ class DecodeBuffers:
             pad_slot=pad_slot,
             scratch_page=scratch_page,
             max_head_len=max_head_len,
-            partition_size=graph_partition_size(max_head_len, block_size),
-            wide_partition_size=graph_partition_size(max_head_len, block_size, WIDE_BATCH_HEAD_ROWS),
+            block_size=block_size,
             metric_power=metric_power,
         )
         buffers.fill(0)
@@ -86,8 +84,7 @@ class DecodeBuffers:
     def partition_size_for(self, rows: int, num_kv_heads: int) -> int:
         """Keys per decode partition for a batch of ``rows`` (fixed per captured graph):
         :func:`kvcompress.ops.decode_by_slot.graph_partition_size`."""
-        wide = rows * num_kv_heads >= WIDE_BATCH_HEAD_ROWS
-        return self.wide_partition_size if wide else self.partition_size
+        return graph_partition_size(self.max_head_len, self.block_size, rows * num_kv_heads)
 
     @property
     def max_rows(self) -> int:
