@@ -61,6 +61,7 @@ import time
 import traceback
 import types
 from contextlib import contextmanager
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -924,7 +925,7 @@ def bench_vllm_prompt_steps(device, timer, dtype, mem_fraction, shapes=LLAMA, se
     ``decodes`` decode rows at ``context``. Stock vLLM's ``unified_attention`` over its
     own cache against kvcompress's ``vllm_triton`` (one flattened call over H x S
     sequences) at rates 1 and 8, and at rate 1 the former one call per KV head."""
-    from kvcompress.ops.flattened import flat_prompt
+    from kvcompress.ops.flattened import flat_prompt, flat_query_starts
     from kvcompress.ops.unified_attention import _attend, _load
 
     unified_attention = _load()
@@ -943,9 +944,12 @@ def bench_vllm_prompt_steps(device, timer, dtype, mem_fraction, shapes=LLAMA, se
             out = torch.empty_like(query)
             query_start_loc = torch.tensor(starts, dtype=torch.int32, device=device)
             seq_lens = torch.tensor([context + chunk] + [context + 1] * decodes, dtype=torch.int32, device=device)
-            row["stock_ms"] = timer(lambda: unified_attention(
-                query, kv[0], kv[1], out, query_start_loc, chunk, seq_lens, context + chunk, scale, True,
-                (-1, -1), tables, 0, None, None, None))
+            def stock_step():
+                unified_attention(query, kv[0], kv[1], out, query_start_loc, chunk, seq_lens, context + chunk,
+                                  scale, True, (-1, -1), tables, 0, None, None, None)
+
+            row["stock_ms"] = timer(stock_step)
+            row["stock_pipe_ms"], row["stock_host_ms"] = pipelined(stock_step, device, timer.iters)
             del kv, tables
             for rate in (1, 8):
                 gen = torch.Generator().manual_seed(seed + rate)
@@ -956,11 +960,22 @@ def bench_vllm_prompt_steps(device, timer, dtype, mem_fraction, shapes=LLAMA, se
                                         positions="visible")
                 kv_pool = case.kv_pool()
                 max_len = case.max_head_len
-                batch = PagedBatch(case.block_tables, case.head_lens, starts,
-                                   torch.zeros(num_rows, dtype=torch.int64, device=device), max_head_len=max_len)
+                copy_starts = PagedBatch(case.block_tables, case.head_lens, starts,
+                                         torch.zeros(num_rows, dtype=torch.int64, device=device),
+                                         max_head_len=max_len)
+                # as the engine runs it: the flattened starts copied to the device once per step
+                batch = dataclasses.replace(copy_starts, flat_query_start_loc=torch.from_numpy(
+                    flat_query_starts(starts, num_kv_heads)).to(device))
                 ops = resolved_ops(device, "vllm_triton", "paged_attention")
                 row[f"rate{rate}_ms"] = timer(lambda: ops.paged_attention(query, kv_pool, batch, scale, out=out))
+                row[f"rate{rate}_pipe_ms"], row[f"rate{rate}_host_ms"] = pipelined(
+                    lambda: ops.paged_attention(query, kv_pool, batch, scale, out=out), device, timer.iters)
                 if rate == 1:
+                    row["rate1_copy_pipe_ms"], row["rate1_copy_host_ms"] = pipelined(
+                        lambda: ops.paged_attention(query, kv_pool, copy_starts, scale, out=out), device, timer.iters)
+                    per_call = ops.paged_attention(query, kv_pool, copy_starts, scale).float()
+                    per_step = ops.paged_attention(query, kv_pool, batch, scale).float()
+                    row["per_step_vs_per_call_starts_max_diff"] = (per_step - per_call).abs().max().item()
                     def per_kv_head():
                         query_starts = torch.tensor(starts, dtype=torch.int32, device=device)
                         column = torch.empty((num_rows, group, head_dim), dtype=dtype, device=device)
@@ -982,6 +997,9 @@ def bench_vllm_prompt_steps(device, timer, dtype, mem_fraction, shapes=LLAMA, se
             for key in ("rate1_ms", "rate1_per_head_ms", "rate8_ms"):
                 if row.get(key):
                     row[key.replace("_ms", "_x_stock")] = row["stock_ms"] / row[key]
+            for key in ("rate1_pipe_ms", "rate1_copy_pipe_ms", "rate8_pipe_ms"):
+                if row.get(key):
+                    row[key.replace("_ms", "_x_stock")] = row["stock_pipe_ms"] / row[key]
             print(f"  chunk={chunk} ctx={context} decodes={decodes}: " + ", ".join(
                 f"{k} {v:.3f}" for k, v in row.items() if k.endswith("_ms")), flush=True)
         except Exception as exc:
@@ -990,6 +1008,31 @@ def bench_vllm_prompt_steps(device, timer, dtype, mem_fraction, shapes=LLAMA, se
         finally:
             free_cached(device)
     return rows
+
+
+def pipelined(fn, device, calls: int) -> tuple[float, float]:
+    """``calls`` back-to-back calls of ``fn`` with no synchronisation between them, as the
+    layers of a model's forward run: (device ms per call, from one pair of events around
+    them all; host ms per call to issue them). A call that waits for the device (a copy
+    from pageable host memory, a read of a device value) stops the host from running
+    ahead, so its device time grows by its host time."""
+    fn()
+    synchronize(device)
+    if device.type != "cuda":
+        begin = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        elapsed = (time.perf_counter() - begin) * 1e3 / calls
+        return elapsed, elapsed
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    begin = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - begin) * 1e3 / calls
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / calls, host
 
 
 def graph_of(launch, device):
@@ -1456,6 +1499,23 @@ def markdown_report(report: dict) -> str:
                 fmt(r.get("rate1_per_head_x_stock"), 2), fmt(r.get("rate8_ms")), fmt(r.get("rate8_x_stock"), 2),
                 (r.get("error") or "")[:80]]))
         lines.append("")
+        if any(r.get("stock_pipe_ms") for r in prompt_steps):
+            lines += ["Back to back (the layers of a forward): calls issued with no synchronisation "
+                      "between them; device ms per call from one pair of events around them all, host ms "
+                      "per call to issue them. per-step starts: the flattened starts copied once per step "
+                      "(the engine); per-call copy: copied at every call (a wait on the stream on CUDA).", "",
+                      "| chunk | ctx | decode rows | stock ms (host) | rate 1 ms (host) | x stock | "
+                      "rate 1 per-call copy ms (host) | x stock | rate 8 ms (host) | x stock |",
+                      "|---|---|---|---|---|---|---|---|---|---|"]
+            for r in prompt_steps:
+                def timed(key):
+                    return f"{fmt(r.get(key + '_pipe_ms'))} ({fmt(r.get(key + '_host_ms'))})"
+
+                lines.append(md_row([
+                    str(r["chunk"]), str(r["context"]), str(r["decodes"]), timed("stock"), timed("rate1"),
+                    fmt(r.get("rate1_pipe_x_stock"), 2), timed("rate1_copy"), fmt(r.get("rate1_copy_pipe_x_stock"), 2),
+                    timed("rate8"), fmt(r.get("rate8_pipe_x_stock"), 2)]))
+            lines.append("")
     vllm_checks = report.get("vllm_unified_checks") or []
     if vllm_checks:
         failed = [c for c in vllm_checks if not c.get("ok")]

@@ -85,3 +85,5 @@ def test_stock_vs_kvcompress_sections_run_vllms_kernel_under_the_interpreter():
         assert "error" not in row, row
         assert row["stock_ms"] > 0 and row["rate1_ms"] > 0 and row["rate8_ms"] > 0, row
         assert row["one_call_vs_per_head_max_diff"] < 1e-6, row
+        assert row["per_step_vs_per_call_starts_max_diff"] == 0, row
+        assert all(row[f"{run}_pipe_ms"] > 0 for run in ("stock", "rate1", "rate1_copy", "rate8")), row

@@ -7,12 +7,15 @@ decode metric pass against the reference decode's metrics."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from kvcompress.ops import KVPool, MetricSink, PagedBatch, SlotBatch
 from kvcompress.ops import cpu_attention
 from kvcompress.ops.decode_by_slot import paged_decode_by_slot_reference
+from kvcompress.ops.flattened import flat_query_starts
 from kvcompress.ops.paged_attention import paged_attention
 from paged_cases import make_case
 
@@ -54,6 +57,35 @@ def test_kernel_equals_reference(shape, kind):
     want = paged_attention(query, pool, batch, scale)
     got = cpu_attention.paged_attention_cpu(query, pool, batch, scale)
     assert (got - want).abs().max().item() < TOLERANCE[torch.float32]
+
+
+def test_flat_query_starts_number_the_head_major_rows():
+    starts = [0, 3, 4, 10]
+    got = flat_query_starts(starts, 2).tolist()
+    # brute force: sequence h * S + s owns rows h * T + starts[s] .. of the [H * T] query
+    rows_of = [[h * 10 + r for r in range(starts[s], starts[s + 1])] for h in range(2) for s in range(3)]
+    assert got == [rows[0] for rows in rows_of] + [20]
+    assert all(got[i + 1] - got[i] == len(rows_of[i]) for i in range(6))
+
+
+@pytest.mark.parametrize("query_lens", [[37, 64, 5], [1, 19, 1, 1, 40, 1]], ids=["prefill", "mixed"])
+def test_per_step_flat_starts_give_the_same_attention(query_lens):
+    # the runner copies the flattened starts to the device once per step; every layer's
+    # call then takes them from the PagedBatch instead of copying its own
+    pool, batch, query = make_case(query_lens, 3, 3, 64, 32, torch.float32, seed=11)
+    scale = 0.125
+    flat = torch.from_numpy(flat_query_starts(batch.query_start_loc, 3))
+    with_starts = dataclasses.replace(batch, flat_query_start_loc=flat)
+    want = paged_attention(query, pool, batch, scale)
+    got = cpu_attention.paged_attention_cpu(query, pool, with_starts, scale)
+    assert (got - want).abs().max().item() < TOLERANCE[torch.float32]
+    # and they are what the kernel reads: starts of the first two sequences' lengths
+    # swapped (still valid) give other rows to those sequences
+    starts = batch.query_start_loc
+    swapped = [0, starts[2] - starts[1]] + starts[2:]
+    wrong = dataclasses.replace(batch, flat_query_start_loc=torch.from_numpy(flat_query_starts(swapped, 3)))
+    bad = cpu_attention.paged_attention_cpu(query, pool, wrong, scale)
+    assert (bad - want).abs().max().item() > 1e-2
 
 
 def test_bf16_decode_and_prefill():

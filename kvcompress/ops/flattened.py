@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from kvcompress.ops.kv_pool import KVPool, MetricSink, PagedBatch, SlotBatch
@@ -61,28 +62,39 @@ def flat_decode(
         out.copy_(flat_out.view(rows, num_q_heads, head_dim))
 
 
+def flat_query_starts(starts: list[int], num_kv_heads: int) -> np.ndarray:
+    """``[H * S + 1]`` int32 starts of the flattened sequences of a batch with prompt
+    rows (:func:`flat_prompt`): sequence ``h * S + s`` owns rows
+    ``h * T + starts[s] ... h * T + starts[s + 1]`` of the head-major query."""
+    begins = np.asarray(starts[:-1], dtype=np.int64)
+    num_rows = starts[-1]
+    flat = (np.arange(num_kv_heads, dtype=np.int64)[:, None] * num_rows + begins[None, :]).reshape(-1)
+    return np.append(flat, num_kv_heads * num_rows).astype(np.int32)
+
+
 def flat_prompt(
     attend: Attend, query: torch.Tensor, pool: KVPool, tables: torch.Tensor, lens: torch.Tensor,
     starts: list[int], max_len: int, scale: float, out: torch.Tensor,
+    flat_starts: torch.Tensor | None = None,
 ) -> None:
     """A batch with prompt rows, ``query [T, Hq, D]`` (sequence ``s`` owns rows
     ``[starts[s], starts[s + 1])``) over ``tables [S, H, P]``, ``lens [S, H]`` into ``out``:
     one call over ``H * S`` sequences, sequence ``h * S + s`` being request ``s``'s KV
     head ``h`` with rows ``h * T + starts[s] ...`` of the query regrouped head-major
     ``[H * T, G, D]`` (one copy in, one out: a call per KV head costs more in host work
-    on a GPU, 0.15-0.4 ms each, than the copies)."""
+    on a GPU, 0.15-0.4 ms each, than the copies). ``flat_starts``: those sequences'
+    starts on the device (:func:`flat_query_starts`), else copied here."""
     num_rows, num_q_heads, head_dim = query.shape
     num_seqs, num_kv_heads = lens.shape
     group = num_q_heads // num_kv_heads
-    device = query.device
     by_head = query.view(num_rows, num_kv_heads, group, head_dim).transpose(0, 1)
     flat_query = by_head.reshape(num_kv_heads * num_rows, group, head_dim)
     flat_out = torch.empty_like(flat_query)
-    query_start_loc = [h * num_rows + start for h in range(num_kv_heads) for start in starts[:-1]]
-    query_start_loc.append(num_kv_heads * num_rows)
+    if flat_starts is None:
+        flat_starts = torch.from_numpy(flat_query_starts(starts, num_kv_heads)).to(query.device)
     max_query_len = max(starts[s + 1] - starts[s] for s in range(num_seqs))
     attend(
-        flat_query, pool, flat_out, torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+        flat_query, pool, flat_out, flat_starts,
         max_query_len, lens.t().reshape(-1).to(torch.int32), max_len,
         tables.transpose(0, 1).reshape(num_kv_heads * num_seqs, -1).to(torch.int32), scale,
     )
@@ -110,7 +122,7 @@ def paged_attention_flat(
         flat_decode(attend, query[:num_rows], pool, tables, batch.head_lens, max_len, scale, out[:num_rows])
     else:
         flat_prompt(attend, query[:num_rows], pool, tables, batch.head_lens, starts, max_len, scale,
-                    out[:num_rows])
+                    out[:num_rows], flat_starts=batch.flat_query_start_loc)
     if metrics is not None:
         first_rows = torch.tensor(starts, dtype=torch.int64, device=query.device)
         decoding = first_rows.diff() == 1

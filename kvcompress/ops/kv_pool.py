@@ -82,6 +82,12 @@ class PagedBatch:
         max_head_len: optional upper bound of the decode rows' head lengths, known on
             the host: the GPU decode sizes its partition grid without reading
             ``head_lens`` (the reference ignores it).
+        flat_query_start_loc: optional ``[H * S + 1]`` int32 on the query's device: the
+            head-major starts of the flattened kernels' sequences
+            (:func:`kvcompress.ops.flattened.flat_query_starts`), the same for every
+            layer of a step, so the runner copies them to the device once per step;
+            None: the flattened kernels copy them at each call (on CUDA a copy from
+            pageable host memory waits for the stream: a sync per layer).
     """
 
     block_tables: torch.Tensor
@@ -89,6 +95,7 @@ class PagedBatch:
     query_start_loc: list[int]
     query_positions: torch.Tensor
     max_head_len: int | None = None
+    flat_query_start_loc: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.query_start_loc, torch.Tensor):

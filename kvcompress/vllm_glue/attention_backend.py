@@ -245,6 +245,7 @@ class PerHeadAttentionImpl(AttentionImpl):
         batch = PagedBatch(
             step.tables.layer(layer_index), step.head_lens[:, layer_index],
             step.query_start_loc, step.query_positions, max_head_len=step.max_head_len,
+            flat_query_start_loc=step.flat_query_start_loc,
         )
         decode_metrics = None
         if metrics is not None and metrics.decode_seqs is not None:

@@ -46,6 +46,7 @@ from kvcompress.ops import cpu_attention
 from kvcompress.ops.cpu_decode_plan import DecodeBatchPlan
 from kvcompress.ops.deferred_metrics import DeferredDecodeQueries
 from kvcompress.ops.dispatch import resolve_ops
+from kvcompress.ops.flattened import flat_query_starts
 from kvcompress.ops.prefix_groups import PrefixGroups
 from kvcompress.page_accounting import cache_sequence_slots
 from kvcompress.ops.word_spans import WordEdges, span_starts
@@ -561,17 +562,20 @@ class PerHeadRunnerMixin:
             self._kvc_plan_decode_step(rows, computed, positions_t, plan, query_start)
             return
         tables, max_head_len = StepTables.for_rows(cache, seq_slots, computed + num_new)
+        query_start_list = query_start.tolist()
         set_current_step(
             PerHeadStep(
                 num_reqs=num_reqs,
                 num_tokens=int(query_start[-1]),
-                query_start_loc=query_start.tolist(),
+                query_start_loc=query_start_list,
                 query_positions=positions_t,
                 tables=tables,
                 head_lens=cache.head_lens[seq_slots],
                 max_head_len=max_head_len,
                 plan=plan,
                 metrics=self._kvc_metric_queries(req_ids, computed, num_new, query_start),
+                flat_query_start_loc=torch.from_numpy(
+                    flat_query_starts(query_start_list, cache.num_kv_heads)).to(device),
             )
         )
 

@@ -264,6 +264,10 @@ class PerHeadStep:
             then reads these and ``plan``, not the ``DecodeBuffers``.
         decode_metric_power: the decode metric pass's power for ``kernel_decode`` rows
             (their ``metric_rows``).
+        flat_query_start_loc: ``[num_kv_heads * num_reqs + 1]`` int32 on the cache's
+            device, the flattened kernels' sequence starts
+            (:func:`kvcompress.ops.flattened.flat_query_starts`; the same for every
+            layer, copied once per step); None for a decode-only step.
     """
 
     num_reqs: int
@@ -278,6 +282,7 @@ class PerHeadStep:
     decode_only: bool = False
     kernel_decode: list[KernelDecodeLayer] | None = None
     decode_metric_power: int = 2
+    flat_query_start_loc: torch.Tensor | None = None
 
 
 @dataclass
