@@ -9,7 +9,10 @@ that head's length.
 - decode rows: kernel sequence ``r`` is row ``r // H``'s KV head ``r % H``; the query
   ``[B, Hq, D]`` is viewed ``[B * H, G, D]``: one kernel call;
 - batches with prompt rows: one call over ``H * S`` sequences with the query regrouped
-  head-major ``[H * T, G, D]`` (a copy).
+  head-major ``[H * T, G, D]`` (a copy); their starts (:func:`flat_query_starts`) are the
+  same for every layer, so the runner puts them on the device once per step
+  (``PagedBatch.flat_query_start_loc``): on CUDA a copy from pageable host memory at each
+  layer's call would wait for the stream.
 
 A backend supplies ``attend(query, pool, out, query_start_loc, max_query_len, seq_lens,
 max_seq_len, block_table, scale)``: one kernel call over sequences of one KV head
