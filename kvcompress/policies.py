@@ -12,6 +12,11 @@ policy         metric (prompt queries)  budget split over (layer, head)         
 kvc            L2, last 32, max-pool 31 global: cheapest blocks across all layers KV-Compress
                + word spans             and heads (block-eviction schedule)       (measured
                                                                                   defaults)
+kvc-ea         kvc's, then each head's  global, as kvc (the values' multiset per  (this
+               values re-ranked with    head is kept: same split)                 project,
+               expected attention of                                              measured in
+               the coming queries                                                 ppl_eviction_
+                                                                                  ceiling.py)
 kvc-paper      L2, last 8, max-pool 7   global, as kvc                            KV-Compress
 kvc-full       L2, all queries but the  global, as kvc                            KV-Compress
                10 nearest, as kvc                                                 (KVC-full)
@@ -113,6 +118,18 @@ class AttentionScores(MetricSource):
 
     kind: ClassVar[str] = "attention"
     scores_prompt: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class ExpectedAttentionRanking(AttentionScores):
+    """kvc's attention metrics, and at the prompt's end each head's values handed out
+    again in the order of kvc's and the expected attention's distributions together
+    (``kvcompress.ops.expected_attention``): the observation window's queries, moved by
+    RoPE to the coming positions, estimate the attention still to come. The budget
+    split is kvc's (each head keeps its values' multiset); only which KVs of a head go
+    changes. Models without RoPE fall back to kvc's ranking (a warning at startup)."""
+
+    kind: ClassVar[str] = "attention+expected"
 
 
 @dataclass(frozen=True)
@@ -515,6 +532,10 @@ for _definition in (
     PolicyDefinition(
         "kvc", KVC_DEFAULT_METRIC, GlobalSplit(),
         paper="KV-Compress, defaults measured to hold on per-digit tokenizers",
+    ),
+    PolicyDefinition(
+        "kvc-ea", replace(KVC_DEFAULT_METRIC, source=ExpectedAttentionRanking()), GlobalSplit(),
+        paper="kvc's split, each head ranked with the expected attention of the coming queries",
     ),
     PolicyDefinition(
         "kvc-paper", MetricSpec(power=2, observation_window=8, pool="max"), GlobalSplit(),

@@ -79,19 +79,19 @@ def test_xkv_profile_script(kvc_tiny_llm, tmp_path):
     assert load_layer_profile(out) == pytest.approx(tuple(profile["layer_shares"]))
 
 
-def _prompt_positions_kept(llm, window: int, tag: str) -> list[frozenset[int]]:
-    """Per head, the prompt positions one snapkv request at rate 4 with scoring window
-    ``window`` keeps after its compression (the request is aborted once it is read)."""
+def _prompt_positions_kept(llm, window: int | None, tag: str, policy: str = "snapkv") -> list[frozenset[int]]:
+    """Per head, the prompt positions one ``policy`` request at rate 4 with scoring window
+    ``window`` (None: the policy's) keeps after its compression (the request is aborted
+    once it is read)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     engine = llm.llm_engine
     before = worker_page_stats(llm)["compressions"]
-    params = SamplingParams(
-        temperature=0.0, max_tokens=200, ignore_eos=True,
-        extra_args={"kv_compress_rate": 4, "kv_compress_policy": "snapkv",
-                    "kv_compress_observation_window": window},
-    )  # fmt: skip
+    extra = {"kv_compress_rate": 4, "kv_compress_policy": policy}
+    if window is not None:
+        extra["kv_compress_observation_window"] = window
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True, extra_args=extra)
     request_id = f"window-{window}-{tag}"
     engine.add_request(request_id, TokensPrompt(prompt_token_ids=_prompt(99)), params)
     kept = None
@@ -120,7 +120,18 @@ def test_per_request_observation_window(kvc_tiny_llm):
     assert worker_page_stats(kvc_tiny_llm)["evict_mismatches"] == 0
 
 
-@pytest.mark.parametrize("policy", ["kvc", "kvzip", "snapkv", "pyramidkv", "ada-snapkv", "h2o", "xkv", "streamingllm"])
+def test_kvc_ea_keeps_kvcs_split_and_ranks_within_heads(kvc_tiny_llm):
+    """kvc-ea hands each head's kvc values out again in the order of kvc's and the
+    expected attention's scores together: every head keeps as many prompt KVs as under
+    kvc (the split is kvc's), and some head keeps other ones."""
+    kvc = _prompt_positions_kept(kvc_tiny_llm, None, "kvc", policy="kvc")
+    ea = _prompt_positions_kept(kvc_tiny_llm, None, "kvc-ea", policy="kvc-ea")
+    assert [len(head) for head in ea] == [len(head) for head in kvc]
+    assert ea != kvc
+    assert worker_page_stats(kvc_tiny_llm)["evict_mismatches"] == 0
+
+
+@pytest.mark.parametrize("policy", ["kvc", "kvc-ea", "kvzip", "snapkv", "pyramidkv", "ada-snapkv", "h2o", "xkv", "streamingllm"])
 def test_what_survives_a_compression_matches_an_independent_recount(kvc_tiny_llm, policy):
     """The engine's eviction checked by what survives, against the metrics the worker
     held just before (``eviction_oracle``: plain Python, no kvcompress op)."""

@@ -1,6 +1,6 @@
 """The values a policy ranks a sequence's KVs by (torch; no vLLM).
 
-One rule per metric source kind of ``kvcompress.policies`` (``AttentionScores``,
+One rule per metric source kind of ``kvcompress.policies`` (``AttentionScores``, ``ExpectedAttentionRanking``,
 ``ReconstructionScores``, ``TokenPosition``, ``RandomNoise``), registered in ``RANKERS`` with ``@ranks``; a new
 source kind adds its parameter class there and its rule here.
 """
@@ -13,6 +13,7 @@ import torch
 
 from kvcompress.policies import (
     AttentionScores,
+    ExpectedAttentionRanking,
     MetricSource,
     Policy,
     RandomNoise,
@@ -38,6 +39,7 @@ def ranks(source_type: type[MetricSource]) -> Callable[[Ranker], Ranker]:
 
 
 @ranks(AttentionScores)
+@ranks(ExpectedAttentionRanking)
 @ranks(ReconstructionScores)
 def _stored_metrics(source, metrics, positions, generator):
     """The metrics scored inside attention (by prompt or decode queries, or by the

@@ -46,6 +46,7 @@ from kvcompress.ops import cpu_attention
 from kvcompress.ops.cpu_decode_plan import DecodeBatchPlan
 from kvcompress.ops.deferred_metrics import DeferredDecodeQueries
 from kvcompress.ops.dispatch import resolve_ops
+from kvcompress.ops.expected_attention import RopeFrequencies, rope_frequencies
 from kvcompress.ops.flattened import flat_query_starts
 from kvcompress.ops.prefix_groups import PrefixGroups
 from kvcompress.page_accounting import cache_sequence_slots
@@ -114,6 +115,23 @@ class WorkerStats:
         by_policy[policy] = by_policy.get(policy, 0) + pages_freed
         previous = self.kept_unprotected_by_layer.get(policy, [0] * len(kept_by_layer))
         self.kept_unprotected_by_layer[policy] = [a + b for a, b in zip(previous, kept_by_layer)]
+
+
+def model_rope(model) -> RopeFrequencies | None:
+    """The model's RoPE frequencies and pairing, read from its first vLLM rotary
+    embedding (``cos_sin_cache``, ``rotary_dim``, ``is_neox_style``), for the ``kvc-ea``
+    policy's estimate; None (with a warning) when it has none that vLLM's base class
+    describes, and ``kvc-ea`` then ranks by kvc's metrics alone."""
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
+
+    for module in model.modules():
+        if isinstance(module, RotaryEmbeddingBase) and getattr(module, "cos_sin_cache", None) is not None:
+            return RopeFrequencies(
+                rope_frequencies(module.cos_sin_cache, module.rotary_dim), bool(module.is_neox_style),
+            )
+    logger.warning("kvcompress: no rotary embedding found in the model; --kv-compress-policy kvc-ea "
+                   "ranks by kvc's metrics alone")
+    return None
 
 
 def _tp_rank() -> int:
@@ -264,6 +282,7 @@ class PerHeadRunnerMixin:
             ops=ops,
             layer_index={name: i for i, name in enumerate(layer_names)},
             decode_buffers=decode_buffers,
+            rope=model_rope(self.model),
         )
         set_worker_state(state)
         # Decode steps on vLLM's CPU kernel get their tables in its terms once per step.
@@ -792,7 +811,8 @@ class PerHeadRunnerMixin:
             if first >= prompt_len:
                 decode_seqs[index] = count == 1 and self._kvc_decode_metric_due(first)
                 continue
-            spec = self.kvc_requests[request_id].compression.policy.metric
+            compression = self.kvc_requests[request_id].compression
+            spec = compression.policy.metric
             if spec.reconstructs and first + count >= prompt_len:
                 pending = self._kvc_pending_reconstruction(request_id, first + count, spec)
                 if pending is not None:
@@ -806,7 +826,11 @@ class PerHeadRunnerMixin:
                 start = int(query_start[index]) - first
                 done = hi == prompt_len
                 words = self._kvc_word_starts(request_id) if done and spec.pool_words else None
-                prompt_rows.append(PromptMetricRows(index, start + lo, start + hi, done, spec, words))
+                prompt_rows.append(PromptMetricRows(
+                    index, start + lo, start + hi, done, spec, words,
+                    protected_prefix=compression.budget.protected_prefix,
+                    protected_window=compression.budget.protected_window,
+                ))
         if not prompt_rows and not decode_seqs.any():
             return None
         return MetricQueries(

@@ -16,6 +16,7 @@ import torch
 from kvcompress.ops import AppendPlan, KernelOps, KVPool, PerHeadPagedCache, resolve_ops
 from kvcompress.ops.cpu_attention import KernelDecodeLayer
 from kvcompress.ops.decode_by_slot import graph_partition_size
+from kvcompress.ops.expected_attention import RopeFrequencies
 from kvcompress.ops.page_tables import ChunkedPageTables
 from kvcompress.ops.paged_cache import pages_for
 from kvcompress.policies import MetricSpec
@@ -139,6 +140,8 @@ class WorkerCacheState:
             slot positions and metrics (``cache.kv_pool(key_cache, value_cache)``).
         ops: the kernels, backends resolved once for the pool's device
             (``kvcompress.ops.dispatch.resolve_ops``; resolved here when None).
+        rope: the model's RoPE frequencies (the ``kvc-ea`` policy's estimate), None
+            when it has no rotary embedding vLLM's base class describes.
 
     ``key_cache`` / ``value_cache`` (init only): instead of ``pool``, the two views of
     the KV buffer; the pool is built from them.
@@ -149,6 +152,7 @@ class WorkerCacheState:
     decode_buffers: DecodeBuffers | None = None
     pool: KVPool | None = None
     ops: KernelOps | None = None
+    rope: RopeFrequencies | None = None
     key_cache: InitVar[torch.Tensor | None] = None
     value_cache: InitVar[torch.Tensor | None] = None
 
@@ -174,6 +178,8 @@ class PromptMetricRows:
         word_starts: ``[prompt_len]`` int64, the first position of each prompt
             position's word span, when the prompt is done and the spec pools over
             words (``kvcompress.ops.word_spans``); else None.
+        protected_prefix, protected_window: the request's KVs never evicted at the
+            start and the end of every head (``kvc-ea`` re-ranks only the others).
     """
 
     seq_index: int
@@ -182,6 +188,8 @@ class PromptMetricRows:
     prompt_done: bool
     spec: MetricSpec
     word_starts: torch.Tensor | None = None
+    protected_prefix: int = 0
+    protected_window: int = 0
 
 
 @dataclass
