@@ -61,8 +61,7 @@ import time
 import traceback
 import types
 from contextlib import contextmanager
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -964,7 +963,7 @@ def bench_vllm_prompt_steps(device, timer, dtype, mem_fraction, shapes=LLAMA, se
                                          torch.zeros(num_rows, dtype=torch.int64, device=device),
                                          max_head_len=max_len)
                 # as the engine runs it: the flattened starts copied to the device once per step
-                batch = dataclasses.replace(copy_starts, flat_query_start_loc=torch.from_numpy(
+                batch = replace(copy_starts, flat_query_start_loc=torch.from_numpy(
                     flat_query_starts(starts, num_kv_heads)).to(device))
                 ops = resolved_ops(device, "vllm_triton", "paged_attention")
                 row[f"rate{rate}_ms"] = timer(lambda: ops.paged_attention(query, kv_pool, batch, scale, out=out))

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcompress.ops.metrics import _logical_slots
+
 
 def rope_frequencies(cos_sin_cache: torch.Tensor, rotary_dim: int) -> torch.Tensor:
     """``[rotary_dim / 2]`` float64 angular frequencies of a RoPE table whose row ``p``
@@ -58,8 +60,8 @@ def future_gaussian(
     rotations to positions ``start ... start + horizon - 1``."""
     queries, _, head_dim = query.shape
     rotary_dim = 2 * inv_freq.shape[0]
-    first, second = (index.to(query.device) for index in _pairs(head_dim, rotary_dim, neox))
     device = query.device
+    first, second = (index.to(device) for index in _pairs(head_dim, rotary_dim, neox))
     coming = torch.arange(start, start + horizon, dtype=torch.float64, device=device)
     offsets = coming[None, :] - positions.to(device).double()[:, None]
     angles = offsets[:, :, None] * inv_freq.to(device).double()[None, None, :]  # [W, horizon, D/2]
@@ -160,12 +162,10 @@ def rank_prompt_metrics(
     pages = tables.long()
     keys = key_cache[pages].reshape(heads, num_pages * block_size, key_cache.shape[2])
     expected = expected_attention(mean, cov, keys, lens, scale)
-    kvc = slot_metrics[pages].reshape(heads, num_pages * block_size)
+    slots = _logical_slots(pages, block_size)  # [H, P * b] flat slot ids, logical order
+    kvc = slot_metrics.view(-1)[slots]
     evictable = (lens.to(tables.device) - protected - sinks).clamp_min(0)
-    ranked = kvc.clone()
-    ranked[:, sinks:] = rank_within_heads(kvc[:, sinks:], expected[:, sinks:], evictable)
-    slots = torch.arange(num_pages * block_size, device=tables.device)
-    held = (slots[None, :] >= sinks) & (slots[None, :] < sinks + evictable[:, None])  # [H, P * b]
-    page_of_slot = pages[:, slots // block_size]  # [H, P * b]
-    offset = (slots % block_size).expand(heads, -1)
-    slot_metrics[page_of_slot[held], offset[held]] = ranked[held].to(slot_metrics.dtype)
+    ranked = rank_within_heads(kvc[:, sinks:], expected[:, sinks:], evictable)
+    column = torch.arange(ranked.shape[1], device=tables.device)
+    held = column[None, :] < evictable[:, None]  # [H, P * b - sinks]
+    slot_metrics.view(-1)[slots[:, sinks:][held]] = ranked[held].to(slot_metrics.dtype)
