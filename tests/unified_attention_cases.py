@@ -2,7 +2,8 @@
 (kvcompress.ops.unified_attention) under TRITON_INTERPRET=1 against the PyTorch
 reference, on ragged per-head caches. Prints one JSON line per case:
 {"case": ..., "error": max |got - want|, "rel_error": error / max |want|,
-"metric_error": ...}.
+"metric_error": ..., "metric_launches": Triton decode launches of the metric pass,
+"metric_host_reads": torch calls of the metric pass that read device values on the host}.
 
 On a GPU machine (torch + triton, vLLM's Python sources on PYTHONPATH, no interpreter):
 ``python tests/unified_attention_cases.py --device cuda --dtypes float32 bfloat16 float16``
@@ -31,6 +32,64 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from torch.overrides import TorchFunctionMode  # noqa: E402
+
+# torch calls that read device values on the host: on CUDA each waits for the stream.
+HOST_READS = {
+    "__bool__", "__int__", "__float__", "__index__", "item", "tolist", "numpy", "cpu",
+    "nonzero", "masked_select", "unique", "tensor",
+}
+
+
+class MetricPassWatch(TorchFunctionMode):
+    """Around a backend's decode metric pass: records its host reads (boolean-mask
+    indexing included) outside the kernel launches, and counts the launches of the
+    project's Triton decode kernels (under the interpreter the launch itself runs on
+    the host, so reads inside it are not the pass's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list[str] = []
+        self.launches = 0
+        self.in_launch = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        bool_index = name == "__getitem__" and any(
+            isinstance(a, torch.Tensor) and a.dtype == torch.bool
+            for a in (args[1] if isinstance(args[1], tuple) else (args[1],))
+        )
+        if not self.in_launch and (name in HOST_READS or bool_index):
+            self.reads.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _watch_metric_passes(unified_attention, triton_attention) -> MetricPassWatch:
+    """Route the backend's metric passes through a fresh :class:`MetricPassWatch`
+    (``watch.reads`` / ``watch.launches`` after each call)."""
+    holder = {"watch": MetricPassWatch()}
+    launch = triton_attention._launch_decode
+
+    def counted_launch(*args, **kwargs):
+        watch = holder["watch"]
+        watch.launches += 1
+        watch.in_launch = True
+        try:
+            return launch(*args, **kwargs)
+        finally:
+            watch.in_launch = False
+
+    triton_attention._launch_decode = counted_launch
+
+    def watched(original):
+        def run(*args, **kwargs):
+            with holder["watch"]:
+                return original(*args, **kwargs)
+        return run
+
+    unified_attention._triton_paged_metrics = watched(unified_attention._triton_paged_metrics)
+    unified_attention._triton_slot_metrics = watched(unified_attention._triton_slot_metrics)
+    return holder
 
 
 def _hand_vllm_the_real_triton() -> None:
@@ -60,7 +119,7 @@ def main() -> None:
     args = ARGS.parse_args()
     device = torch.device(args.device)
     _hand_vllm_the_real_triton()
-    from kvcompress.ops import KVPool, MetricSink, SlotBatch, unified_attention
+    from kvcompress.ops import KVPool, MetricSink, SlotBatch, triton_attention, unified_attention
     from kvcompress.ops.decode_by_slot import paged_decode_by_slot_reference
     from kvcompress.ops.paged_attention import paged_attention
 
@@ -70,6 +129,7 @@ def main() -> None:
     if reason is not None:
         print(json.dumps({"unavailable": reason}))
         return
+    watches = _watch_metric_passes(unified_attention, triton_attention)
     kinds = {"decode": [1] * 5, "prefill": [23, 9], "mixed": [1, 17, 1, 30, 1], "chunk": [12, 1, 1]}
     shapes = [(2, 4, 64, 16), (1, 8, 128, 32), (4, 1, 80, 16), (2, 2, 96, 32), (3, 3, 64, 32)]
     cases = [(dtype_name, shape) for dtype_name in args.dtypes for shape in enumerate(shapes)]
@@ -84,12 +144,17 @@ def main() -> None:
             selected = torch.tensor([(s % 2 == 0) for s in range(len(query_lens))], device=device)
             want_pool = KVPool(pool.key_cache, pool.value_cache, pool.slot_positions, torch.zeros_like(pool.slot_metrics))
             want = paged_attention(query, want_pool, batch, scale, metrics=MetricSink(selected))
+            # A step's first layer copies its decode rows to the device; the others reuse them.
+            triton_attention._decode_rows(batch.query_start_loc, device)
+            watch = watches["watch"] = MetricPassWatch()
             got = unified_attention.paged_attention_unified(query, pool, batch, scale, metrics=MetricSink(selected))
             print(json.dumps({
                 "case": f"paged_attention {kind} hkv{num_kv_heads} g{group} d{head_dim} b{block_size}{tag}",
                 **_errors(got, want),
                 "metric_error": (pool.slot_metrics - want_pool.slot_metrics).abs().max().item(),
                 "metric_total": want_pool.slot_metrics.abs().sum().item(),
+                "metric_launches": watch.launches,
+                "metric_host_reads": watch.reads,
             }), flush=True)
         # Slot-indexed decode with a padding row on an empty slot.
         pool, batch, query = _moved(make_case([1] * 4, num_kv_heads, group, head_dim, block_size, dtype, 100 + index, max_context=max_context, kernel_layout=False), device)
@@ -103,6 +168,7 @@ def main() -> None:
         selected = torch.tensor([1, 1, 0, 1, 0], dtype=torch.int8, device=device)
         want_pool = KVPool(pool.key_cache, pool.value_cache, pool.slot_positions, torch.zeros_like(pool.slot_metrics))
         want = paged_decode_by_slot_reference(rows_query, want_pool, slot_batch, 0.1, metrics=MetricSink(selected))
+        watch = watches["watch"] = MetricPassWatch()
         got = unified_attention.paged_decode_by_slot_unified(rows_query, pool, slot_batch, 0.1, metrics=MetricSink(selected))
         print(json.dumps({
             "case": f"decode_by_slot hkv{num_kv_heads} g{group} d{head_dim} b{block_size}{tag}",
@@ -110,6 +176,8 @@ def main() -> None:
             "padding_row_max": got[4].abs().max().item(),
             "metric_error": (pool.slot_metrics - want_pool.slot_metrics).abs().max().item(),
             "metric_total": want_pool.slot_metrics.abs().sum().item(),
+            "metric_launches": watch.launches,
+            "metric_host_reads": watch.reads,
         }), flush=True)
 
 

