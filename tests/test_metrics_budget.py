@@ -97,6 +97,62 @@ def test_accumulate_and_max_pool_follow_logical_slots():
             assert pooled[head, k] == window.max()
 
 
+@pytest.mark.parametrize("words", [False, True])
+@pytest.mark.parametrize("page_ids", [
+    [[3, 5, 0, 9], [7, 2, 3, 3]],  # padding at page 0 (free) and at head 0's page 3
+    [[0, 5, 3, 9], [7, 2, 0, 0]],  # page 0 held (its slot 0 too) and head 1's padding
+])
+def test_prompt_metric_passes_read_nothing_on_the_host_and_touch_only_held_slots(words, page_ids):
+    """The prompt-metric chain of a layer (attention_metrics, accumulate_metrics,
+    pool_metrics in max mode, as the attention backend runs it at a prompt's end) makes no
+    torch call that reads a device value on the host (on CUDA each waits for the stream,
+    at every layer), and equals a per-slot loop over the held slots: table columns past
+    a head's length, here pointing at page 0 and at another head's pages, stay as they
+    were bit for bit."""
+    from host_reads import HostReadWatch
+
+    torch.manual_seed(3)
+    num_pages, heads, group, dim, block = 16, 2, 3, 8, 4
+    key_cache = torch.randn(num_pages, block, dim)
+    slot_positions = torch.arange(block, dtype=torch.int32).repeat(num_pages, 1)
+    slot_positions += torch.arange(num_pages, dtype=torch.int32)[:, None] * block
+    tables = torch.tensor(page_ids)
+    lens = torch.tensor([7, 6])
+    for head in range(heads):  # slot i of a head at position i (an uncompressed prompt)
+        pages = tables[head, : -(-int(lens[head]) // block)]
+        slot_positions[pages] = (torch.arange(len(pages) * block, dtype=torch.int32)).view(-1, block)
+    slot_metrics = torch.rand(num_pages, block)
+    before = slot_metrics.clone()
+    query = torch.randn(3, heads * group, dim)
+    query_positions = torch.tensor([4, 5, 6])
+    word_starts = torch.tensor([0, 0, 2, 3, 3, 3, 6]) if words else None
+
+    with HostReadWatch() as watch:
+        scored = attention_metrics(query, query_positions, key_cache, slot_positions, tables, lens, 0.3)
+        accumulate_metrics(slot_metrics, tables, lens, scored)
+        from kvcompress.ops.metrics import pool_metrics
+
+        pool_metrics(slot_metrics, tables, lens, 3, "max", word_starts)
+    assert watch.reads == []
+
+    want = before.clone()
+    for head in range(heads):
+        held = [(int(tables[head, i // block]), i % block) for i in range(int(lens[head]))]
+        added = [float(want[p, o]) + float(scored[head, i]) for i, (p, o) in enumerate(held)]
+        pooled = [max(added[max(0, i - 1) : i + 2]) for i in range(len(held))]
+        if words:
+            spans = word_starts[: len(held)].tolist()
+            pooled = [max(v for j, v in enumerate(pooled) if spans[j] == spans[i]) for i in range(len(held))]
+        for (page, offset), value in zip(held, pooled):
+            want[page, offset] = value
+    assert torch.allclose(slot_metrics, want, rtol=0, atol=1e-6)
+    untouched = torch.ones(num_pages, block, dtype=torch.bool)
+    for head in range(heads):
+        for i in range(int(lens[head])):
+            untouched[tables[head, i // block], i % block] = False
+    assert torch.equal(slot_metrics[untouched], before[untouched])
+
+
 def test_decode_attention_adds_squared_probabilities_to_slot_metrics():
     length = 30
     cache, key_cache, value_cache, slot, keys, _ = _filled_cache(length)

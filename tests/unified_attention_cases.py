@@ -32,39 +32,20 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from torch.overrides import TorchFunctionMode  # noqa: E402
-
-# torch calls that read device values on the host: on CUDA each waits for the stream.
-HOST_READS = {
-    "__bool__", "__int__", "__float__", "__index__", "item", "tolist", "numpy", "cpu",
-    "nonzero", "masked_select", "unique", "tensor",
-}
+from host_reads import HostReadWatch  # noqa: E402
 
 
-class MetricPassWatch(TorchFunctionMode):
-    """Around a backend's decode metric pass: records its host reads (boolean-mask
-    indexing included) outside the kernel launches, and counts the launches of the
-    project's Triton decode kernels (under the interpreter the launch itself runs on
-    the host, so reads inside it are not the pass's)."""
+class MetricPassWatch(HostReadWatch):
+    """Around a backend's decode metric pass: its host reads outside the kernel launches,
+    and the launches of the project's Triton decode kernels (under the interpreter a
+    launch itself runs on the host, so reads inside it are not the pass's)."""
 
     def __init__(self):
         super().__init__()
-        self.reads: list[str] = []
         self.launches = 0
-        self.in_launch = False
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        bool_index = name == "__getitem__" and any(
-            isinstance(a, torch.Tensor) and a.dtype == torch.bool
-            for a in (args[1] if isinstance(args[1], tuple) else (args[1],))
-        )
-        if not self.in_launch and (name in HOST_READS or bool_index):
-            self.reads.append(name)
-        return func(*args, **(kwargs or {}))
 
 
-def _watch_metric_passes(unified_attention, triton_attention) -> MetricPassWatch:
+def _watch_metric_passes(unified_attention, triton_attention) -> dict:
     """Route the backend's metric passes through a fresh :class:`MetricPassWatch`
     (``watch.reads`` / ``watch.launches`` after each call)."""
     holder = {"watch": MetricPassWatch()}
@@ -73,11 +54,11 @@ def _watch_metric_passes(unified_attention, triton_attention) -> MetricPassWatch
     def counted_launch(*args, **kwargs):
         watch = holder["watch"]
         watch.launches += 1
-        watch.in_launch = True
+        watch.paused = True
         try:
             return launch(*args, **kwargs)
         finally:
-            watch.in_launch = False
+            watch.paused = False
 
     triton_attention._launch_decode = counted_launch
 

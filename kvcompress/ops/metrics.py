@@ -104,11 +104,18 @@ def accumulate_metrics(
     head_lens: torch.Tensor,
     metric: torch.Tensor,
 ) -> None:
-    """Add ``metric [H, P*b]`` (logical order) into the held slots of ``slot_metrics``."""
+    """Add ``metric [H, P*b]`` (logical order) into the held slots of ``slot_metrics``.
+
+    No host read (boolean indexing would wait for the stream on CUDA, at every layer):
+    the columns past a head's length add 0.0 to slot 0, which leaves it as it was.
+    """
     block_size = slot_metrics.shape[1]
     slots = _logical_slots(block_tables, block_size)
     held = torch.arange(slots.shape[1], device=slots.device) < head_lens.unsqueeze(-1)
-    slot_metrics.view(-1).index_add_(0, slots[held], metric[held].to(slot_metrics.dtype))
+    slot_metrics.view(-1).index_add_(
+        0, slots.masked_fill(~held, 0).reshape(-1),
+        metric.masked_fill(~held, 0.0).to(slot_metrics.dtype).reshape(-1),
+    )
 
 
 def pool_metrics(
@@ -129,6 +136,11 @@ def pool_metrics(
     ``word_starts``: ``[T]`` int64, the first position of the word span of each of the
     first T positions (``kvcompress.ops.word_spans.span_starts``); after the kernel,
     each of those positions gets its span's largest (pooled) metric.
+
+    ``max`` mode reads nothing on the host: a held slot's pooled value is at least its
+    own, so an ``amax`` scatter writes it exactly, and the columns past a head's length
+    scatter ``-inf`` to slot 0, which leaves it as it was. ``avg`` writes through a
+    boolean mask (a host read: a stream sync on CUDA).
     """
     if kernel <= 1 and word_starts is None:
         return
@@ -152,7 +164,13 @@ def pool_metrics(
         span = min(len(word_starts), pooled.shape[1])
         within = pooled[:, :span].masked_fill(~held[:, :span], float("-inf"))
         pooled[:, :span] = span_max_pool(within, word_starts[:span])
-    slot_metrics.view(-1)[slots[held]] = pooled[held]
+    if mode == "max":
+        slot_metrics.view(-1).scatter_reduce_(
+            0, slots.masked_fill(~held, 0).reshape(-1),
+            pooled.masked_fill(~held, float("-inf")).reshape(-1), "amax",
+        )
+    else:
+        slot_metrics.view(-1)[slots[held]] = pooled[held]
 
 
 def max_pool_metrics(
