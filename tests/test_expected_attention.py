@@ -154,3 +154,27 @@ def test_prompt_end_ranking_leaves_protected_slots_alone():
     assert new[0] == old[0] and torch.equal(new[8:], old[8:])
     assert torch.equal(new[1:8].sort().values, old[1:8].sort().values) and not torch.equal(new[1:8], old[1:8])
     assert torch.equal(metrics[[0, 2, 3, 5]], before[[0, 2, 3, 5]])
+
+
+def test_prompt_end_ranking_with_the_hosts_start_reads_nothing_on_the_host():
+    """Given the window's end position from the host (as the runner gives it), the pass
+    makes no torch call that reads a device value on the host (a stream sync at every
+    layer on CUDA) and writes what the self-reading call writes, with table columns past
+    a head's length pointing at the other head's held pages."""
+    from host_reads import HostReadWatch
+
+    from kvcompress.ops.expected_attention import RopeFrequencies, rank_prompt_metrics
+
+    gen = torch.Generator().manual_seed(17)
+    key_cache = torch.randn(10, 4, 8, generator=gen)
+    metrics = torch.rand(10, 4, generator=gen)
+    tables, lens = torch.tensor([[1, 4, 6], [6, 8, 1]]), torch.tensor([7, 5])
+    query, positions = torch.randn(3, 4, 8, generator=gen), torch.arange(4, 7)
+    rope = RopeFrequencies(1.0 / (100.0 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8)), True)
+    want = metrics.clone()
+    rank_prompt_metrics(want, key_cache, query, positions, tables, lens, 0.3, rope, sinks=1, protected=2)
+    with HostReadWatch() as watch:
+        rank_prompt_metrics(metrics, key_cache, query, positions, tables, lens, 0.3, rope, sinks=1, protected=2,
+                            start=7)
+    assert watch.reads == []
+    assert torch.equal(metrics, want)

@@ -42,13 +42,14 @@ def rope_frequencies(cos_sin_cache: torch.Tensor, rotary_dim: int) -> torch.Tens
     return torch.atan2(row[half : 2 * half], row[:half])
 
 
-def _pairs(head_dim: int, rotary_dim: int, neox: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _pairs(rotary_dim: int, neox: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Dimension indices ``(a, b)`` of each rotated pair: ``(x_a, x_b)`` turns by the
-    angle of its frequency. NeoX: halves of the rotary part; GPT-J: neighbours."""
+    angle of its frequency. NeoX: halves of the rotary part; GPT-J: neighbours. Made on
+    ``device`` (a copy from the host would wait for a CUDA stream)."""
     half = rotary_dim // 2
     if neox:
-        return torch.arange(half), torch.arange(half) + half
-    return torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2)
+        return torch.arange(half, device=device), torch.arange(half, 2 * half, device=device)
+    return torch.arange(0, rotary_dim, 2, device=device), torch.arange(1, rotary_dim, 2, device=device)
 
 
 def future_gaussian(
@@ -58,10 +59,10 @@ def future_gaussian(
     """Mean ``[Hq, D]`` and covariance ``[Hq, D, D]`` (float64) of the queries
     ``query [W, Hq, D]`` (post-RoPE, at ``positions [W]``) each averaged over the
     rotations to positions ``start ... start + horizon - 1``."""
-    queries, _, head_dim = query.shape
+    queries = query.shape[0]
     rotary_dim = 2 * inv_freq.shape[0]
     device = query.device
-    first, second = (index.to(device) for index in _pairs(head_dim, rotary_dim, neox))
+    first, second = _pairs(rotary_dim, neox, device)
     coming = torch.arange(start, start + horizon, dtype=torch.float64, device=device)
     offsets = coming[None, :] - positions.to(device).double()[:, None]
     angles = offsets[:, :, None] * inv_freq.to(device).double()[None, None, :]  # [W, horizon, D/2]
@@ -109,9 +110,8 @@ def rank_within_heads(kvc: torch.Tensor, expected: torch.Tensor, lens: torch.Ten
     weights = expected.to(device).double().masked_fill(~held, 0.0)
     combined = values / values.sum(-1, keepdim=True).clamp_min(1e-300)
     combined = combined + weights / weights.sum(-1, keepdim=True).clamp_min(1e-300)
-    inf = torch.tensor(float("inf"), dtype=torch.float64, device=device)
-    by_value = torch.where(held, values, inf).sort(dim=-1).values  # padding last
-    order = torch.where(held, combined, inf).argsort(dim=-1, stable=True)  # padding last
+    by_value = values.masked_fill(~held, float("inf")).sort(dim=-1).values  # padding last
+    order = combined.masked_fill(~held, float("inf")).argsort(dim=-1, stable=True)  # padding last
     ranked = torch.empty_like(values).scatter_(-1, order, by_value)
     return torch.where(held, ranked, kvc.double()).to(kvc.dtype)
 
@@ -133,11 +133,15 @@ class RopeFrequencies:
     inv_freq: torch.Tensor
     neox: bool
 
+    def to(self, device: torch.device | str) -> "RopeFrequencies":
+        """The same frequencies on ``device`` (kept there: one copy, not one per call)."""
+        return RopeFrequencies(self.inv_freq.to(device), self.neox)
+
 
 def rank_prompt_metrics(
     slot_metrics: torch.Tensor, key_cache: torch.Tensor, query: torch.Tensor, positions: torch.Tensor,
     tables: torch.Tensor, lens: torch.Tensor, scale: float, rope: RopeFrequencies, horizon: int = HORIZON,
-    sinks: int = 0, protected: int = 0,
+    sinks: int = 0, protected: int = 0, start: int | None = None,
 ) -> None:
     """One sequence's heads of one layer, at its prompt's end: hand each head's pooled kvc
     metrics out again in the order of kvc's and the expected attention's distributions
@@ -154,18 +158,30 @@ def rank_prompt_metrics(
         sinks, protected: the first ``sinks`` and last ``protected`` slots of each head,
             never evicted, keep their values: only the evictable slots trade values, so
             the evictable multiset, and with it the split, stays kvc's.
+        start: the position after the window's last query (the prompt's length), from
+            the host; None reads it from ``positions`` (a stream sync on CUDA).
+
+    Every head holds at least one KV (a prompt's end). Nothing is read on the host
+    (given ``start``): the table columns past a head's length write the head's first
+    slot's new value again instead of being masked out.
     """
     heads, num_pages = tables.shape
     block_size = key_cache.shape[1]
-    start = int(positions.max()) + 1
+    if start is None:
+        start = int(positions.max()) + 1
     mean, cov = future_gaussian(query, positions, rope.inv_freq, rope.neox, start, horizon)
     pages = tables.long()
     keys = key_cache[pages].reshape(heads, num_pages * block_size, key_cache.shape[2])
     expected = expected_attention(mean, cov, keys, lens, scale)
     slots = _logical_slots(pages, block_size)  # [H, P * b] flat slot ids, logical order
     kvc = slot_metrics.view(-1)[slots]
-    evictable = (lens.to(tables.device) - protected - sinks).clamp_min(0)
-    ranked = rank_within_heads(kvc[:, sinks:], expected[:, sinks:], evictable)
-    column = torch.arange(ranked.shape[1], device=tables.device)
-    held = column[None, :] < evictable[:, None]  # [H, P * b - sinks]
-    slot_metrics.view(-1)[slots[:, sinks:][held]] = ranked[held].to(slot_metrics.dtype)
+    lens = lens.to(tables.device)
+    evictable = (lens - protected - sinks).clamp_min(0)
+    updated = kvc.clone()  # slots outside the evictable range keep their values
+    updated[:, sinks:] = rank_within_heads(kvc[:, sinks:], expected[:, sinks:], evictable)
+    # Columns past a head's length may point anywhere (another head's pages too): they
+    # write the head's first slot again, with its own new value.
+    held = torch.arange(slots.shape[1], device=tables.device)[None, :] < lens[:, None]
+    targets = torch.where(held, slots, slots[:, :1])
+    values = torch.where(held, updated, updated[:, :1])
+    slot_metrics.view(-1).index_put_((targets.reshape(-1),), values.reshape(-1).to(slot_metrics.dtype))

@@ -369,6 +369,7 @@ class PerHeadAttentionImpl(AttentionImpl):
                         pool.slot_metrics, pool.key_cache, query[rows.row_start:rows.row_end],
                         step.query_positions[rows.row_start:rows.row_end], tables, lens, self.scale, state.rope,
                         sinks=rows.protected_prefix, protected=rows.protected_window,
+                        start=rows.end_position,
                     )
 
 

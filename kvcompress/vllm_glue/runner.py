@@ -282,7 +282,7 @@ class PerHeadRunnerMixin:
             ops=ops,
             layer_index={name: i for i, name in enumerate(layer_names)},
             decode_buffers=decode_buffers,
-            rope=model_rope(self.model),
+            rope=None if (rope := model_rope(self.model)) is None else rope.to(pool.device),
         )
         set_worker_state(state)
         # Decode steps on vLLM's CPU kernel get their tables in its terms once per step.
@@ -830,6 +830,7 @@ class PerHeadRunnerMixin:
                     index, start + lo, start + hi, done, spec, words,
                     protected_prefix=compression.budget.protected_prefix,
                     protected_window=compression.budget.protected_window,
+                    end_position=hi,
                 ))
         if not prompt_rows and not decode_seqs.any():
             return None

@@ -180,6 +180,8 @@ class PromptMetricRows:
             words (``kvcompress.ops.word_spans``); else None.
         protected_prefix, protected_window: the request's KVs never evicted at the
             start and the end of every head (``kvc-ea`` re-ranks only the others).
+        end_position: the position after the rows' last query (the prompt's length
+            when ``prompt_done``), known on the host.
     """
 
     seq_index: int
@@ -190,6 +192,7 @@ class PromptMetricRows:
     word_starts: torch.Tensor | None = None
     protected_prefix: int = 0
     protected_window: int = 0
+    end_position: int = 0
 
 
 @dataclass
