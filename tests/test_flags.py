@@ -144,6 +144,17 @@ def test_worker_binding_is_set_only_when_left_to_vllm(monkeypatch):
         engine_setup.bind_cpu_workers(4, data_parallel_size=2)
 
 
+def test_async_scheduling_asked_for_is_refused_and_otherwise_turned_off(tmp_path):
+    """vLLM 0.32 schedules asynchronously by default on CUDA; kvcompress needs each
+    step's report before the next is scheduled: it turns that off unless it was asked
+    for, and then refuses, naming both flags."""
+    model = _write_config(tmp_path)
+    assert _engine_config(model, **_kvc(rate=4)).scheduler_config.async_scheduling is False
+    with pytest.raises(KVCompressConfigError, match="--async-scheduling cannot be combined with --kv-compress"):
+        _engine_config(model, async_scheduling=True, **_kvc(rate=4))
+    _engine_config(model, async_scheduling=True)  # stock vLLM takes the flag (its CPU platform then drops it)
+
+
 def test_conflicting_block_size_is_refused(tmp_path):
     with pytest.raises(KVCompressConfigError, match="--kv-compress-block-size"):
         _engine_config(_write_config(tmp_path), block_size=32, **_kvc(block_size=16))

@@ -130,6 +130,12 @@ def prepare_engine_args(engine_args: Any, platform: Any = None) -> KVCompressCon
         raise KVCompressConfigError(f"speculative decoding cannot be combined with {flag}")
     if engine_args.pipeline_parallel_size > 1:
         raise KVCompressConfigError(f"pipeline parallelism cannot be combined with {flag}")
+    if engine_args.async_scheduling:
+        # vLLM 0.32 turns it on by default on CUDA; kvcompress turns it off (below).
+        raise KVCompressConfigError(
+            f"--async-scheduling cannot be combined with {flag}: the scheduler needs each "
+            "step's compression report (pages freed per head) before it schedules the next"
+        )
     if engine_args.tensor_parallel_size * engine_args.data_parallel_size > 1 and platform.is_cpu():
         bind_cpu_workers(engine_args.tensor_parallel_size, engine_args.data_parallel_size,
                          nnodes=getattr(engine_args, "nnodes", 1) or 1)
