@@ -1298,6 +1298,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="kvcompress engine: recompress every N steps (continual compression)")
     parser.add_argument("--kv-compress-pool-kernel", type=int, default=None,
                         help="kvcompress engine: pooling width for every policy (default: each policy's)")
+    parser.add_argument("--kv-compress-pool-words", choices=("true", "false"), default=None,
+                        help="kvcompress engine: pool over word spans for every policy (default: each policy's)")
     parser.add_argument("--kv-compress-observation-window", type=int, default=None,
                         help="kvcompress engine: scoring window for every policy (default: each policy's)")
     parser.add_argument("--kv-compress-decode-metric-stride", type=int, default=None,
@@ -1327,6 +1329,7 @@ def main(argv: list[str] | None = None) -> dict:
         ppl_context=args.ppl_context, ppl_tokens=args.ppl_tokens,
         interval=args.kv_compress_interval, log=log, progress=not args.no_progress,
         kvc_settings={"pool_kernel": args.kv_compress_pool_kernel,
+                      "pool_words": None if args.kv_compress_pool_words is None else args.kv_compress_pool_words == "true",
                       "observation_window": args.kv_compress_observation_window,
                       "decode_metric_stride": args.kv_compress_decode_metric_stride,
                       "block_size": args.kv_compress_block_size,
