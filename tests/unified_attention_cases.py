@@ -91,6 +91,15 @@ def _moved(value, device):
     return dataclasses.replace(value, **fields)
 
 
+def _as_the_runner_gives_it(batch):
+    """The batch as the attention backend gets it from the runner: int32 page tables and
+    the head lengths a ``[:, layer]`` view of ``[S, L, H]`` (not contiguous)."""
+    num_seqs, num_kv_heads = batch.head_lens.shape
+    lens = torch.zeros(num_seqs, 3, num_kv_heads, dtype=torch.int64, device=batch.head_lens.device)
+    lens[:, 1] = batch.head_lens
+    return dataclasses.replace(batch, block_tables=batch.block_tables.to(torch.int32), head_lens=lens[:, 1])
+
+
 def _errors(got: torch.Tensor, want: torch.Tensor) -> dict:
     error = (got.float() - want.float()).abs().max().item()
     return {"error": error, "rel_error": error / max(want.float().abs().max().item(), 1e-30)}
@@ -121,6 +130,7 @@ def main() -> None:
         max_context = 70 if device.type == "cpu" else 1500
         for kind, query_lens in kinds.items():
             pool, batch, query = _moved(make_case(query_lens, num_kv_heads, group, head_dim, block_size, dtype, index * 7 + len(kind), max_context=max_context, kernel_layout=False), device)
+            batch = _as_the_runner_gives_it(batch)
             scale = head_dim ** -0.5
             selected = torch.tensor([(s % 2 == 0) for s in range(len(query_lens))], device=device)
             want_pool = KVPool(pool.key_cache, pool.value_cache, pool.slot_positions, torch.zeros_like(pool.slot_metrics))
