@@ -64,7 +64,9 @@ def reconstruction_attention(
     cached_keys_t = pool.key_cache[pages].reshape(num_kv_heads, num_keys, head_dim).float().transpose(1, 2)
     cached_values = pool.value_cache[pages].reshape(num_kv_heads, num_keys, head_dim).float()
     held = torch.arange(num_keys, device=device) < head_lens.long().unsqueeze(-1)  # [H, K]
-    all_held = bool(held.all())
+    # Skipping the mask when every column is held saves a pass on CPU; on CUDA reading
+    # that on the host would wait for the stream at every layer.
+    all_held = device.type == "cpu" and bool(held.all())
     own_keys_t = key.float().permute(1, 2, 0)  # [H, D, n]
     own_values = value.float().transpose(0, 1)  # [H, n, D]
     queries = query.float().view(num_tokens, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [H, G, n, D]
