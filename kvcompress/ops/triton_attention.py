@@ -435,20 +435,15 @@ def _batch_plan(query_start_loc: list[int], block_q: int, device: torch.device):
     hit = _PLAN_CACHE.get(key)
     if hit is not None:
         return hit
-    dec_seq, dec_tok, blk_seq, blk_start, blk_end = [], [], [], [], []
+    blk_seq, blk_start, blk_end = [], [], []
     for s in range(len(query_start_loc) - 1):
         first, end = query_start_loc[s], query_start_loc[s + 1]
-        if end - first == 1:
-            dec_seq.append(s)
-            dec_tok.append(first)
-        elif end - first > 1:
+        if end - first > 1:
             for start in range(first, end, block_q):
                 blk_seq.append(s)
                 blk_start.append(start)
                 blk_end.append(end)
-    decode = (
-        torch.tensor([dec_seq, dec_tok], dtype=torch.int32).to(device) if dec_seq else None
-    )
+    decode = _decode_rows(query_start_loc, device)
     blocks = (
         torch.tensor([blk_seq, blk_start, blk_end], dtype=torch.int64).to(device)
         if blk_seq
