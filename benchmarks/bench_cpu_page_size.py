@@ -53,9 +53,11 @@ def _caches(torch, kv_heads_per_seq, block, head_dim, num_pages, dtype, generato
     return cpu_attention.kernel_cache_views(*cpu_attention.pool_views(buffer))  # as the engine passes them
 
 
-def _case(torch, kv_heads_per_seq, query_heads, head_dim, block, lens, dtype, generator, order_name):
+def _case(torch, kv_heads_per_seq, query_heads, head_dim, block, lens, dtype, generator, order_name,
+          query_len=1):
     """One kernel call's inputs: ``len(lens)`` sequences over a page pool, their pages in
-    ``order_name`` order (``scattered`` or ``ascending``)."""
+    ``order_name`` order (``scattered`` or ``ascending``), each with its last
+    ``query_len`` positions as queries (1: a decode step; more: a prompt chunk)."""
     from kvcompress.ops.cpu_attention import kernel_isa
 
     num_seqs = len(lens)
@@ -68,9 +70,9 @@ def _case(torch, kv_heads_per_seq, query_heads, head_dim, block, lens, dtype, ge
         runs = torch.randperm(num_seqs, generator=generator)
         order = (runs[:, None] * pages_per_seq + torch.arange(pages_per_seq)).reshape(-1)
     block_table = order.view(num_seqs, pages_per_seq).to(torch.int32)
-    query = torch.randn(num_seqs, query_heads, head_dim, generator=generator).to(dtype)
+    query = torch.randn(num_seqs * query_len, query_heads, head_dim, generator=generator).to(dtype)
     out = torch.empty_like(query)
-    starts = torch.arange(num_seqs + 1, dtype=torch.int32)
+    starts = torch.arange(num_seqs + 1, dtype=torch.int32) * query_len
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     ops = torch.ops._C
     metadata = ops.get_scheduler_metadata(
@@ -88,7 +90,8 @@ def _case(torch, kv_heads_per_seq, query_heads, head_dim, block, lens, dtype, ge
     return run
 
 
-def measure(torch, shape: str, batch: int, context: int, blocks, rounds: int, orders) -> dict[str, float]:
+def measure(torch, shape: str, batch: int, context: int, blocks, rounds: int, orders,
+            query_len: int = 1) -> dict[str, float]:
     """Median ms per call of stock's cache and the per-head pool at each page size, in
     each page order."""
     kv_heads, group, head_dim, dtype_name = SHAPES[shape]
@@ -97,11 +100,13 @@ def measure(torch, shape: str, batch: int, context: int, blocks, rounds: int, or
     variants = {}
     for order in orders:
         variants[f"stock b128 {order}"] = _case(
-            torch, kv_heads, kv_heads * group, head_dim, 128, [context] * batch, dtype, generator, order
+            torch, kv_heads, kv_heads * group, head_dim, 128, [context] * batch, dtype, generator, order,
+            query_len,
         )
         for block in blocks:
             variants[f"per-head b{block} {order}"] = _case(
-                torch, 1, group, head_dim, block, [context] * (batch * kv_heads), dtype, generator, order
+                torch, 1, group, head_dim, block, [context] * (batch * kv_heads), dtype, generator, order,
+                query_len,
             )
     flush = torch.empty(64 * 2**20 // 4)
     names = list(variants)
@@ -127,6 +132,8 @@ def main(argv=None) -> int:
     parser.add_argument("--blocks", type=int, nargs="+", default=[16, 32, 64, 128])
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--orders", nargs="+", choices=("scattered", "ascending"), default=["scattered", "ascending"])
+    parser.add_argument("--query-len", type=int, default=1,
+                        help="query rows per sequence: 1 = a decode step, more = a prompt chunk ending at --context")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--out", default=None, help="write <OUT>.md")
     args = parser.parse_args(argv)
@@ -149,7 +156,9 @@ def main(argv=None) -> int:
     columns = ["stock b128"] + [f"per-head b{b}" for b in args.blocks]
     lines = [
         "# vLLM's CPU attention kernel: stock blocks vs per-head pages\n",
-        f"- machine: {machine}; {args.threads} threads; decode, one layer, "
+        f"- machine: {machine}; {args.threads} threads; "
+        + ("decode" if args.query_len == 1 else f"a {args.query_len}-query prompt chunk per sequence")
+        + ", one layer, "
         f"context {args.context} KVs in every head; median of {args.rounds} interleaved rounds\n",
         "| shape (KV heads x G, D, dtype) | batch | page order | " + " | ".join(f"{c} ms" for c in columns)
         + " | " + " | ".join(f"b{b} / stock scattered" for b in args.blocks) + " |",
@@ -159,7 +168,7 @@ def main(argv=None) -> int:
     for shape in args.shapes:
         kv_heads, group, head_dim, dtype_name = SHAPES[shape]
         for batch in args.batches:
-            ms = measure(torch, shape, batch, args.context, args.blocks, args.rounds, args.orders)
+            ms = measure(torch, shape, batch, args.context, args.blocks, args.rounds, args.orders, args.query_len)
             stock = ms.get("stock b128 scattered") or ms[f"stock b128 {args.orders[0]}"]
             for order in args.orders:
                 row = (
