@@ -97,14 +97,16 @@ def test_accumulate_and_max_pool_follow_logical_slots():
             assert pooled[head, k] == window.max()
 
 
+@pytest.mark.parametrize("mode", ["max", "avg"])
 @pytest.mark.parametrize("words", [False, True])
 @pytest.mark.parametrize("page_ids", [
     [[3, 5, 0, 9], [7, 2, 3, 3]],  # padding at page 0 (free) and at head 0's page 3
     [[0, 5, 3, 9], [7, 2, 0, 0]],  # page 0 held (its slot 0 too) and head 1's padding
 ])
-def test_prompt_metric_passes_read_nothing_on_the_host_and_touch_only_held_slots(words, page_ids):
+def test_prompt_metric_passes_read_nothing_on_the_host_and_touch_only_held_slots(mode, words, page_ids):
     """The prompt-metric chain of a layer (attention_metrics, accumulate_metrics,
-    pool_metrics in max mode, as the attention backend runs it at a prompt's end) makes no
+    pool_metrics in max mode, or avg as xkv's, as the attention backend runs it at a
+    prompt's end) makes no
     torch call that reads a device value on the host (on CUDA each waits for the stream,
     at every layer), and equals a per-slot loop over the held slots: table columns past
     a head's length, here pointing at page 0 and at another head's pages, stay as they
@@ -132,14 +134,15 @@ def test_prompt_metric_passes_read_nothing_on_the_host_and_touch_only_held_slots
         accumulate_metrics(slot_metrics, tables, lens, scored)
         from kvcompress.ops.metrics import pool_metrics
 
-        pool_metrics(slot_metrics, tables, lens, 3, "max", word_starts)
+        pool_metrics(slot_metrics, tables, lens, 3, mode, word_starts)
     assert watch.reads == []
 
     want = before.clone()
     for head in range(heads):
         held = [(int(tables[head, i // block]), i % block) for i in range(int(lens[head]))]
         added = [float(want[p, o]) + float(scored[head, i]) for i, (p, o) in enumerate(held)]
-        pooled = [max(added[max(0, i - 1) : i + 2]) for i in range(len(held))]
+        windows = [added[max(0, i - 1) : i + 2] for i in range(len(held))]
+        pooled = [max(w) if mode == "max" else sum(w) / len(w) for w in windows]
         if words:
             spans = word_starts[: len(held)].tolist()
             pooled = [max(v for j, v in enumerate(pooled) if spans[j] == spans[i]) for i in range(len(held))]

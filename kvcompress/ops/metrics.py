@@ -137,10 +137,11 @@ def pool_metrics(
     first T positions (``kvcompress.ops.word_spans.span_starts``); after the kernel,
     each of those positions gets its span's largest (pooled) metric.
 
-    ``max`` mode reads nothing on the host: a held slot's pooled value is at least its
-    own, so an ``amax`` scatter writes it exactly, and the columns past a head's length
-    scatter ``-inf`` to slot 0, which leaves it as it was. ``avg`` writes through a
-    boolean mask (a host read: a stream sync on CUDA).
+    Reads nothing on the host (on CUDA a read would wait for the stream at every layer).
+    ``max``: a held slot's pooled value is at least its own, so an ``amax`` scatter
+    writes it exactly, and the columns past a head's length scatter ``-inf`` to slot 0,
+    which leaves it as it was. ``avg``: those columns rewrite their head's first slot
+    with that slot's own new value (every head holds at least one KV at a prompt's end).
     """
     if kernel <= 1 and word_starts is None:
         return
@@ -170,7 +171,8 @@ def pool_metrics(
             pooled.masked_fill(~held, float("-inf")).reshape(-1), "amax",
         )
     else:
-        slot_metrics.view(-1)[slots[held]] = pooled[held]
+        targets = torch.where(held, slots, slots[:, :1])
+        slot_metrics.view(-1).index_put_((targets.reshape(-1),), torch.where(held, pooled, pooled[:, :1]).reshape(-1))
 
 
 def max_pool_metrics(
