@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress.ops.metrics import _logical_slots
+from kvcompress.ops.metrics import _logical_slots, write_held_slots
 
 
 def rope_frequencies(cos_sin_cache: torch.Tensor, rotary_dim: int) -> torch.Tensor:
@@ -179,9 +179,5 @@ def rank_prompt_metrics(
     evictable = (lens - protected - sinks).clamp_min(0)
     updated = kvc.clone()  # slots outside the evictable range keep their values
     updated[:, sinks:] = rank_within_heads(kvc[:, sinks:], expected[:, sinks:], evictable)
-    # Columns past a head's length may point anywhere (another head's pages too): they
-    # write the head's first slot again, with its own new value.
     held = torch.arange(slots.shape[1], device=tables.device)[None, :] < lens[:, None]
-    targets = torch.where(held, slots, slots[:, :1])
-    values = torch.where(held, updated, updated[:, :1])
-    slot_metrics.view(-1).index_put_((targets.reshape(-1),), values.reshape(-1).to(slot_metrics.dtype))
+    write_held_slots(slot_metrics, slots, held, updated)

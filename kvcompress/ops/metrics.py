@@ -28,6 +28,20 @@ def _logical_slots(block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
     return (block_tables.unsqueeze(-1) * block_size + offsets).reshape(block_tables.shape[0], -1)
 
 
+def write_held_slots(slot_metrics: torch.Tensor, slots: torch.Tensor, held: torch.Tensor,
+                     values: torch.Tensor) -> None:
+    """``slot_metrics`` at each head's held slots = ``values``, reading nothing on the host
+    (a boolean-mask write would: a stream sync on CUDA).
+
+    ``slots`` ``[H, K]`` flat slot ids in logical order, ``held`` ``[H, K]`` bool, ``values``
+    ``[H, K]``. Columns not held may point anywhere (another head's pages too): they write
+    their head's first slot again with its own new value, so every head must hold at least
+    one KV (a prompt's end)."""
+    targets = torch.where(held, slots, slots[:, :1])
+    values = torch.where(held, values, values[:, :1])
+    slot_metrics.view(-1).index_put_((targets.reshape(-1),), values.reshape(-1).to(slot_metrics.dtype))
+
+
 SCORE_COPIES = 4  # score-sized float32 temporaries alive at once in attention_metrics
 
 
@@ -171,8 +185,7 @@ def pool_metrics(
             pooled.masked_fill(~held, float("-inf")).reshape(-1), "amax",
         )
     else:
-        targets = torch.where(held, slots, slots[:, :1])
-        slot_metrics.view(-1).index_put_((targets.reshape(-1),), torch.where(held, pooled, pooled[:, :1]).reshape(-1))
+        write_held_slots(slot_metrics, slots, held, pooled)
 
 
 def max_pool_metrics(
