@@ -17,10 +17,12 @@ before vLLM's kernel module is imported.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import sys
+import warnings
 
 ARGS = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ARGS.add_argument("--device", default="cpu", help="cpu (Triton interpreter) or cuda (compiled)")
@@ -64,13 +66,31 @@ def _watch_metric_passes(unified_attention, triton_attention) -> dict:
 
     def watched(original):
         def run(*args, **kwargs):
-            with holder["watch"]:
+            with holder["watch"], _stream_waits(holder["watch"]):
                 return original(*args, **kwargs)
         return run
 
     unified_attention._triton_paged_metrics = watched(unified_attention._triton_paged_metrics)
     unified_attention._triton_slot_metrics = watched(unified_attention._triton_slot_metrics)
     return holder
+
+
+@contextlib.contextmanager
+def _stream_waits(watch: HostReadWatch):
+    """On CUDA, also what CUDA's sync debug mode sees: each call of the pass that waits
+    for the stream (a copy from pageable host memory too, which no torch call name
+    shows) goes into ``watch.reads`` as ``"cuda stream sync"``."""
+    if ARGS.parse_known_args()[0].device != "cuda":
+        yield
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    watch.reads += ["cuda stream sync" for w in caught if "synchronizing CUDA operation" in str(w.message)]
 
 
 def _hand_vllm_the_real_triton() -> None:

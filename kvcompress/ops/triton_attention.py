@@ -431,6 +431,7 @@ def _batch_plan(query_start_loc: list[int], block_q: int, device: torch.device):
     Returns ``(decode [2, B] int32 (seq, token) or None, blocks [3, N] int64
     (seq, first token, end token) or None)``.
     """
+    device = _plan_device(device)
     key = (tuple(query_start_loc), block_q, device)
     hit = _PLAN_CACHE.get(key)
     if hit is not None:
@@ -445,7 +446,7 @@ def _batch_plan(query_start_loc: list[int], block_q: int, device: torch.device):
                 blk_end.append(end)
     decode = _decode_rows(query_start_loc, device)
     blocks = (
-        torch.tensor([blk_seq, blk_start, blk_end], dtype=torch.int64).to(device)
+        _host_to_device(torch.tensor([blk_seq, blk_start, blk_end], dtype=torch.int64), device)
         if blk_seq
         else None
     )
@@ -458,13 +459,32 @@ def _batch_plan(query_start_loc: list[int], block_q: int, device: torch.device):
 def _decode_rows(query_start_loc: list[int], device: torch.device) -> torch.Tensor | None:
     """``[2, B]`` int32 (sequence, first token) of the batch's decode rows (one query),
     or None; cached as :func:`_batch_plan` is, so only a step's first layer copies."""
+    device = _plan_device(device)
     key = ("decode rows", tuple(query_start_loc), device)
     if key not in _PLAN_CACHE:
         rows = [(s, first) for s, (first, end) in enumerate(zip(query_start_loc, query_start_loc[1:])) if end - first == 1]
         if len(_PLAN_CACHE) >= _PLAN_CACHE_SIZE:
             _PLAN_CACHE.pop(next(iter(_PLAN_CACHE)))
-        _PLAN_CACHE[key] = torch.tensor(rows, dtype=torch.int32).t().contiguous().to(device) if rows else None
+        host = torch.tensor(rows, dtype=torch.int32).t().contiguous() if rows else None
+        _PLAN_CACHE[key] = _host_to_device(host, device) if rows else None
     return _PLAN_CACHE[key]
+
+
+def _plan_device(device: torch.device) -> torch.device:
+    """``cuda`` and ``cuda:0`` as one cache key (callers pass either)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A plan tensor built on the host, on ``device``. On CUDA through pinned memory
+    and a non-blocking copy: a copy from pageable memory waits for the stream (measured
+    on an H200 with ``torch.cuda.set_sync_debug_mode``), here at a step's first layer."""
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 def _dot_config(query: torch.Tensor, key_cache: torch.Tensor):
