@@ -694,11 +694,16 @@ def run_quality(
     engine_args: dict | None = None,
     log=print,
     progress: bool = False,
+    full_from: str | None = None,
+    partial: str | None = None,
 ) -> dict[str, Any]:
     """Stock vLLM once, then kvcompress once per (policy, rate), on the same samples.
     Rate 1 evicts nothing whatever the policy: it is run once, under ``policies[0]``,
     and that same run is stored as every policy's rate 1. ``progress``: a tqdm bar per
-    run (stderr).
+    run (stderr). ``full_from``: an earlier results JSON on the same samples whose
+    full-cache answers are taken instead of running stock vLLM again
+    (:func:`load_full_run`). ``partial``: after each (policy, rate) run, the results so
+    far go to this JSON path (what a run stopped early keeps; ``--full-from`` takes it).
 
     Returns ``{"config", "machine", "samples", "runs": {"full": run, policy: {rate: run},
     ...}, "rows", "rate1_identical", "timings"}``; ``rows`` as in :func:`score_rows`.
@@ -738,16 +743,38 @@ def run_quality(
     log(f"{len(samples)} samples built in {build_seconds:.0f} s ({counts})")
 
     timings: dict[str, Any] = {"build_samples": build_seconds}
-    started = time.perf_counter()
-    stock = LLM(model=path, **args)
-    timings["full_engine_start"] = time.perf_counter() - started
-    try:
-        full = _generate(stock, samples, None, kvc=False,
-                         desc=f"full cache: {len(samples)} samples" if progress else None)
-    finally:
-        shutdown(stock)
-    log(f"full cache (stock vLLM): engine up in {timings['full_engine_start']:.0f} s, "
-        f"answered in {full['seconds']:.0f} s")
+    config = {
+        "model": model_name, "tasks": tasks, "lengths": lengths, "rates": rates,
+        "policies": policies, "limit": limit, "depths": depths, "seed": seed, "ppl_samples": ppl_samples,
+        "ppl_context": ppl_context, "ppl_tokens": ppl_tokens,
+        "kv_compress_interval": interval, "max_tokens": MAX_TOKENS,
+        "kvc_settings": {k: v for k, v in (kvc_settings or {}).items() if v is not None},
+        "engine_args": {k: v for k, v in args.items()},
+    }  # fmt: skip
+    sample_records = [{k: v for k, v in s.items() if k not in ("prompt_token_ids", "forced")} for s in samples]
+    if full_from is not None:
+        full = load_full_run(full_from, config, sample_records)
+        timings["full_engine_start"] = 0.0
+        config["full_from"] = str(full_from)
+        log(f"full cache (stock vLLM): answers of {full_from} (same samples; its run took {full['seconds']:.0f} s)")
+    else:
+        started = time.perf_counter()
+        stock = LLM(model=path, **args)
+        timings["full_engine_start"] = time.perf_counter() - started
+        try:
+            full = _generate(stock, samples, None, kvc=False,
+                             desc=f"full cache: {len(samples)} samples" if progress else None)
+        finally:
+            shutdown(stock)
+        log(f"full cache (stock vLLM): engine up in {timings['full_engine_start']:.0f} s, "
+            f"answered in {full['seconds']:.0f} s")
+
+    def assemble(runs: dict, identical) -> dict[str, Any]:
+        results = {"config": config, "machine": machine_info(), "samples": sample_records,
+                   "runs": {"full": full, **runs}, "rate1_identical": identical}
+        results["rows"] = score_rows(results)
+        results["timings"] = {**timings, "wall": time.perf_counter() - wall}
+        return results
 
     started = time.perf_counter()
     extra_settings = {f"kv_compress_{k}": v for k, v in (kvc_settings or {}).items() if v is not None}
@@ -769,34 +796,61 @@ def run_quality(
                 log(f"kvcompress {policy} rate {rate:g}: {run['seconds']:.0f} s, "
                     f"{run['compressions']} compressions "
                     f"({run['compressions_on_interval']} on the interval)")
+                if partial is not None:
+                    done = {name: dict(by_rate) for name, by_rate in runs.items() if by_rate}
+                    _write_json(partial, _without_token_ids(assemble(done, None)))
+                    log(f"wrote {partial} ({sum(len(r) for r in done.values())} runs so far)")
     finally:
         shutdown(kvc)
 
     identical = None
-    if rate1 is not None:
+    if rate1 is not None and "token_ids" in full:
         identical = rate1["token_ids"] == full["token_ids"]
-    results = {
-        "config": {
-            "model": model_name, "tasks": tasks, "lengths": lengths, "rates": rates,
-            "policies": policies, "limit": limit, "depths": depths, "seed": seed, "ppl_samples": ppl_samples,
-            "ppl_context": ppl_context, "ppl_tokens": ppl_tokens,
-            "kv_compress_interval": interval, "max_tokens": MAX_TOKENS,
-            "kvc_settings": {k: v for k, v in (kvc_settings or {}).items() if v is not None},
-            "engine_args": {k: v for k, v in args.items()},
-        },  # fmt: skip
-        "machine": machine_info(),
-        "samples": [
-            {k: v for k, v in s.items() if k not in ("prompt_token_ids", "forced")} for s in samples
-        ],
-        "runs": {"full": full, **runs},
-        "rate1_identical": identical,
-    }
-    results["rows"] = score_rows(results)
-    timings["wall"] = time.perf_counter() - wall
-    results["timings"] = timings
-    for run in [full, *(run for by_rate in runs.values() for run in by_rate.values())]:
-        run.pop("token_ids", None)  # compared above; the texts stay
-    return results
+    elif rate1 is not None:
+        log("rate 1 not compared token by token with the full cache: --full-from kept its texts only")
+    return _without_token_ids(assemble(runs, identical))
+
+
+def _without_token_ids(results: dict) -> dict:
+    """The results with each run's token ids left out (compared at rate 1; the texts stay)."""
+    runs = {"full": {k: v for k, v in results["runs"]["full"].items() if k != "token_ids"}}
+    for policy, by_rate in results["runs"].items():
+        if policy != "full":
+            runs[policy] = {rate: {k: v for k, v in run.items() if k != "token_ids"} for rate, run in by_rate.items()}
+    return {**results, "runs": runs}
+
+
+def _write_json(path: str, results: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(f"{path}.tmp")
+    scratch.write_text(json.dumps(results, indent=1, default=str))
+    scratch.replace(path)  # a reader never sees half a file
+
+
+FULL_RUN_KEYS = ("model", "tasks", "lengths", "limit", "depths", "seed", "ppl_samples", "ppl_context",
+                 "ppl_tokens", "max_tokens")
+"""Settings that fix the samples and the full cache's answers (``--full-from`` checks them)."""
+
+
+def load_full_run(path: str, config: dict, sample_records: list[dict]) -> dict:
+    """The full-cache run of an earlier results JSON (a finished run's or a partial
+    one's), refused with a message naming the difference unless it answered the same
+    samples: same model, tasks, lengths, limit, depths, seed, perplexity windows and
+    answer lengths, and the same list of samples (task, length, index, prompt tokens,
+    text offsets)."""
+    earlier = json.loads(Path(path).read_text())
+    differs = [key for key in FULL_RUN_KEYS if earlier["config"].get(key) != json.loads(json.dumps(config[key]))]
+    if differs:
+        raise ValueError(f"--full-from {path}: not the same samples ({', '.join(differs)} differ: "
+                         + "; ".join(f"{k} {earlier['config'].get(k)!r} there, {config[k]!r} here" for k in differs)
+                         + ")")
+    if earlier["samples"] != json.loads(json.dumps(sample_records)):
+        raise ValueError(f"--full-from {path}: its samples differ from this run's (same settings, "
+                         "other texts: another tokenizer or haystack?)")
+    full = earlier["runs"]["full"]
+    if len(full["texts"]) != len(sample_records):
+        raise ValueError(f"--full-from {path}: {len(full['texts'])} full-cache answers for {len(sample_records)} samples")
+    return full
 
 
 def machine_info() -> dict[str, Any]:
@@ -1234,9 +1288,7 @@ def write_plot(results: dict, path: str, log=print) -> bool:
 
 def write_outputs(results: dict, prefix: str, log=print) -> None:
     """``<prefix>.json``, ``<prefix>.md`` (table + setup), ``<prefix>.png`` (if matplotlib)."""
-    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
-    with open(f"{prefix}.json", "w") as handle:
-        json.dump(results, handle, indent=1, default=str)
+    _write_json(f"{prefix}.json", results)
     machine, config, timings = results["machine"], results["config"], results["timings"]
     policies = _policies(results)
     per_run = ", ".join(f"{label} {run['seconds']:.0f} s" for label, run in _labelled_runs(results))
@@ -1254,7 +1306,8 @@ def write_outputs(results: dict, prefix: str, log=print) -> None:
         f"- engine: {', '.join(f'{k}={v}' for k, v in config['engine_args'].items() if k != 'logits_processors')}; "
         f"kvcompress interval {config['kv_compress_interval']}"
         + "".join(f", {k}={v}" for k, v in config.get("kvc_settings", {}).items()),
-        f"- wall time {timings['wall']:.0f} s: full cache {results['runs']['full']['seconds']:.0f} s, "
+        f"- wall time {timings['wall']:.0f} s: full cache {results['runs']['full']['seconds']:.0f} s"
+        + (f" (answers taken from `{config['full_from']}`)" if config.get("full_from") else "") + ", "
         f"{per_run}; engine starts {timings['full_engine_start']:.0f} + {timings['kvc_engine_start']:.0f} s",
         f"- command: `python benchmarks/eval_quality.py {results.get('argv', '')}`",
         "",
@@ -1313,7 +1366,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--kv-compress-min-cache-tokens", type=int, default=None,
                         help="kvcompress engine: tokens per head never compressed below (default: the "
                              "engine's 128, which floors every rate above 16 at 2K; 0 for a true rate)")
-    parser.add_argument("--out", default=None, help="write <OUT>.json/.md/.png")
+    parser.add_argument("--out", default=None,
+                        help="write <OUT>.json/.md/.png; after each (policy, rate) run, <OUT>.partial.json")
+    parser.add_argument("--full-from", default=None, metavar="JSON",
+                        help="take the full cache's answers from an earlier results JSON (or a .partial.json) "
+                             "on the same samples instead of running stock vLLM again (checked; refused "
+                             "naming the difference)")
     parser.add_argument("--show-outputs", action="store_true")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm bars")
     raw = sys.argv[1:] if argv is None else list(argv)
@@ -1328,6 +1386,7 @@ def main(argv: list[str] | None = None) -> dict:
         policies=args.policies, limit=args.limit, depths=args.depths, seed=args.seed, ppl_samples=args.ppl_samples,
         ppl_context=args.ppl_context, ppl_tokens=args.ppl_tokens,
         interval=args.kv_compress_interval, log=log, progress=not args.no_progress,
+        full_from=args.full_from, partial=f"{args.out}.partial.json" if args.out else None,
         kvc_settings={"pool_kernel": args.kv_compress_pool_kernel,
                       "pool_words": None if args.kv_compress_pool_words is None else args.kv_compress_pool_words == "true",
                       "observation_window": args.kv_compress_observation_window,
@@ -1351,6 +1410,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(format_table(results))
     if args.out:
         write_outputs(results, args.out, log=log)
+        Path(f"{args.out}.partial.json").unlink(missing_ok=True)  # the whole run is written
     print(summary_line(results))
     return results
 

@@ -143,6 +143,43 @@ def test_outputs_are_written(quality):
     print("\n" + bench.format_table(results))
 
 
+def test_the_whole_run_replaces_its_partial_file(quality):
+    _, _, prefix = quality
+    assert Path(f"{prefix}.json").exists() and not Path(f"{prefix}.partial.json").exists()
+
+
+def test_full_from_refuses_other_samples_naming_the_difference(quality):
+    bench, _, prefix = quality
+    saved = json.loads(Path(f"{prefix}.json").read_text())
+    config, samples = dict(saved["config"]), saved["samples"]
+    assert bench.load_full_run(f"{prefix}.json", config, samples)["texts"] == saved["runs"]["full"]["texts"]
+    with pytest.raises(ValueError, match=r"--full-from .*limit 1 there, 2 here"):
+        bench.load_full_run(f"{prefix}.json", {**config, "limit": 2}, samples)
+    moved = [dict(samples[0], prompt_tokens=samples[0]["prompt_tokens"] - 1), *samples[1:]]
+    with pytest.raises(ValueError, match="its samples differ"):
+        bench.load_full_run(f"{prefix}.json", config, moved)
+
+
+def test_a_run_on_the_full_answers_of_another_scores_as_that_run_did(quality, tmp_path):
+    """``--full-from``: the full cache's answers come from the module's run (no stock
+    engine); kvc at rate 8 answers as it did there (same samples, deterministic), so
+    every row equals that run's; each finished (policy, rate) is in the partial file."""
+    bench, results, prefix = quality
+    partial = tmp_path / "again.partial.json"
+    again = bench.run_quality(
+        tasks=list(results["config"]["tasks"]), lengths=[LENGTH], rates=[8], policies=["kvc"], limit=1,
+        ppl_samples=1, ppl_context=512, ppl_tokens=32, log=lambda _: None,
+        full_from=f"{prefix}.json", partial=str(partial),
+    )
+    assert again["timings"]["full_engine_start"] == 0.0
+    for policy, rate in (("full", 1.0), ("kvc", 8.0)):
+        want = {(r["task"], r["length"]): r["score"] for r in _rows(results, policy=policy, rate=rate)}
+        got = {(r["task"], r["length"]): r["score"] for r in _rows(again, policy=policy, rate=rate)}
+        assert got == want and len(got) >= 2, policy
+    written = json.loads(partial.read_text())
+    assert list(written["runs"]) == ["full", "kvc"] and list(written["runs"]["kvc"]) == ["8.0"]
+
+
 QUALITY_SAMPLES = 8
 NEEDLE_MARGIN = 0.25
 """kvc at rate 8 may lose 2 of the 8 needles the full cache finds (measured here: the
