@@ -69,6 +69,11 @@ and 32: ~6 min per (policy, rate).
         --policies kvc snapkv ada-snapkv pyramidkv xkv h2o streamingllm random \\
         --out benchmarks/results/quality-rank-smollm2-cpu        # .json .md .png
     python benchmarks/eval_quality.py                               # everything (hours)
+More policies or rates on the samples of an earlier run, without running the full cache
+again (~15 min at 2K here): ``--full-from <earlier>.json`` with the same task, length,
+limit and perplexity flags (checked against its samples). ``--out`` also writes
+``<OUT>.partial.json`` after each (policy, rate) run: a run stopped early keeps its
+finished runs there (``format_table`` / ``write_outputs`` read it as a whole run's).
 """
 
 from __future__ import annotations
