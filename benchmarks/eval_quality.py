@@ -817,11 +817,19 @@ def run_quality(
 
 
 def _without_token_ids(results: dict) -> dict:
-    """The results with each run's token ids left out (compared at rate 1; the texts stay)."""
-    runs = {"full": {k: v for k, v in results["runs"]["full"].items() if k != "token_ids"}}
+    """The results with each run's token ids left out (compared at rate 1; the texts
+    stay). A run shared by several policies (rate 1) stays one object."""
+    copies: dict[int, dict] = {}
+
+    def strip(run: dict) -> dict:
+        if id(run) not in copies:
+            copies[id(run)] = {k: v for k, v in run.items() if k != "token_ids"}
+        return copies[id(run)]
+
+    runs = {"full": strip(results["runs"]["full"])}
     for policy, by_rate in results["runs"].items():
         if policy != "full":
-            runs[policy] = {rate: {k: v for k, v in run.items() if k != "token_ids"} for rate, run in by_rate.items()}
+            runs[policy] = {rate: strip(run) for rate, run in by_rate.items()}
     return {**results, "runs": runs}
 
 
