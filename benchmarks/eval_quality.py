@@ -802,7 +802,7 @@ def run_quality(
                     f"{run['compressions']} compressions "
                     f"({run['compressions_on_interval']} on the interval)")
                 if partial is not None:
-                    done = {name: dict(by_rate) for name, by_rate in runs.items() if by_rate}
+                    done = {name: by_rate for name, by_rate in runs.items() if by_rate}
                     _write_json(partial, _without_token_ids(assemble(done, None)))
                     log(f"wrote {partial} ({sum(len(r) for r in done.values())} runs so far)")
     finally:

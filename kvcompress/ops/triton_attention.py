@@ -465,8 +465,9 @@ def _decode_rows(query_start_loc: list[int], device: torch.device) -> torch.Tens
         rows = [(s, first) for s, (first, end) in enumerate(zip(query_start_loc, query_start_loc[1:])) if end - first == 1]
         if len(_PLAN_CACHE) >= _PLAN_CACHE_SIZE:
             _PLAN_CACHE.pop(next(iter(_PLAN_CACHE)))
-        host = torch.tensor(rows, dtype=torch.int32).t().contiguous() if rows else None
-        _PLAN_CACHE[key] = _host_to_device(host, device) if rows else None
+        _PLAN_CACHE[key] = (
+            _host_to_device(torch.tensor(rows, dtype=torch.int32).t().contiguous(), device) if rows else None
+        )
     return _PLAN_CACHE[key]
 
 
