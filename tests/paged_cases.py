@@ -4,6 +4,8 @@ positions, as compression leaves them; the last ``q_len`` slots hold the step's 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from kvcompress.ops import KVPool, PagedBatch
@@ -66,3 +68,15 @@ def make_case(
     batch = PagedBatch(tables, head_lens, starts, query_positions)
     query = torch.randn((starts[-1], num_kv_heads * group, head_dim), generator=gen).to(dtype)
     return pool, batch, query
+
+
+def moved_to(value, device):
+    """A case's tensors / tuples / dataclasses of tensors on ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, tuple):
+        return tuple(moved_to(item, device) for item in value)
+    if not dataclasses.is_dataclass(value):
+        return value
+    fields = {f.name: moved_to(getattr(value, f.name), device) for f in dataclasses.fields(value)}
+    return dataclasses.replace(value, **fields)

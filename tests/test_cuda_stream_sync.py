@@ -138,16 +138,6 @@ def test_kvzip_reconstruction_attention_waits_for_nothing():
     torch.testing.assert_close(gpu_scores.cpu(), scores, rtol=1e-4, atol=2e-6)
 
 
-def _on(value, device):
-    """A case's tensors / dataclasses of tensors on ``device``."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if not dataclasses.is_dataclass(value):
-        return value
-    return dataclasses.replace(value, **{f.name: _on(getattr(value, f.name), device)
-                                         for f in dataclasses.fields(value)})
-
-
 @pytest.mark.parametrize("query_lens", [[1, 1, 1, 1, 1], [1, 17, 1, 30, 1]], ids=["decode", "mixed"])
 def test_triton_decode_metric_pass_waits_for_nothing_on_a_steps_first_layer(query_lens):
     """The decode metric pass of CUDA's flattened path (``decode_metrics_triton``) at a
@@ -156,7 +146,7 @@ def test_triton_decode_metric_pass_waits_for_nothing_on_a_steps_first_layer(quer
     from kvcompress.ops import triton_attention
     from kvcompress.ops.kv_pool import MetricSink
     from kvcompress.ops.paged_attention import paged_attention
-    from paged_cases import make_case
+    from paged_cases import make_case, moved_to
 
     pool, batch, query = make_case(query_lens, 2, 4, 64, 16, torch.float32, 11, max_context=1500,
                                    kernel_layout=False)
@@ -164,7 +154,7 @@ def test_triton_decode_metric_pass_waits_for_nothing_on_a_steps_first_layer(quer
     selected = torch.tensor([s % 2 == 0 for s in range(len(query_lens))])
     want = KVPool(pool.key_cache, pool.value_cache, pool.slot_positions, torch.zeros_like(pool.slot_metrics))
     paged_attention(query, want, batch, 64 ** -0.5, metrics=MetricSink(selected))
-    gpu_pool, gpu_batch, gpu_query = _on(pool, CUDA), _on(batch, CUDA), query.to(CUDA)
+    gpu_pool, gpu_batch, gpu_query = moved_to((pool, batch, query), CUDA)
     gpu_pool = KVPool(gpu_pool.key_cache, gpu_pool.value_cache, gpu_pool.slot_positions,
                       torch.zeros_like(gpu_pool.slot_metrics))
     sink = MetricSink(selected.to(CUDA))

@@ -47,7 +47,7 @@ class MetricPassWatch(HostReadWatch):
         self.launches = 0
 
 
-def _watch_metric_passes(unified_attention, triton_attention) -> dict:
+def _watch_metric_passes(unified_attention, triton_attention, on_cuda: bool) -> dict:
     """Route the backend's metric passes through a fresh :class:`MetricPassWatch`
     (``watch.reads`` / ``watch.launches`` after each call)."""
     holder = {"watch": MetricPassWatch()}
@@ -66,7 +66,7 @@ def _watch_metric_passes(unified_attention, triton_attention) -> dict:
 
     def watched(original):
         def run(*args, **kwargs):
-            with holder["watch"], _stream_waits(holder["watch"]):
+            with holder["watch"], _stream_waits(holder["watch"], on_cuda):
                 return original(*args, **kwargs)
         return run
 
@@ -76,11 +76,11 @@ def _watch_metric_passes(unified_attention, triton_attention) -> dict:
 
 
 @contextlib.contextmanager
-def _stream_waits(watch: HostReadWatch):
+def _stream_waits(watch: HostReadWatch, on_cuda: bool):
     """On CUDA, also what CUDA's sync debug mode sees: each call of the pass that waits
     for the stream (a copy from pageable host memory too, which no torch call name
     shows) goes into ``watch.reads`` as ``"cuda stream sync"``."""
-    if ARGS.parse_known_args()[0].device != "cuda":
+    if not on_cuda:
         yield
         return
     with warnings.catch_warnings(record=True) as caught:
@@ -97,18 +97,6 @@ def _hand_vllm_the_real_triton() -> None:
     import vllm.triton_utils as triton_utils
 
     triton_utils.triton, triton_utils.tl, triton_utils.HAS_TRITON = triton, tl, True
-
-
-def _moved(value, device):
-    """A case's tensors / dataclasses of tensors on ``device``."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, tuple):
-        return tuple(_moved(item, device) for item in value)
-    if not dataclasses.is_dataclass(value):
-        return value
-    fields = {f.name: _moved(getattr(value, f.name), device) for f in dataclasses.fields(value)}
-    return dataclasses.replace(value, **fields)
 
 
 def _as_the_runner_gives_it(batch):
@@ -133,13 +121,13 @@ def main() -> None:
     from kvcompress.ops.decode_by_slot import paged_decode_by_slot_reference
     from kvcompress.ops.paged_attention import paged_attention
 
-    from paged_cases import make_case
+    from paged_cases import make_case, moved_to
 
     reason = unified_attention.unavailable_reason()
     if reason is not None:
         print(json.dumps({"unavailable": reason}))
         return
-    watches = _watch_metric_passes(unified_attention, triton_attention)
+    watches = _watch_metric_passes(unified_attention, triton_attention, device.type == "cuda")
     kinds = {"decode": [1] * 5, "prefill": [23, 9], "mixed": [1, 17, 1, 30, 1], "chunk": [12, 1, 1]}
     shapes = [(2, 4, 64, 16), (1, 8, 128, 32), (4, 1, 80, 16), (2, 2, 96, 32), (3, 3, 64, 32)]
     cases = [(dtype_name, shape) for dtype_name in args.dtypes for shape in enumerate(shapes)]
@@ -149,7 +137,7 @@ def main() -> None:
         # Longer heads on a GPU: several tiles of the kernel's KV loop.
         max_context = 70 if device.type == "cpu" else 1500
         for kind, query_lens in kinds.items():
-            pool, batch, query = _moved(make_case(query_lens, num_kv_heads, group, head_dim, block_size, dtype, index * 7 + len(kind), max_context=max_context, kernel_layout=False), device)
+            pool, batch, query = moved_to(make_case(query_lens, num_kv_heads, group, head_dim, block_size, dtype, index * 7 + len(kind), max_context=max_context, kernel_layout=False), device)
             batch = _as_the_runner_gives_it(batch)
             scale = head_dim ** -0.5
             selected = torch.tensor([(s % 2 == 0) for s in range(len(query_lens))], device=device)
@@ -168,7 +156,7 @@ def main() -> None:
                 "metric_host_reads": watch.reads,
             }), flush=True)
         # Slot-indexed decode with a padding row on an empty slot.
-        pool, batch, query = _moved(make_case([1] * 4, num_kv_heads, group, head_dim, block_size, dtype, 100 + index, max_context=max_context, kernel_layout=False), device)
+        pool, batch, query = moved_to(make_case([1] * 4, num_kv_heads, group, head_dim, block_size, dtype, 100 + index, max_context=max_context, kernel_layout=False), device)
         tables = torch.cat([batch.block_tables, torch.zeros_like(batch.block_tables[:1])])
         lens = torch.cat([batch.head_lens, torch.zeros_like(batch.head_lens[:1])])
         seq_slots = torch.tensor([2, 0, 3, 1, 4], dtype=torch.int32, device=device)
