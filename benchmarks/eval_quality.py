@@ -1125,7 +1125,7 @@ def _summary_tables(results: dict, markdown: bool) -> list[str]:
 
 def ranking_lines(results: dict, markdown: bool) -> list[str]:
     """Per rate, the policies best first by % of full over all RULER cells, with the
-    95% intervals (and the multi-turn second answer's, when run)."""
+    95% intervals (then by the multi-turn second answer's and by perplexity's, when run)."""
     rows, policies = results["rows"], _policies(results)
     rates = sorted({rate for p in policies for rate in _rates(results, p)} - {1.0})
     groups = [("RULER", "all", "all")]
@@ -1133,6 +1133,8 @@ def ranking_lines(results: dict, markdown: bool) -> list[str]:
     if multiturn:
         length = "all" if any(r["length"] == "all" for r in multiturn) else multiturn[0]["length"]
         groups.append(("multi-turn", MULTITURN, length))
+    if any(r["task"] == "ppl" for r in rows):
+        groups.append(("perplexity", "ppl", results["config"].get("ppl_context")))
     lines = []
     for title, task, length in groups:
         for rate in rates:
