@@ -1246,6 +1246,13 @@ def _plot_tasks(ax, results: dict, policy: str) -> None:
                 color="black", linewidth=2.5, label="all RULER")
 
 
+def _line_style(index: int) -> dict[str, str]:
+    """The ``index``-th policy's colour and marker: matplotlib's 10 colours, then the
+    same colours dashed with square markers (a ranking has up to 13 policies)."""
+    return {"color": f"C{index % 10}", "marker": "o" if index < 10 else "s",
+            "linestyle": "-" if index < 10 else "--"}
+
+
 def write_plot(results: dict, path: str, log=print) -> bool:
     """One policy: % of full per RULER task and overall vs rate (+ perplexity vs rate).
     Several: one line per policy, all RULER cells' % of full (+ perplexity) vs rate."""
@@ -1262,10 +1269,10 @@ def write_plot(results: dict, path: str, log=print) -> bool:
     if len(policies) == 1:
         _plot_tasks(ax, results, policies[0])
     else:
-        for policy in policies:
+        for index, policy in enumerate(policies):
             prates = _rates(results, policy)
             values = [(_row(rows, policy, rate, "all", "all") or {}).get("pct_of_full") for rate in prates]
-            ax.plot(prates, [v if v is not None else float("nan") for v in values], marker="o",
+            ax.plot(prates, [v if v is not None else float("nan") for v in values], **_line_style(index),
                     linewidth=2.5 if policy == "kvc" else 1.5, label=policy)
     ax.set_xscale("log", base=2)
     ax.set_xticks(rates, [f"{r:g}" for r in rates])
@@ -1277,11 +1284,11 @@ def write_plot(results: dict, path: str, log=print) -> bool:
     if has_ppl:
         ax = axes[1]
         full = [r for r in rows if r["policy"] == "full" and r["task"] == "ppl"][0]["score"]
-        for policy in policies:
+        for index, policy in enumerate(policies):
             prates = _rates(results, policy)
             ppl = [(_row(rows, policy, rate, "ppl", config["ppl_context"]) or {}).get("score") for rate in prates]
             label = "kvcompress" if policies == ["kvc"] else policy
-            ax.plot(prates, [v if v is not None else float("nan") for v in ppl], marker="o", label=label)
+            ax.plot(prates, [v if v is not None else float("nan") for v in ppl], **_line_style(index), label=label)
         ax.axhline(full, color="grey", linestyle="--", label="full cache")
         ax.set_xscale("log", base=2)
         ax.set_xticks(rates, [f"{r:g}" for r in rates])
