@@ -49,17 +49,20 @@ def _differences(first: dict, other: dict) -> list[str]:
     texts = sum(a != b for a, b in zip(full["texts"], mine["texts"]))
     if texts:
         out.append(f"{texts} of its full-cache answers differ")
-    gap = max((abs(x - y) for a, b in zip(full.get("nll") or [], mine.get("nll") or []) if a and b
-               for x, y in zip(a, b)), default=0.0)
+    gap = _nll_gap(full, mine)
     if gap > NLL_TOLERANCE:
         out.append(f"its full-cache log-likelihoods differ by up to {gap:.2g} nats (> {NLL_TOLERANCE})")
     return out
 
 
+def _nll_gap(a: dict, b: dict) -> float:
+    """Largest per-token difference of two runs' teacher-forced log-likelihoods (0 without any)."""
+    return max((abs(x - y) for u, v in zip(a.get("nll") or [], b.get("nll") or []) if u and v
+                for x, y in zip(u, v)), default=0.0)
+
+
 def _same_answers(a: dict, b: dict) -> bool:
-    nll = all(abs(x - y) <= NLL_TOLERANCE for u, v in zip(a.get("nll") or [], b.get("nll") or []) if u and v
-              for x, y in zip(u, v))
-    return a["texts"] == b["texts"] and nll
+    return a["texts"] == b["texts"] and _nll_gap(a, b) <= NLL_TOLERANCE
 
 
 def merge_results(paths: list[str], log=print) -> dict[str, Any]:
