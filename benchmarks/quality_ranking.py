@@ -15,6 +15,11 @@ kvcompress settings (continual-compression interval, ``--kv-compress-*`` overrid
 engine arguments), with the same full-cache answers (texts equal, teacher-forced
 log-likelihoods within ``NLL_TOLERANCE``). A (policy, rate) in several files is taken
 from the first one listed; whether the others answered the same is reported.
+
+``--differences kvzip:kvc kvzip:snapkv`` adds, per string-match task and rate, the paired
+difference of two policies as % of the full cache's score with its 95% bootstrap
+interval: whether one is ahead of the other beyond the noise of these samples, which
+overlapping per-policy intervals do not tell.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import json
 import sys
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import eval_quality as quality  # noqa: E402
@@ -156,6 +163,10 @@ def write_outputs(merged: dict, prefix: str, argv: str, log=print) -> None:
         quality.format_table(merged, markdown=True),
         "",
     ]
+    if merged.get("differences"):
+        md += ["Paired differences (A - B as % of the full cache's score; 95% bootstrap interval over "
+               "the samples, the same draws for A, B and the full cache):", ""]
+        md += [f"- {line}" for line in difference_lines(merged["differences"])] + [""]
     Path(f"{prefix}.md").write_text("\n".join(md))
     written = quality.write_plot(merged, f"{prefix}.png", log=log)
     log(f"wrote {prefix}.json, {prefix}.md" + (f", {prefix}.png" if written else ""))
@@ -165,14 +176,80 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", nargs="+", help="results JSONs of eval_quality.py (first listed wins a cell)")
     parser.add_argument("--out", default=None, help="write <OUT>.json/.md/.png")
+    parser.add_argument("--differences", nargs="+", default=[], metavar="A:B",
+                        help="also the paired difference of policy A minus policy B per task and rate, "
+                        "as %% of the full cache's score, with its 95%% bootstrap interval (the same "
+                        "resampled samples for A, B and the full cache)")
     raw = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(raw)
     log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
     merged = merge_results(args.results, log=log)
+    pairs = [_pair(text, merged) for text in args.differences]
+    merged["differences"] = difference_rows(merged, pairs)
     print(quality.format_table(merged))
+    for line in difference_lines(merged["differences"]):
+        print(line)
     if args.out:
         write_outputs(merged, args.out, " ".join(raw), log=log)
     return merged
+
+
+def _pair(text: str, merged: dict) -> tuple[str, str]:
+    first, _, second = text.partition(":")
+    for policy in (first, second):
+        if policy not in merged["runs"] or policy == "full":
+            raise ValueError(f"--differences {text}: no runs of policy {policy!r} in these files")
+    return first, second
+
+
+def paired_difference(first: list[float], second: list[float], full: list[float],
+                      resamples: int = quality.BOOTSTRAP_RESAMPLES, seed: int = 0) -> dict | None:
+    """``100 * (mean(first) - mean(second)) / mean(full)`` over one cell's samples, and its
+    95% percentile-bootstrap interval: each resample draws the same samples for the
+    three (the answers are paired). None when the full cache scores 0 in most resamples."""
+    if not len(first) == len(second) == len(full) or not full:
+        raise ValueError("paired_difference: the three score lists must be equally long and not empty")
+    a, b, f = (np.asarray(v, dtype=float) for v in (first, second, full))
+    draw = np.random.default_rng(seed).integers(0, len(f), size=(resamples, len(f)))
+    full_mean = f[draw].mean(axis=1)
+    valid = full_mean > 0
+    if valid.mean() < 0.5 or f.mean() == 0:
+        return None
+    stat = 100 * (a[draw].mean(axis=1) - b[draw].mean(axis=1))[valid] / full_mean[valid]
+    low, high = np.percentile(stat, [2.5, 97.5])
+    return {"difference": float(100 * (a.mean() - b.mean()) / f.mean()), "ci": [float(low), float(high)]}
+
+
+def difference_rows(merged: dict, pairs: list[tuple[str, str]]) -> list[dict]:
+    """Per pair, string-match task and rate both policies ran: :func:`paired_difference`
+    of their per-sample scores against the full cache's (perplexity windows are left out)."""
+    rows = {(r["policy"], r["rate"], r["task"], r["length"]): r for r in merged["rows"]
+            if r["task"] != "ppl" and r["length"] != "all" and r.get("per_sample") is not None}
+    out = []
+    for first, second in pairs:
+        for (policy, rate, task, length), row in rows.items():
+            other = rows.get((second, rate, task, length))
+            full = rows.get(("full", 1.0, task, length))
+            if policy != first or other is None or full is None:
+                continue
+            result = paired_difference(row["per_sample"], other["per_sample"], full["per_sample"])
+            out.append({"first": first, "second": second, "rate": rate, "task": task, "length": length,
+                        "n": len(full["per_sample"]), **(result or {"difference": None, "ci": None})})
+    return out
+
+
+def difference_lines(differences: list[dict]) -> list[str]:
+    """One line per row of :func:`difference_rows`, saying whether 0 is outside the interval."""
+    lines = []
+    for d in differences:
+        head = f"{d['first']} - {d['second']}, {d['task']} {d['length']} r{d['rate']:g} (n {d['n']}): "
+        if d["difference"] is None:
+            lines.append(head + "- (the full cache scores 0)")
+            continue
+        low, high = d["ci"]
+        verdict = "ahead" if low > 0 else "behind" if high < 0 else "not separated"
+        lines.append(head + f"{d['difference']:+.0f} points of full ({low:+.0f} to {high:+.0f}): {verdict}")
+    return lines
 
 
 if __name__ == "__main__":

@@ -158,3 +158,41 @@ def test_the_command_line_refuses_with_a_message(ranking, tmp_path):
     not_results.write_text("{}")
     with pytest.raises(ValueError, match="x.json: not a results file of eval_quality.py"):
         ranking.main([str(not_results)])
+
+
+def test_paired_differences_against_direct_counts(ranking, tmp_path):
+    """Oracle: the point difference is the count difference over the full cache's count;
+    identical answers give a zero-width interval at 0, disjoint ones a zero-width
+    interval at +-100, and an ahead / behind / not-separated verdict follows the interval."""
+    full = [1.0] * 6 + [0.0] * 2
+    a = [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0]
+    b = [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    got = ranking.paired_difference(a, b, full)
+    assert got["difference"] == pytest.approx(100 * (5 - 1) / 6)
+    low, high = got["ci"]
+    assert low <= got["difference"] <= high and high - low > 10
+    assert ranking.paired_difference(a, a, full) == {"difference": 0.0, "ci": [0.0, 0.0]}
+    assert ranking.paired_difference([1.0] * 8, [0.0] * 8, [1.0] * 8) == {"difference": 100.0, "ci": [100.0, 100.0]}
+    assert ranking.paired_difference([1.0] * 3, [0.0] * 3, [0.0] * 3) is None
+    with pytest.raises(ValueError, match="equally long"):
+        ranking.paired_difference([1.0], [1.0, 0.0], [1.0, 1.0])
+
+    whole = _whole(ranking.quality)
+    path = _write(tmp_path / "a.json", whole)
+    merged = ranking.main([path, "--differences", "good:bad", "bad:good", "--out", str(tmp_path / "d")])
+    by = {(d["first"], d["rate"], d["task"]): d for d in merged["differences"]}
+    # good answers 3 of 4 needles, bad 1 of 4, the full cache 4 of 4: +50 points.
+    for rate in (4.0, 8.0):
+        assert by[("good", rate, "niah_single")]["difference"] == pytest.approx(50.0)
+        assert by[("bad", rate, "niah_single")]["difference"] == pytest.approx(-50.0)
+    assert not any(d["task"] == "ppl" for d in merged["differences"])
+    for d, line in zip(merged["differences"], ranking.difference_lines(merged["differences"])):
+        low, high = d["ci"]
+        assert line.endswith("ahead" if low > 0 else "behind" if high < 0 else "not separated"), line
+    lines = ranking.difference_lines([{**d, "ci": [5.0, 9.0]} for d in merged["differences"][:1]]
+                                     + [{**d, "ci": [-9.0, -5.0]} for d in merged["differences"][:1]])
+    assert lines[0].endswith(": ahead") and lines[1].endswith(": behind")
+    markdown = (tmp_path / "d.md").read_text()
+    assert "- good - bad, niah_single 2048 r8 (n 4): +50 points of full" in markdown
+    with pytest.raises(ValueError, match="no runs of policy 'worse'"):
+        ranking.main([path, "--differences", "good:worse"])
