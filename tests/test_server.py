@@ -244,9 +244,11 @@ def test_prometheus_metrics_agree_with_the_worker(server):
 
     # While a request compressed at rate 4 runs, its held KVs are about a quarter of
     # its tokens' (the gauge follows the scheduler's pages; the worker agrees per step).
+    # 1200 tokens: still running when the worker is asked (400 finished first once, on a
+    # fast AVX-512 host, before the scrape and the RPC).
     request = urllib.request.Request(
         f"{server}/v1/completions",
-        data=json.dumps({"model": "smollm2", "prompt": essay, "temperature": 0, "max_tokens": 400,
+        data=json.dumps({"model": "smollm2", "prompt": essay, "temperature": 0, "max_tokens": 1200,
                          "ignore_eos": True, "stream": True, "vllm_xargs": xargs}).encode(),
         headers={"Content-Type": "application/json"},
     )
