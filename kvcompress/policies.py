@@ -24,6 +24,9 @@ kvzip          max attention a pass     global, as kvc                          
                repeating the prompt                                               (its
                gives, max-pool 7 +                                                scoring)
                word spans
+surprisal      mean surprisal of the    global, as kvc (every head scores its     (this
+               KV's sentence, from the  KVs alike, so the heads keep the same     project)
+               prefill's own logits     tokens); 4 sink tokens
 snapkv         L1, last 32, max-pool 7  uniform: same count per head and layer    SnapKV
 pyramidkv      L1, last 8, max-pool 7   per-layer arithmetic schedule (beta = 20),PyramidKV
                                         uniform heads
@@ -53,7 +56,7 @@ than a cache policy, and its nested per-layer sets need head-shared eviction.
 Structure
 ---------
 A policy is one :class:`PolicyDefinition` in ``POLICIES``: its name, a metric source
-(:class:`AttentionScores`, :class:`ReconstructionScores`, :class:`TokenPosition`,
+(:class:`AttentionScores`, :class:`ReconstructionScores`, :class:`SentenceSurprisal`, :class:`TokenPosition`,
 :class:`RandomNoise`), a budget split
 (:class:`GlobalSplit`, :class:`UniformSplit`, :class:`PyramidSplit`, :class:`AdaSplit`
 over a layer split, :class:`XKVSplit`) and its paper defaults (a :class:`MetricSpec`,
@@ -105,11 +108,13 @@ class MetricSource:
         kind: a short name (logs, error messages).
         scores_prompt: whether prompt queries must score keys (attention metrics).
         reconstructs: whether a reconstruction pass scores keys after the prefill.
+        scores_surprisal: whether the prefill's logits score keys (token surprisal).
     """
 
     kind: ClassVar[str] = "?"
     scores_prompt: ClassVar[bool] = False
     reconstructs: ClassVar[bool] = False
+    scores_surprisal: ClassVar[bool] = False
 
 
 @dataclass(frozen=True)
@@ -141,6 +146,18 @@ class ReconstructionScores(MetricSource):
 
     kind: ClassVar[str] = "reconstruction"
     reconstructs: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class SentenceSurprisal(MetricSource):
+    """How surprising each KV's sentence was to the model (``kvcompress.ops.surprisal``):
+    the prefill's own logits give every prompt token's ``-log p``; a KV scores its
+    sentence's mean, normalised to [0, 1] over the prompt, in every head alike. What
+    the model could not predict (a code, a name, a fact out of place) is kept whole,
+    whatever is asked later; no prompt query scores keys and no extra forward runs."""
+
+    kind: ClassVar[str] = "surprisal"
+    scores_surprisal: ClassVar[bool] = True
 
 
 @dataclass(frozen=True)
@@ -203,6 +220,11 @@ class MetricSpec:
     def reconstructs(self) -> bool:
         """Whether a reconstruction pass scores keys after the prefill (then pooled)."""
         return self.source.reconstructs
+
+    @property
+    def scores_surprisal(self) -> bool:
+        """Whether the prefill's logits score keys (sentence surprisal)."""
+        return self.source.scores_surprisal
 
     def settings(self) -> dict[str, Any]:
         """These values as the settings (flags) that would select them."""
@@ -548,6 +570,10 @@ for _definition in (
     PolicyDefinition(
         "kvzip", KVZIP_METRIC, GlobalSplit(),
         paper="KVzip-style: scored by a pass that repeats the prompt, question-agnostic",
+    ),
+    PolicyDefinition(
+        "surprisal", MetricSpec(source=SentenceSurprisal(), pool_kernel=1), GlobalSplit(), sink_tokens=4,
+        paper="question-agnostic: each KV scored by how surprising its sentence was to the model",
     ),
     PolicyDefinition(
         "snapkv", MetricSpec(power=1, observation_window=32, pool="max"), UniformSplit(),

@@ -5,6 +5,7 @@ per-layer statistics, has each policy's shape; the XKV profile script works."""
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
@@ -131,7 +132,7 @@ def test_kvc_ea_keeps_kvcs_split_and_ranks_within_heads(kvc_tiny_llm):
     assert worker_page_stats(kvc_tiny_llm)["evict_mismatches"] == 0
 
 
-@pytest.mark.parametrize("policy", ["kvc", "kvc-ea", "kvzip", "snapkv", "pyramidkv", "ada-snapkv", "h2o", "xkv", "streamingllm"])
+@pytest.mark.parametrize("policy", ["kvc", "kvc-ea", "kvzip", "surprisal", "snapkv", "pyramidkv", "ada-snapkv", "h2o", "xkv", "streamingllm"])
 def test_what_survives_a_compression_matches_an_independent_recount(kvc_tiny_llm, policy):
     """The engine's eviction checked by what survives, against the metrics the worker
     held just before (``eviction_oracle``: plain Python, no kvcompress op)."""
@@ -155,3 +156,46 @@ def test_kvzip_scores_match_an_independent_reconstruction(kvc_tiny_llm, tiny_mod
     assert scores.shape == want.shape
     torch.testing.assert_close(scores, want, atol=1e-4, rtol=1e-3)
     check_what_survived(recorded, kept, "kvzip", _block(kvc_tiny_llm))
+
+
+def _hf_surprisal(model_path: str, prompt: list[int]):
+    """``[len(prompt)]`` float64 ``-log p(token t | tokens < t)`` from Hugging Face's
+    eager Llama (not vLLM, not kvcompress); NaN at position 0."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt])).logits[0].double()
+    nats = -torch.log_softmax(logits[:-1], dim=-1)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    return torch.cat([torch.tensor([float("nan")], dtype=torch.float64), nats])
+
+
+def test_surprisal_scores_match_an_independent_forward(kvc_tiny_llm, tiny_model):
+    """The surprisal policy's per-token ``-log p``, taken from the engine's own hidden
+    states across prefill chunks, equals Hugging Face's log-softmax for the same prompt;
+    its sentence scores (fixed 64-token spans: the tiny engine has no tokenizer) are
+    the normalised span means, in every head; and the eviction follows them."""
+    import torch
+
+    from kvcompress.ops.surprisal import MAX_SENTENCE_TOKENS
+
+    prompt = _prompt(302)[:300]
+    chunk = kvc_tiny_llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    assert chunk < len(prompt)  # several chunks: positions at chunk edges predict the next chunk's first token
+    recorded, kept = compress_one_and_read(kvc_tiny_llm, prompt, "surprisal")
+    nats = torch.tensor(recorded["surprisal_nats"], dtype=torch.float64)
+    want = _hf_surprisal(tiny_model, prompt)
+    assert nats.shape == want.shape and math.isnan(nats[0])
+    torch.testing.assert_close(nats[1:], want[1:], atol=2e-3, rtol=1e-4)
+    # Each span's mean over its known tokens, over the largest mean (plain Python).
+    spans = [range(s, min(s + MAX_SENTENCE_TOKENS, len(prompt))) for s in range(0, len(prompt), MAX_SENTENCE_TOKENS)]
+    means = [sum(float(want[p]) for p in span if p > 0) / sum(1 for p in span if p > 0) for span in spans]
+    expected = {p: means[i] / max(means) for i, span in enumerate(spans) for p in span}
+    protected = recorded["protected_window"]
+    for head in recorded["heads"]:
+        for position, metric in head:
+            if position < recorded["context_len"] - protected:
+                # later decode metrics only add attention probabilities (small) to it
+                assert expected[position] - 1e-4 <= metric <= expected[position] + 0.05, (position, metric)
+    check_what_survived(recorded, kept, "surprisal", _block(kvc_tiny_llm))

@@ -18,6 +18,7 @@ from kvcompress.policies import (
     Policy,
     RandomNoise,
     ReconstructionScores,
+    SentenceSurprisal,
     TokenPosition,
 )
 
@@ -41,6 +42,7 @@ def ranks(source_type: type[MetricSource]) -> Callable[[Ranker], Ranker]:
 @ranks(AttentionScores)
 @ranks(ExpectedAttentionRanking)
 @ranks(ReconstructionScores)
+@ranks(SentenceSurprisal)
 def _stored_metrics(source, metrics, positions, generator):
     """The metrics scored inside attention (by prompt or decode queries, or by the
     reconstruction pass)."""

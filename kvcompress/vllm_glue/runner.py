@@ -70,6 +70,7 @@ from kvcompress.vllm_glue.kv_layout import (
 )
 from kvcompress.vllm_glue.batch_rows import BatchRows
 from kvcompress.vllm_glue.reconstruction import PendingReconstruction, ReconstructionPass
+from kvcompress.vllm_glue.surprisal import SurprisalRows, SurprisalScoring
 from kvcompress.vllm_glue.tokenizer_checks import word_edges
 from kvcompress.vllm_glue.outputs import step_compression_of, with_report
 
@@ -274,6 +275,9 @@ class PerHeadRunnerMixin:
         # KVs by a reconstruction pass (kvzip): run after the step's forward.
         self.kvc_reconstruction = ReconstructionPass(self, layer_names)
         self.kvc_reconstructions: list[PendingReconstruction] = []
+        # Prompt positions of surprisal-scored requests in this step: scored from the
+        # forward's hidden states after it.
+        self.kvc_surprisal = SurprisalScoring(self)
         # request id -> a compression's inputs, while tests record them (None: off).
         self.kvc_recorded: dict[str, dict] | None = None
         state = WorkerCacheState(
@@ -320,6 +324,7 @@ class PerHeadRunnerMixin:
         slots = [slot for slot in slots if slot is not None]
         for request_id in gone:
             self.kvc_live_slots.pop(request_id, None)
+            self.kvc_surprisal.release(request_id)
         if slots:
             self.kvc_slot_shared_pages[slots] = 0
             self.kvc_cache.release(torch.tensor(slots, dtype=torch.int64))
@@ -466,6 +471,9 @@ class PerHeadRunnerMixin:
             scores = (self.kvc_reconstruction.recorded or {}).pop(request_id, None)
             if scores is not None:  # kvzip: the reconstruction pass's raw scores, [L][H][KV]
                 self.kvc_recorded[request_id]["reconstruction_scores"] = scores.tolist()
+            nats = (self.kvc_surprisal.recorded or {}).pop(request_id, None)
+            if nats is not None:  # surprisal: each prompt token's -log p (NaN: not computed)
+                self.kvc_recorded[request_id]["surprisal_nats"] = nats.tolist()
 
     def kvcompress_record_compressions(self, on: bool) -> dict[str, dict]:
         """Start (``on``) or stop recording each compression's inputs
@@ -475,6 +483,8 @@ class PerHeadRunnerMixin:
         self.kvc_recorded = {} if on else None
         if not on or self.kvc_reconstruction.recorded is None:  # kept until its compression reads it
             self.kvc_reconstruction.recorded = {} if on else None
+        if not on or self.kvc_surprisal.recorded is None:
+            self.kvc_surprisal.recorded = {} if on else None
         return recorded
 
     def kvcompress_defer_decode_metrics(self, batch: int) -> int:
@@ -544,6 +554,12 @@ class PerHeadRunnerMixin:
         if self.kvc_cache is not None and self.kvc_reconstructions:
             pending, self.kvc_reconstructions = self.kvc_reconstructions, []
             self.kvc_reconstruction.run(pending)
+        if self.kvc_cache is not None and self.kvc_surprisal.pending:
+            executed = self.execute_model_state
+            if executed is None:  # nothing ran (vLLM returned early): nothing to score
+                self.kvc_surprisal.pending.clear()
+            else:
+                self.kvc_surprisal.run(executed.hidden_states)
         return self._kvc_attach_report(output)
 
     def sample_tokens(self, *args, **kwargs):
@@ -817,8 +833,10 @@ class PerHeadRunnerMixin:
                 pending = self._kvc_pending_reconstruction(request_id, first + count, spec)
                 if pending is not None:
                     self.kvc_reconstructions.append(pending)
+            if spec.scores_surprisal:
+                self._kvc_queue_surprisal(request_id, first, min(count, prompt_len - first), int(query_start[index]))
             if not spec.scores_prompt:
-                continue  # position / random / reconstruction policies: no prompt queries
+                continue  # position / random / reconstruction / surprisal policies: no prompt queries
             scoring_from = 0 if spec.queries == "full" else prompt_len - spec.observation_window
             lo = max(first, scoring_from)
             hi = min(first + count, prompt_len)
@@ -841,6 +859,20 @@ class PerHeadRunnerMixin:
             power=self.kvc_decode_metric_power,
             prompt_weight=1.0 / settings.decode_metric_stride,
         )
+
+    def _kvc_queue_surprisal(self, request_id: str, first: int, count: int, row_start: int) -> None:
+        """Score this step's prompt positions of a surprisal request after the forward
+        (prompt embeddings have no next tokens to score: a warning, decode metrics only)."""
+        token_ids = self.requests[request_id].prompt_token_ids
+        if token_ids is None:
+            if first == 0:
+                logger.warning(
+                    "kvcompress: request %s has prompt embeddings, which policy 'surprisal' cannot "
+                    "score: its KVs are ranked by decode metrics only", request_id,
+                )
+            return
+        seq_slot = self.kvc_requests[request_id].seq_slot
+        self.kvc_surprisal.pending.append(SurprisalRows(request_id, seq_slot, list(token_ids), first, count, row_start))
 
     def _kvc_pending_reconstruction(self, request_id: str, num_cached: int, spec) -> PendingReconstruction | None:
         """The reconstruction of a request holding ``num_cached`` tokens' KVs after

@@ -12,6 +12,7 @@ import functools
 from vllm.logger import init_logger
 
 from kvcompress.config import FLAGS, KVCompressConfig
+from kvcompress.ops.surprisal import SentenceEnds
 from kvcompress.ops.word_spans import WordEdges
 
 logger = init_logger(f"vllm.{__name__}")
@@ -26,6 +27,26 @@ def _tokenizer(model_config):
     from vllm.tokenizers import cached_tokenizer_from_config
 
     return cached_tokenizer_from_config(model_config)
+
+
+def sentence_ends(model_config) -> SentenceEnds | None:
+    """Which of the model's token ids end a sentence; None (with a warning) without a
+    tokenizer: the surprisal policy then scores fixed spans of tokens."""
+    try:
+        tokenizer = _tokenizer(model_config)
+        if tokenizer is not None:
+            return _sentence_ends_of(tokenizer)
+        reason = "--skip-tokenizer-init is set"
+    except Exception as error:  # noqa: BLE001 - only the sentence edges are lost
+        reason = f"the tokenizer could not be loaded ({error})"
+    logger.warning("kvcompress: %s, so policy 'surprisal' scores fixed spans of tokens instead of sentences", reason)
+    return None
+
+
+@functools.lru_cache(maxsize=4)
+def _sentence_ends_of(tokenizer) -> SentenceEnds:
+    size = max(len(tokenizer), getattr(tokenizer, "vocab_size", 0))
+    return SentenceEnds.from_texts(tokenizer.batch_decode([[i] for i in range(size)]))
 
 
 @functools.lru_cache(maxsize=4)
