@@ -1,5 +1,6 @@
-"""An independent oracle for kvzip's scores (tests only): Hugging Face's eager Llama,
-not vLLM and not kvcompress, run on the prompt followed by each repeated chunk."""
+"""Independent oracles for the question-agnostic policies' scores (tests only), from
+Hugging Face's eager Llama, not vLLM and not kvcompress: kvzip's (the prompt followed
+by each repeated chunk) and surprisal's (the prompt's own log-softmax)."""
 
 from __future__ import annotations
 
@@ -29,3 +30,15 @@ def reconstruction_scores(model_path: str, prompt: list[int], chunk: int, num_kv
             scores = probs.amax(dim=2).view(layers, num_kv_heads, q_heads // num_kv_heads, n).amax(dim=2)
             best = scores if best is None else torch.maximum(best, scores)
     return best
+
+
+def surprisal_nats(model_path: str, prompt: list[int]):
+    """``[len(prompt)]`` float64 ``-log p(token t | tokens < t)``; NaN at position 0."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt])).logits[0].double()
+    nats = -torch.log_softmax(logits[:-1], dim=-1)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    return torch.cat([torch.tensor([float("nan")], dtype=torch.float64), nats])

@@ -305,7 +305,7 @@ def test_flag_help_comes_from_setting_docs_and_the_policy_registry():
     assert flag_help("rate") == "Target compression rate: keep ~1/rate of each sequence's KVs. (default: 1.0)"
     assert flag_help("max_cache_tokens").endswith("(default: none)")
     assert flag_help("pool").endswith("default: the policy's (max; avg for xkv).")
-    assert "4 for streamingllm" in flag_help("sink_tokens") and "(default" not in flag_help("sink_tokens")
+    assert "4 for surprisal, streamingllm" in flag_help("sink_tokens") and "(default" not in flag_help("sink_tokens")
     assert "(pyramidkv, ada-pyramidkv only)" in flag_help("pyramid_beta")
     assert "(xkv only)" in flag_help("xkv_profile")
     assert all(name in flag_help("policy") for name in POLICY_NAMES)

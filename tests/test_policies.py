@@ -304,7 +304,7 @@ def test_registry_declares_each_policy_once_with_its_rules():
     from kvcompress.policies import POLICIES
 
     assert POLICY_NAMES == (
-        "kvc", "kvc-ea", "kvc-paper", "kvc-full", "kvzip", "snapkv", "pyramidkv", "ada-snapkv", "ada-pyramidkv", "xkv", "h2o",
+        "kvc", "kvc-ea", "kvc-paper", "kvc-full", "kvzip", "surprisal", "snapkv", "pyramidkv", "ada-snapkv", "ada-pyramidkv", "xkv", "h2o",
         "streamingllm", "random",
     )
     assert tuple(POLICIES) == POLICY_NAMES

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import TINY_KV_HEADS, TINY_LAYERS, load_benchmark, worker_page_stats
 from eviction_oracle import check_what_survived, compress_one_and_read
-from reconstruction_oracle import reconstruction_scores
+from reconstruction_oracle import reconstruction_scores, surprisal_nats
 from kvcompress.policies import POLICY_NAMES, load_layer_profile
 
 pytestmark = pytest.mark.engine
@@ -158,19 +158,6 @@ def test_kvzip_scores_match_an_independent_reconstruction(kvc_tiny_llm, tiny_mod
     check_what_survived(recorded, kept, "kvzip", _block(kvc_tiny_llm))
 
 
-def _hf_surprisal(model_path: str, prompt: list[int]):
-    """``[len(prompt)]`` float64 ``-log p(token t | tokens < t)`` from Hugging Face's
-    eager Llama (not vLLM, not kvcompress); NaN at position 0."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_path, attn_implementation="eager", dtype=torch.float32)
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([prompt])).logits[0].double()
-    nats = -torch.log_softmax(logits[:-1], dim=-1)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
-    return torch.cat([torch.tensor([float("nan")], dtype=torch.float64), nats])
-
-
 def test_surprisal_scores_match_an_independent_forward(kvc_tiny_llm, tiny_model):
     """The surprisal policy's per-token ``-log p``, taken from the engine's own hidden
     states across prefill chunks, equals Hugging Face's log-softmax for the same prompt;
@@ -185,7 +172,7 @@ def test_surprisal_scores_match_an_independent_forward(kvc_tiny_llm, tiny_model)
     assert chunk < len(prompt)  # several chunks: positions at chunk edges predict the next chunk's first token
     recorded, kept = compress_one_and_read(kvc_tiny_llm, prompt, "surprisal")
     nats = torch.tensor(recorded["surprisal_nats"], dtype=torch.float64)
-    want = _hf_surprisal(tiny_model, prompt)
+    want = surprisal_nats(tiny_model, prompt)
     assert nats.shape == want.shape and math.isnan(nats[0])
     torch.testing.assert_close(nats[1:], want[1:], atol=2e-3, rtol=1e-4)
     # Each span's mean over its known tokens, over the largest mean (plain Python).

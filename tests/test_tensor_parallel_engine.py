@@ -205,6 +205,34 @@ def test_kvzip_reconstruction_runs_on_every_rank_over_its_own_heads(kvc_tp_llm, 
     assert page_stats(kvc_tp_llm)["mismatches"] == 0
 
 
+def test_surprisal_scores_every_rank_from_the_whole_vocabulary(kvc_tp_llm, tiny_model):
+    """surprisal at TP=2: the model's head is split over the ranks and its logits
+    all-gathered, so every rank (each holding its own KV head) computes the same
+    per-token surprisal, equal to Hugging Face's log-softmax."""
+    import torch
+    from reconstruction_oracle import surprisal_nats
+
+    engine = kvc_tp_llm.llm_engine
+    (prompt,) = _prompts([270], seed=12)
+    kvc_tp_llm.collective_rpc("kvcompress_record_compressions", args=(True,))
+    engine.add_request("surprisal-tp", prompt, _params(8, kv_compress_rate=4, kv_compress_policy="surprisal"))
+    recorded = None
+    try:
+        while engine.has_unfinished_requests():
+            engine.step()
+            per_rank = kvc_tp_llm.collective_rpc("kvcompress_record_compressions", args=(True,))
+            if recorded is None and all(per_rank):
+                recorded = [next(iter(rank.values())) for rank in per_rank]
+    finally:
+        kvc_tp_llm.collective_rpc("kvcompress_record_compressions", args=(False,))
+    assert recorded is not None, "surprisal: no compression"
+    want = surprisal_nats(tiny_model, prompt["prompt_token_ids"])
+    for rank in recorded:
+        torch.testing.assert_close(torch.tensor(rank["surprisal_nats"], dtype=torch.float64)[1:], want[1:],
+                                   atol=2e-3, rtol=1e-4)
+    assert page_stats(kvc_tp_llm)["mismatches"] == 0
+
+
 def test_the_output_vllm_reads_is_tp_rank_zeros_where_the_reports_are_gathered():
     """The reports are gathered to TP rank 0 (``runner._gather_reports``); vLLM's mp
     executor reads the output of world rank ``world_size - tp * pcp`` (TP rank 0 of the

@@ -95,7 +95,10 @@ def token_surprisal(hidden: torch.Tensor, next_ids: torch.Tensor, logits_of) -> 
     out = torch.empty(len(next_ids), dtype=torch.float32, device=hidden.device)
     for start in range(0, len(next_ids), LOGIT_ROWS_PER_CHUNK):
         end = min(len(next_ids), start + LOGIT_ROWS_PER_CHUNK)
-        logits = logits_of(hidden[start:end]).float()
+        logits = logits_of(hidden[start:end])
+        if logits is None:  # a head that gathers its logits to one rank only
+            raise RuntimeError("the model's head returned no logits on this rank: the surprisal policy needs them on every rank")
+        logits = logits.float()
         chosen = logits.gather(1, next_ids[start:end].to(logits.device).view(-1, 1)).squeeze(1)
         out[start:end] = torch.logsumexp(logits, dim=1) - chosen
     return out
