@@ -18,7 +18,12 @@ Scorings (``[L, H, P]``; the surprisal ones alike in every head, the first
 * ``surprisal``: the sentence's mean surprisal (``kvcompress.ops.surprisal``: what the
   engine's ``surprisal`` policy computes);
 * ``surprisal-max``: the sentence's largest surprisal;
+* ``surprisal-top3``: the mean of the sentence's 3 largest surprisals;
+* ``surprisal-mean+max``: half the normalised mean, half the normalised largest;
 * ``surprisal-pool31``: surprisal max-pooled over 31 tokens.
+
+``--task niah_multikey`` asks about one of four needles worded alike instead (the
+question at the prompt's end, answered right after it).
 
     python benchmarks/multiturn_eviction_harness.py --samples 20 --rate 8 \\
         --out benchmarks/results/multiturn-harness-smollm2-cpu
@@ -51,7 +56,8 @@ SINK_TOKENS = 4
 WINDOW = 32
 """kvc's scoring queries."""
 MAX_NEW_TOKENS = 12
-SCORINGS = ("kvc", "surprisal", "surprisal-max", "surprisal-pool31")
+SCORINGS = ("kvc", "surprisal", "surprisal-max", "surprisal-top3", "surprisal-mean+max", "surprisal-pool31")
+TASKS = ("niah_multiturn", "niah_multikey")
 
 
 def prompt_surprisal(logits: torch.Tensor, ids: list[int]) -> torch.Tensor:
@@ -70,9 +76,17 @@ def scorings(kvc: torch.Tensor, nats: torch.Tensor, ids: list[int], ends: Senten
     index = starts.view(1, -1)
     sentence_max = torch.full((1, length), float("-inf"), dtype=torch.float64).scatter_reduce(
         1, index, nats.view(1, -1), "amax").gather(1, index)[0]  # fmt: skip
+    top3 = torch.empty(length, dtype=torch.float64)
+    for start in starts.unique().tolist():
+        members = (starts == start).nonzero()[:, 0]
+        values = nats[members[members > 0]] if (members > 0).any() else nats[members]
+        top3[members] = values.topk(min(3, len(values))).values.mean()
+    mean = sentence_scores(nats, known, starts).double()
     per_token = {
-        "surprisal": sentence_scores(nats, known, starts).double(),
+        "surprisal": mean,
         "surprisal-max": sentence_max,
+        "surprisal-top3": top3,
+        "surprisal-mean+max": 0.5 * mean + 0.5 * sentence_max / sentence_max[1:].max(),
         "surprisal-pool31": ceiling.max_pool(nats.view(1, 1, -1), 31)[0, 0],
     }
     out = {"kvc": ceiling.max_pool(kvc, 31)}
@@ -83,17 +97,21 @@ def scorings(kvc: torch.Tensor, nats: torch.Tensor, ids: list[int], ends: Senten
     return out
 
 
-def answer(model, tokenizer, cache, prompt_len: int, forced: list[int], keep: dict[int, torch.Tensor] | None) -> str:
+def answer(model, tokenizer, cache, prompt_len: int, forced: list[int], keep: dict[int, torch.Tensor] | None,
+           first_logits: torch.Tensor) -> str:
     """Teacher-force ``forced`` after the prompt on ``cache`` (masked to ``keep`` per
-    layer; None: every KV), then generate greedily; the cache is cropped back after."""
+    layer; None: every KV), then generate greedily (from ``first_logits``, the prompt's
+    last, when nothing is forced); the cache is cropped back after."""
     rec = ceiling.RECORDER
     rec.mode = "masked"
     rec.keep = keep if keep is not None else {
         layer: torch.ones_like(k, dtype=torch.bool) for layer, k in rec.window_scores.items()
     }
-    out = model(input_ids=torch.tensor([forced]), position_ids=torch.arange(prompt_len, prompt_len + len(forced)).unsqueeze(0),
-                past_key_values=cache, use_cache=True)  # fmt: skip
-    token, generated, position = int(out.logits[0, -1].argmax()), [], prompt_len + len(forced)
+    if forced:
+        out = model(input_ids=torch.tensor([forced]), position_ids=torch.arange(prompt_len, prompt_len + len(forced)).unsqueeze(0),
+                    past_key_values=cache, use_cache=True)  # fmt: skip
+        first_logits = out.logits[0, -1]
+    token, generated, position = int(first_logits.argmax()), [], prompt_len + len(forced)
     for _ in range(MAX_NEW_TOKENS):
         generated.append(token)
         out = model(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[position]]),
@@ -103,7 +121,7 @@ def answer(model, tokenizer, cache, prompt_len: int, forced: list[int], keep: di
     return tokenizer.decode(generated)
 
 
-def run(samples: int, rate: float, log=print) -> dict:
+def run(samples: int, rate: float, task: str = "niah_multiturn", log=print) -> dict:
     from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 
     from eval_quality import build_samples, score
@@ -114,7 +132,7 @@ def run(samples: int, rate: float, log=print) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=ceiling.ATTENTION_NAME).eval()
     ends = SentenceEnds.from_texts(tokenizer.batch_decode([[i] for i in range(len(tokenizer))]))
-    prompts = build_samples(tokenizer, paul_graham_essays(), ["niah_multiturn"], [2048], samples)
+    prompts = build_samples(tokenizer, paul_graham_essays(), [task], [2048], samples)
     rows, started = [], time.perf_counter()
     with torch.inference_mode():
         for sample in prompts:
@@ -124,16 +142,17 @@ def run(samples: int, rate: float, log=print) -> dict:
             layers = sorted(ceiling.RECORDER.window_scores)
             kvc = torch.stack([ceiling.RECORDER.window_scores[i] for i in layers])
             row = {"index": sample["index"], "answers": sample["answers"]}
-            row["full"] = score(sample["answers"], answer(model, tokenizer, out.past_key_values, len(ids), sample["forced"], None))
+            forced, last = sample.get("forced", []), out.logits[0, -1]
+            row["full"] = score(sample["answers"], answer(model, tokenizer, out.past_key_values, len(ids), forced, None, last))
             for name, values in scorings(kvc, prompt_surprisal(out.logits[0], ids), ids, ends).items():
                 keep = ceiling.select(values, rate, PROTECTED)
-                text = answer(model, tokenizer, out.past_key_values, len(ids), sample["forced"],
-                              {layer: keep[j] for j, layer in enumerate(layers)})  # fmt: skip
+                text = answer(model, tokenizer, out.past_key_values, len(ids), forced,
+                              {layer: keep[j] for j, layer in enumerate(layers)}, last)  # fmt: skip
                 row[name] = score(sample["answers"], text)
             rows.append(row)
             log(f"{sample['index']}: " + ", ".join(f"{k} {row[k]:.0f}" for k in ("full", *SCORINGS)))
     totals = {name: sum(r[name] for r in rows) for name in ("full", *SCORINGS)}
-    return {"config": {"samples": samples, "rate": rate, "protected": PROTECTED, "sink_tokens": SINK_TOKENS,
+    return {"config": {"samples": samples, "rate": rate, "task": task, "protected": PROTECTED, "sink_tokens": SINK_TOKENS,
                        "window": WINDOW, "length": 2048},
             "rows": rows, "totals": totals, "seconds": time.perf_counter() - started}  # fmt: skip
 
@@ -143,8 +162,9 @@ def write(results: dict, prefix: Path) -> None:
     prefix.with_suffix(".json").write_text(json.dumps(results, indent=1))
     totals, config = results["totals"], results["config"]
     lines = [
-        "# Multi-turn second question after one eviction (Hugging Face harness, SmolLM2-135M)", "",
-        f"- command: `python benchmarks/multiturn_eviction_harness.py --samples {config['samples']} --rate {config['rate']:g}`",
+        "# One eviction at the prompt's end, question-agnostic scorings (Hugging Face harness, SmolLM2-135M)", "",
+        f"- command: `python benchmarks/multiturn_eviction_harness.py --samples {config['samples']} --rate {config['rate']:g} "
+        f"--task {config['task']}`",
         f"- {config['samples']} prompts of {config['length']} tokens, rate {config['rate']:g}, "
         f"{results['seconds']:.0f} s", "",
         "| scoring | answered | % of full |", "| --- | ---: | ---: |",
@@ -159,10 +179,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=20)
     parser.add_argument("--rate", type=float, default=8.0)
+    parser.add_argument("--task", choices=TASKS, default="niah_multiturn")
     parser.add_argument("--out", type=Path, default=None, help="write OUT.json and OUT.md")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    results = run(args.samples, args.rate)
+    results = run(args.samples, args.rate, args.task)
     for name, total in results["totals"].items():
         print(f"{name}: {total:g}")
     if args.out is not None:

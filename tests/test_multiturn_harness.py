@@ -41,4 +41,5 @@ def test_scorings_keep_sinks_and_score_sentences_alike_in_every_head():
     # means over known tokens (position 0 has none): (1+2+3+4+5)/5 = 3, 9, 1; over the largest, 9
     assert torch.allclose(mean[harness.SINK_TOKENS :], torch.tensor([3, 3, 9, 9, 9, 1, 1, 1, 1, 1], dtype=torch.float64) / 9)
     assert got["surprisal-max"][0, 0, 4:].tolist() == [5, 5, 9, 9, 9, 1, 1, 1, 1, 1]
+    assert got["surprisal-top3"][0, 0, 4:].tolist() == [4, 4, 9, 9, 9, 1, 1, 1, 1, 1]  # (5 + 4 + 3) / 3
     torch.testing.assert_close(got["kvc"], load_benchmark("ppl_eviction_ceiling").max_pool(kvc, 31))
