@@ -177,6 +177,25 @@ def test_scheduler_holds_every_ranks_own_head_lengths_mid_run(kvc_tp_llm):
     assert page_stats(kvc_tp_llm)["mismatches"] == 0
 
 
+def _first_compression_per_rank(llm, prompt, policy: str) -> list[dict]:
+    """Run one request of ``policy`` at rate 4 to its end; every rank's recorded inputs
+    of its first compression (``kvcompress_record_compressions``), in rank order."""
+    engine = llm.llm_engine
+    llm.collective_rpc("kvcompress_record_compressions", args=(True,))
+    engine.add_request(f"{policy}-tp", prompt, _params(8, kv_compress_rate=4, kv_compress_policy=policy))
+    recorded = None
+    try:
+        while engine.has_unfinished_requests():
+            engine.step()
+            per_rank = llm.collective_rpc("kvcompress_record_compressions", args=(True,))
+            if recorded is None and all(per_rank):
+                recorded = [next(iter(rank.values())) for rank in per_rank]
+    finally:
+        llm.collective_rpc("kvcompress_record_compressions", args=(False,))
+    assert recorded is not None, f"{policy}: no compression"
+    return recorded
+
+
 def test_kvzip_reconstruction_runs_on_every_rank_over_its_own_heads(kvc_tp_llm, tiny_model):
     """kvzip at TP=2: every rank runs the reconstruction pass (its forward's collectives
     in step) over the KV head it holds; the ranks' raw scores side by side equal Hugging
@@ -186,18 +205,7 @@ def test_kvzip_reconstruction_runs_on_every_rank_over_its_own_heads(kvc_tp_llm, 
 
     engine = kvc_tp_llm.llm_engine
     (prompt,) = _prompts([260], seed=11)
-    kvc_tp_llm.collective_rpc("kvcompress_record_compressions", args=(True,))
-    engine.add_request("kvzip-tp", prompt, _params(8, kv_compress_rate=4, kv_compress_policy="kvzip"))
-    recorded = None
-    try:
-        while engine.has_unfinished_requests():
-            engine.step()
-            per_rank = kvc_tp_llm.collective_rpc("kvcompress_record_compressions", args=(True,))
-            if recorded is None and all(per_rank):
-                recorded = [next(iter(rank.values())) for rank in per_rank]
-    finally:
-        kvc_tp_llm.collective_rpc("kvcompress_record_compressions", args=(False,))
-    assert recorded is not None, "kvzip: no compression"
+    recorded = _first_compression_per_rank(kvc_tp_llm, prompt, "kvzip")
     scores = torch.cat([torch.tensor(rank["reconstruction_scores"]) for rank in recorded], dim=1)
     chunk = engine.vllm_config.scheduler_config.max_num_batched_tokens
     want = reconstruction_scores(tiny_model, prompt["prompt_token_ids"], chunk)
@@ -212,20 +220,8 @@ def test_surprisal_scores_every_rank_from_the_whole_vocabulary(kvc_tp_llm, tiny_
     import torch
     from reconstruction_oracle import surprisal_nats
 
-    engine = kvc_tp_llm.llm_engine
     (prompt,) = _prompts([270], seed=12)
-    kvc_tp_llm.collective_rpc("kvcompress_record_compressions", args=(True,))
-    engine.add_request("surprisal-tp", prompt, _params(8, kv_compress_rate=4, kv_compress_policy="surprisal"))
-    recorded = None
-    try:
-        while engine.has_unfinished_requests():
-            engine.step()
-            per_rank = kvc_tp_llm.collective_rpc("kvcompress_record_compressions", args=(True,))
-            if recorded is None and all(per_rank):
-                recorded = [next(iter(rank.values())) for rank in per_rank]
-    finally:
-        kvc_tp_llm.collective_rpc("kvcompress_record_compressions", args=(False,))
-    assert recorded is not None, "surprisal: no compression"
+    recorded = _first_compression_per_rank(kvc_tp_llm, prompt, "surprisal")
     want = surprisal_nats(tiny_model, prompt["prompt_token_ids"])
     for rank in recorded:
         torch.testing.assert_close(torch.tensor(rank["surprisal_nats"], dtype=torch.float64)[1:], want[1:],
