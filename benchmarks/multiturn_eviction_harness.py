@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import ppl_eviction_ceiling as ceiling  # noqa: E402
 
 from kvcompress.ops.surprisal import SentenceEnds, sentence_scores, sentence_starts  # noqa: E402
+from kvcompress.ops.word_spans import span_max_pool  # noqa: E402
 
 PROTECTED = 64
 """Last prompt positions always kept (the engine's protected window)."""
@@ -73,9 +74,7 @@ def scorings(kvc: torch.Tensor, nats: torch.Tensor, ids: list[int], ends: Senten
     starts = torch.from_numpy(sentence_starts(ids, ends))
     known = torch.ones(length, dtype=torch.bool)
     known[0] = False
-    index = starts.view(1, -1)
-    sentence_max = torch.full((1, length), float("-inf"), dtype=torch.float64).scatter_reduce(
-        1, index, nats.view(1, -1), "amax").gather(1, index)[0]  # fmt: skip
+    sentence_max = span_max_pool(nats.view(1, -1), starts)[0]
     top3 = torch.empty(length, dtype=torch.float64)
     for start in starts.unique().tolist():
         members = (starts == start).nonzero()[:, 0]

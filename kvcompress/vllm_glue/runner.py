@@ -872,7 +872,7 @@ class PerHeadRunnerMixin:
                 )
             return
         seq_slot = self.kvc_requests[request_id].seq_slot
-        self.kvc_surprisal.pending.append(SurprisalRows(request_id, seq_slot, list(token_ids), first, count, row_start))
+        self.kvc_surprisal.pending.append(SurprisalRows(request_id, seq_slot, token_ids, first, count, row_start))
 
     def _kvc_pending_reconstruction(self, request_id: str, num_cached: int, spec) -> PendingReconstruction | None:
         """The reconstruction of a request holding ``num_cached`` tokens' KVs after
