@@ -88,6 +88,45 @@ def test_per_step_flat_starts_give_the_same_attention(query_lens):
     assert (bad - want).abs().max().item() > 1e-2
 
 
+@pytest.mark.parametrize("query_lens", [[37, 64, 5], [1, 19, 1, 1, 40, 1]], ids=["prefill", "mixed"])
+def test_a_strided_query_gives_the_reference_attention(query_lens):
+    # vLLM's query is a column slice of the fused QKV projection: rows (Hq + 2H) * D apart.
+    num_kv_heads, group, head_dim = 3, 3, 64
+    pool, batch, query = make_case(query_lens, num_kv_heads, group, head_dim, 32, torch.float32, seed=21)
+    num_rows, num_q_heads = query.shape[0], num_kv_heads * group
+    fused = torch.randn(num_rows, (num_q_heads + 2 * num_kv_heads) * head_dim)
+    fused[:, : num_q_heads * head_dim] = query.reshape(num_rows, -1)
+    strided = fused[:, : num_q_heads * head_dim].view(num_rows, num_q_heads, head_dim)
+    assert not strided.is_contiguous()
+    scale = 0.125
+    want = paged_attention(query, pool, batch, scale)
+    got = cpu_attention.paged_attention_cpu(strided, pool, batch, scale)
+    assert (got - want).abs().max().item() < TOLERANCE[torch.float32]
+
+
+def test_the_kernel_reads_a_strided_query_but_writes_rows_g_times_d_apart():
+    # The contract _attend documents (a per-KV-head call over a view of the query would
+    # save the regrouping copy, but its output must then go through a contiguous buffer).
+    num_kv_heads, group, head_dim = 2, 4, 64
+    pool, batch, query = make_case([300], num_kv_heads, group, head_dim, 64, torch.float32, seed=1)
+    want = paged_attention(query, pool, batch, 0.125)
+    by_head = query.view(300, num_kv_heads, group, head_dim)
+    starts = torch.tensor(batch.query_start_loc, dtype=torch.int32)
+    max_len = int(batch.head_lens.max())
+    tables = batch.block_tables[:, :, : -(-max_len // pool.block_size)].to(torch.int32)
+    lens = batch.head_lens.to(torch.int32)
+    into_buffer = torch.empty_like(by_head)
+    into_view = torch.zeros_like(by_head)
+    for head in range(num_kv_heads):
+        buffer = torch.empty(300, group, head_dim)
+        args = (starts, 300, lens[:, head].contiguous(), max_len, tables[:, head].contiguous(), 0.125)
+        cpu_attention._attend(by_head[:, head], pool, buffer, *args)
+        into_buffer[:, head] = buffer
+        cpu_attention._attend(by_head[:, head], pool, into_view[:, head], *args)
+    assert (into_buffer.view_as(want) - want).abs().max().item() < TOLERANCE[torch.float32]
+    assert (into_view.view_as(want) - want).abs().max().item() > 1e-2
+
+
 def test_bf16_decode_and_prefill():
     pool, batch, query = make_case([1, 30, 1, 12], 2, 4, 64, 16, torch.bfloat16, seed=5)
     scale = 0.125

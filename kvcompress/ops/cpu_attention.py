@@ -246,7 +246,8 @@ def _attend(
     (:class:`kvcompress.ops.flattened.Attend`; the two host bounds are not needed here).
 
     Args:
-        query, out: ``[T, G, D]`` (row stride free, head dim contiguous).
+        query: ``[T, G, D]`` (row stride free, head dim contiguous).
+        out: ``[T, G, D]`` contiguous (the kernel takes its row stride to be ``G * D``).
         query_start_loc: ``[R + 1]`` int32; seq_lens ``[R]`` int32 (>= the query rows
         of each sequence); block_table ``[R, P]`` int32.
     """
