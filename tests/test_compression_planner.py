@@ -241,6 +241,41 @@ def test_interval_recompresses_after_n_steps_only():
     assert planner.stats.compressions_on_interval == 2
 
 
+def test_interval_compressions_of_a_staggered_batch_fall_into_step():
+    # Six requests prefilled one step apart: the first falling due on the interval takes
+    # along every request at least half an interval past its last compression, so the
+    # batch is recompressed in one call per interval instead of six, and no request
+    # waits longer than the interval (oracle: the rule in compress_due's comment).
+    interval = 8
+    planner = _planner(rate=4, protected_window=8, min_cache_tokens=16, interval=interval)
+    requests: list[Req] = []
+    compressed_at: dict[str, list[int]] = {}
+    for step in range(1, 41):
+        if step <= 6:
+            requests.append(_prefilled(planner, f"r{step}", 1000))
+        for request in requests[:-1] if step <= 6 else requests:
+            request.output_tokens += 1
+            request.num_computed_tokens += 1
+            planner.accounting.grow(request.request_id, request.num_computed_tokens + 64)
+        before = {r.request_id: planner.requests.get(r.request_id) for r in requests}
+        last = {k: (v.last_compressed_step if v else None) for k, v in before.items()}
+        planner.begin_step()
+        planner.compress_due(requests)
+        for request in requests:
+            if planner.requests[request.request_id].last_compressed_step == step != last[request.request_id]:
+                compressed_at.setdefault(request.request_id, []).append(step)
+        planner.adopt(_settle(planner, list(planner.step.orders)))
+    for request_id, steps in compressed_at.items():
+        assert steps[0] == int(request_id[1:])  # after its prefill, in its own step
+        gaps = np.diff(steps)
+        assert gaps.max() <= interval and gaps.min() >= interval // 2, (request_id, steps)
+    on_interval_steps = sorted({s for steps in compressed_at.values() for s in steps[1:]})
+    # r1 falls due at 9 and takes r2..r5 (4..7 steps since theirs), r6 follows at 14
+    # and takes the others (5 past): from then on all six compress together.
+    assert on_interval_steps == [9, 14, 22, 30, 38]
+    assert [compressed_at[f"r{i}"][-3:] for i in range(1, 7)] == [[22, 30, 38]] * 6
+
+
 def _dispatch(planner: CompressionPlanner, requests: list[Req]) -> dict:
     planner.begin_step()
     planner.compress_due(requests)
