@@ -16,6 +16,7 @@ group (query-group compression). Metrics live beside the pages in
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -292,31 +293,50 @@ def decode_metrics_by_head(
 
 def _decode_metrics_heads(query, pool, block_tables, head_lens, pages_held, scale, power, query_positions=None) -> None:
     """One pass of :func:`decode_metrics_by_head` over whole heads."""
-    num_heads, num_pages = block_tables.shape
+    num_heads = block_tables.shape[0]
     group = query.shape[1]
     key_cache = pool.key_cache
     block_size = key_cache.shape[1]
     device = block_tables.device
-    held = torch.arange(num_pages, device=device) < pages_held.unsqueeze(-1)  # [S, P]
-    head_of_page, page_index = held.nonzero(as_tuple=True)  # [N]
+    head_of_page, page_ids, past_end = _held_pages(block_tables, head_lens, pages_held, block_size)
     if head_of_page.numel() == 0:
         return
-    page_ids = block_tables[head_of_page, page_index].long()
     # K as [D, b] per page: vLLM's CPU layout stores it so (a copy of whole pages).
-    keys = key_cache.transpose(1, 2)[page_ids].float()  # [N, D, b]
-    scores = torch.bmm(query[head_of_page].float(), keys).mul_(scale)  # [N, G, b]
-    slot = page_index.unsqueeze(-1) * block_size + torch.arange(block_size, device=device)
-    past_end = slot >= head_lens.long()[head_of_page].unsqueeze(-1)  # [N, b]
+    keys = key_cache.transpose(1, 2).index_select(0, page_ids).float()  # [N, D, b]
+    scores = torch.bmm(query.float().mul(scale).index_select(0, head_of_page), keys)  # [N, G, b]
     if query_positions is None:
         scores.masked_fill_(past_end.unsqueeze(1), float("-inf"))
     else:  # [N, G, b]: later KVs than a query's own are not in its softmax
-        later = pool.slot_positions[page_ids].unsqueeze(1) > query_positions[head_of_page].unsqueeze(-1)
-        scores.masked_fill_(later | past_end.unsqueeze(1), float("-inf"))
+        later = (pool.slot_positions.index_select(0, page_ids).unsqueeze(1)
+                 > query_positions.index_select(0, head_of_page).unsqueeze(-1))
+        scores.masked_fill_(later.logical_or_(past_end.unsqueeze(1)), float("-inf"))
     head_max = torch.full((num_heads, group), float("-inf"), device=device).scatter_reduce_(
         0, head_of_page.unsqueeze(-1).expand(-1, group), scores.amax(dim=2), "amax",
     )
-    probs = torch.exp_(scores.sub_(head_max[head_of_page].unsqueeze(-1)))
+    probs = torch.exp_(scores.sub_(head_max.index_select(0, head_of_page).unsqueeze(-1)))
     totals = torch.zeros((num_heads, group), device=device).index_add_(0, head_of_page, probs.sum(dim=2))
-    probs.div_(totals[head_of_page].unsqueeze(-1))
+    probs.div_(totals.index_select(0, head_of_page).unsqueeze(-1))
     gained = probs.pow_(power).sum(dim=1) if power != 1 else probs.sum(dim=1)  # [N, b]
     pool.slot_metrics.index_add_(0, page_ids, gained.to(pool.slot_metrics.dtype))
+
+
+def _held_pages(
+    block_tables: torch.Tensor, head_lens: torch.Tensor, pages_held: torch.Tensor, block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every page the heads hold, flattened: ``([N] head of each page, [N] int64 page id,
+    [N, b] bool slot past its head's end)``. On CPU built in numpy: a pass is a few
+    dozen small ops, and torch's ``nonzero`` and 2-D indexing there cost 10-100 us each."""
+    if block_tables.device.type == "cpu":
+        held = pages_held.numpy()
+        head_of_page = np.repeat(np.arange(held.shape[0]), held)
+        page_index = np.arange(head_of_page.shape[0]) - np.repeat(np.cumsum(held) - held, held)
+        page_ids = block_tables.numpy()[head_of_page, page_index].astype(np.int64)
+        slot = page_index[:, None] * block_size + np.arange(block_size)
+        past_end = slot >= head_lens.numpy()[head_of_page][:, None]
+        return torch.from_numpy(head_of_page), torch.from_numpy(page_ids), torch.from_numpy(past_end)
+    device = block_tables.device
+    held = torch.arange(block_tables.shape[1], device=device) < pages_held.unsqueeze(-1)  # [S, P]
+    head_of_page, page_index = held.nonzero(as_tuple=True)
+    slot = page_index.unsqueeze(-1) * block_size + torch.arange(block_size, device=device)
+    past_end = slot >= head_lens.long()[head_of_page].unsqueeze(-1)
+    return head_of_page, block_tables[head_of_page, page_index].long(), past_end
