@@ -14,7 +14,11 @@ Compression is ordered (and executed by the worker at the start of the step):
   step (the ones vLLM would preempt) are compressed first
   (:meth:`CompressionPlanner.relieve`); only if that frees too little does vLLM's own
   preemption run, which frees every page of the victim. A preempted request is
-  compressed again once its recomputed prefill completes.
+  compressed again once its recomputed prefill completes;
+- while a waiting request cannot be admitted for want of pages: running requests are
+  recompressed as with an interval of ``PRESSURE_INTERVAL`` steps
+  (:meth:`CompressionPlanner.make_room`), so the batch refills while its requests run
+  instead of only as they finish.
 
 Each step at most ``--kv-compress-max-kv-per-iteration`` KVs are sorted; never-
 compressed requests go first, then the least recently compressed. The pages a
@@ -86,6 +90,7 @@ class PlannerStats:
     compressions_after_prefill: int = 0
     compressions_instead_of_preemption: int = 0
     compressions_on_interval: int = 0
+    compressions_to_admit: int = 0
     pages_freed: int = 0
     max_running: int = 0
     max_decoding: int = 0
@@ -102,6 +107,11 @@ class PlannerStats:
     # worker steps that freed other than the ordered pages (WorkerReport.evict_mismatches)
     evict_mismatches: int = 0
 
+
+# While requests wait for pages, running requests are recompressed at least this often
+# (steps; CompressionPlanner.make_room). 64 = the CPU page size: a head takes a new page
+# about every 64 tokens.
+PRESSURE_INTERVAL = 64
 
 # Steps between per-request page checks of the worker's report (see report_pages_held).
 PAGES_HELD_CHECK_INTERVAL = 16
@@ -144,6 +154,9 @@ class CompressionPlanner:
         # compression interval, the only ones compress_due looks at.
         self.due: set[str] = set()
         self.step = _Step()
+        # Pages a waiting request lacked when vLLM last refused to admit it (0: none;
+        # make_room acts on it at the next step's start).
+        self.admission_short = 0
         # Resolved once: the server's policy settings are fixed for the engine's life.
         self._policies = {name: settings.policy_for(name) for name in POLICY_NAMES}
 
@@ -226,7 +239,8 @@ class CompressionPlanner:
         """Order a compression of ``request`` this step if it frees pages; returns the
         pages freed on the rank that gains the fewest (with one rank: the pages freed).
 
-        ``reason``: ``after_prefill``, ``instead_of_preemption`` or ``on_interval``.
+        ``reason``: ``after_prefill``, ``instead_of_preemption``, ``on_interval`` or
+        ``to_admit``.
         """
         accounting = self.accounting
         request_id = request.request_id
@@ -237,16 +251,7 @@ class CompressionPlanner:
             return 0
         planned = self.state(request)
         context_len = accounting.logical_len(request_id)
-        # E_s,r per rank over that rank's heads, each held to the same per-head budget:
-        # every rank frees exactly what is credited to its own pool.
-        heads = accounting.heads_per_rank
-        evict_by_rank = tuple(
-            blocks_to_evict(
-                head_lens[:, rank * heads:(rank + 1) * heads], context_len,
-                planned.compression.budget, accounting.block_size,
-            )
-            for rank in range(accounting.num_ranks)
-        )
+        evict_by_rank = self._evict_by_rank(head_lens, context_len, planned)
         evict = sum(evict_by_rank)
         planned.last_compressed_step = step.number
         self.due.discard(request_id)
@@ -271,6 +276,19 @@ class CompressionPlanner:
             self.metrics.count_order(reason, policy)
         return min(evict_by_rank)
 
+    def _evict_by_rank(self, head_lens: np.ndarray, context_len: int, planned: PlannedRequest) -> tuple[int, ...]:
+        """E_s,r per rank over that rank's heads, each held to the same per-head budget:
+        every rank frees exactly what is credited to its own pool."""
+        accounting = self.accounting
+        heads = accounting.heads_per_rank
+        return tuple(
+            blocks_to_evict(
+                head_lens[:, rank * heads:(rank + 1) * heads], context_len,
+                planned.compression.budget, accounting.block_size,
+            )
+            for rank in range(accounting.num_ranks)
+        )
+
     def compress_due(self, running: Iterable[PlannableRequest], all_resolved: bool = False) -> None:
         """Order compressions of requests whose prefill completed, and on the interval.
 
@@ -285,18 +303,21 @@ class CompressionPlanner:
             # Only requests awaiting their first compression (or not yet resolved).
             known = self.requests
             running = [r for r in running if r.request_id in due or r.request_id not in known]
-        candidates = self.candidates(running)
+        self._compress_stale(self.candidates(running), interval, "on_interval")
+
+    def _compress_stale(self, candidates: list[PlannableRequest], interval: int, reason: str) -> None:
+        """Compress ``candidates`` never compressed since their prefill, and, once one of
+        them is ``interval`` steps past its last compression (0: never), every one at
+        least half that: one batched compression instead of one per step (each costs
+        ~1 ms however few sequences it holds), and the requests stay in step afterwards.
+        No request waits longer than the interval."""
         since = [self._steps_since_compressed(r) for r in candidates]
-        # A request falling due on the interval takes along every request at least half an
-        # interval past its last compression: one batched compression instead of one per
-        # step (each costs ~1 ms however few sequences it holds), and the requests stay in
-        # step afterwards. No request waits longer than the interval.
         joins = interval and any(s is not None and s >= interval for s in since)
         for request, steps in zip(candidates, since):
             if steps is None:
                 self.try_compress(request, "after_prefill")
             elif joins and steps >= max(1, interval // 2):
-                self.try_compress(request, "on_interval")
+                self.try_compress(request, reason)
 
     def _steps_since_compressed(self, request: PlannableRequest) -> int | None:
         last = self.requests[request.request_id].last_compressed_step
@@ -315,6 +336,29 @@ class CompressionPlanner:
             freed += self.try_compress(candidate, "instead_of_preemption")
             if freed >= pages_short:
                 break
+
+    def note_admission_short(self, pages_short: int) -> None:
+        """vLLM refused to admit a waiting request: ``pages_short`` pages were missing
+        (on the rank shortest of them). :meth:`make_room` acts on it at the next step's
+        start, before any request grows (the worker compresses before it appends)."""
+        if pages_short > self.admission_short:
+            self.admission_short = pages_short
+
+    def make_room(self, running: Iterable[PlannableRequest]) -> None:
+        """A waiting request was refused pages last step: recompress the running requests
+        as ``--kv-compress-interval`` would with an interval of ``PRESSURE_INTERVAL``
+        steps (the flag's, if shorter; :meth:`_compress_stale`).
+
+        Compressing a request frees little at once (a compressed head ends on a page
+        boundary, so its next token takes a page per head again); what it saves is its
+        growth afterwards, ~1/rate of a page per page of tokens instead of a page. So a
+        batch that is recompressed while requests wait for memory admits them while it
+        runs, instead of only as its requests finish (or are preempted)."""
+        short, self.admission_short = self.admission_short, 0
+        if short > 0:
+            interval = self.settings.interval
+            self._compress_stale(self.candidates(running), min(interval or PRESSURE_INTERVAL, PRESSURE_INTERVAL),
+                                 "to_admit")
 
     def take_orders(self) -> dict[str, CompressionOrder]:
         """This step's orders, as the step goes to the worker; those of requests

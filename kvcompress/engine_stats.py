@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from kvcompress.contract import CompressionRecord
 
-COMPRESSION_REASONS = ("after_prefill", "instead_of_preemption", "on_interval")
+COMPRESSION_REASONS = ("after_prefill", "instead_of_preemption", "on_interval", "to_admit")
 """Why the scheduler ordered a compression (``CompressionPlanner.try_compress``)."""
 
 

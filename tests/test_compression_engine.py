@@ -122,6 +122,35 @@ def test_memory_pressure_compresses_instead_of_preempting(compress_llm):
     assert compressed["num_preemptions"] == 0
 
 
+def test_waiting_requests_get_running_ones_recompressed(compress_llm):
+    """24 x 1000-token prompts at rate 8 in 4096 tokens of pages: compressed after
+    prefill, ~10 run at once and the rest wait for pages. While one waits, running
+    requests are recompressed (``to_admit``, every PRESSURE_INTERVAL steps) instead of
+    growing a page per head every page of tokens; never when nothing waited in the
+    step before; every request completes, nothing is preempted, pages agree."""
+    engine = compress_llm.llm_engine
+    start = previous = page_stats(compress_llm)
+    for index in range(24):
+        engine.add_request(f"admit-{index}", _prompt(1000, 400 + index), _params(300, kv_compress_rate=8))
+    waited, recompressing_steps, finished = False, 0, {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = len(output.outputs[0].token_ids)
+        stats = page_stats(compress_llm)
+        _assert_exact_accounting(stats)
+        if stats["compressions_to_admit"] > previous["compressions_to_admit"]:
+            assert waited, "running requests recompressed for admission with nothing waiting"
+            recompressing_steps += 1
+        waited = stats["waiting"] > 0
+        previous = stats
+    assert finished == {f"admit-{index}": 300 for index in range(24)}
+    assert recompressing_steps > 0
+    assert previous["num_preemptions"] == start["num_preemptions"]
+    assert previous["num_free"] == previous["num_pages"] and previous["mismatches"] == 0
+    assert worker_page_stats(compress_llm)["evict_mismatches"] == 0
+
+
 def test_preempted_compressed_sequence_is_compressed_again(compress_llm):
     """Uncompressed requests grow until vLLM must preempt; the victim (latest arrival) was
     compressed; after its recomputed prefill it is compressed again (the original fork's bug)."""

@@ -200,6 +200,42 @@ def test_relieve_compresses_requests_not_yet_scheduled_until_enough_pages():
     assert planner.stats.compressions_instead_of_preemption == 2
 
 
+def test_running_requests_are_recompressed_only_while_a_request_waits_for_pages():
+    # No interval: a (prefilled at step 1) and b (at step 40) are compressed after their
+    # prefill only, until a waiting request is refused pages (from step 70 on): then the
+    # running ones are recompressed as with an interval of PRESSURE_INTERVAL (64) steps,
+    # those at least half of it past their last compression joining one that is due
+    # (oracle: make_room's docstring and the interval rule of compress_due).
+    from kvcompress.compression_planner import PRESSURE_INTERVAL
+
+    assert PRESSURE_INTERVAL == 64
+    planner = _planner(rate=4, protected_window=8, min_cache_tokens=16)
+    requests: list[Req] = []
+    compressed_at: dict[str, list[int]] = {}
+    for step in range(1, 121):
+        if step in (1, 40):
+            requests.append(_prefilled(planner, "a" if step == 1 else "b", 1000))
+        for request in requests:
+            if planner.requests.get(request.request_id) is not None:  # past its first step
+                request.output_tokens += 1
+                request.num_computed_tokens += 1
+                planner.accounting.grow(request.request_id, request.num_computed_tokens + 64)
+        planner.begin_step()
+        planner.compress_due(requests)
+        if step >= 70:  # vLLM refused a waiting request pages in the step before
+            planner.note_admission_short(5)
+        planner.make_room(requests)
+        for request_id in planner.step.orders:
+            compressed_at.setdefault(request_id, []).append(step)
+        planner.adopt(_settle(planner, list(planner.step.orders)))
+    # a is 64 steps past its compression at step 65 but nothing waits until 70; b is 30
+    # past its own then (< 32: it does not join); at 104 b falls due and a (34) joins.
+    assert compressed_at == {"a": [1, 70, 104], "b": [40, 104]}
+    assert planner.stats.compressions_to_admit == 3
+    assert planner.stats.compressions_after_prefill == 2
+    assert planner.admission_short == 0  # acted on, not carried over
+
+
 def test_preemption_voids_the_order_and_recompression_is_counted():
     planner = _planner(rate=4, protected_window=8, min_cache_tokens=16)
     request = _prefilled(planner, "a", 1000)

@@ -83,6 +83,7 @@ class PerHeadKVCacheManager:
         max_model_len: int,
         watermark_pages: int,
         relieve=None,
+        on_admission_short=None,
         on_release=None,
         prefix_cache=None,
     ) -> None:
@@ -95,6 +96,8 @@ class PerHeadKVCacheManager:
         self.watermark_pages = watermark_pages
         # relieve(request, pages_short) compresses other requests instead of preempting.
         self.relieve = relieve
+        # on_admission_short(pages_short) hears that a waiting request was refused pages.
+        self.on_admission_short = on_admission_short
         # on_release(request_id, pages) hears of every request whose pages go back
         # (``[num_ranks]`` pages per rank's pool).
         self.on_release = on_release
@@ -172,19 +175,25 @@ class PerHeadKVCacheManager:
             prefix_cache.admit(request, arg.new_computed_blocks, arg.num_new_computed_tokens)
         if arg.full_sequence_must_fit:
             full_tokens = max(min(request.num_tokens, self.max_model_len), target_tokens)
-            if self._shortfall(request_id, full_tokens, reserve) > 0:
-                return None
+            short = self._shortfall(request_id, full_tokens, reserve)
+            if short > 0:
+                return self._admission_refused(short) if admitting else None
         short = self._shortfall(request_id, target_tokens, reserve)
         if short > 0 and self.relieve is not None and request.status.name == "RUNNING":
             self.relieve(request, short)
             short = accounting.shortfall(request_id, target_tokens, reserve)
         if short > 0:
-            return None
+            return self._admission_refused(short) if admitting else None
         blocks = self._inner.allocate_slots(request, *args, **kwargs)
         if blocks is None:
             return self._refused(request)
         accounting.grow(request_id, target_tokens)
         return blocks
+
+    def _admission_refused(self, pages_short: int) -> None:
+        if self.on_admission_short is not None:
+            self.on_admission_short(pages_short)
+        return None
 
     def _shortfall(self, request_id: str, target_tokens: int, reserve: int) -> int:
         """``PageAccounting.shortfall`` after evicting idle cached page groups for it."""

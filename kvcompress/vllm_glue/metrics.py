@@ -137,7 +137,7 @@ class KVCompressPrometheusLogger(AggregateStatLoggerBase):
         self.compressions = counter(
             "compressions",
             "Compressions ordered by the scheduler, by reason (after_prefill, "
-            "instead_of_preemption, on_interval) and policy.", ("reason", "policy"))
+            "instead_of_preemption, on_interval, to_admit) and policy.", ("reason", "policy"))
         self.pages_freed = counter(
             "pages_freed", "Pages freed by compressions (worker-reported), by policy.", ("policy",))
         self.kvs_before = counter(

@@ -81,6 +81,7 @@ class KVCompressScheduler(Scheduler):
             max_model_len=max_model_len,
             watermark_pages=int(self.scheduler_config.watermark * num_pages),
             relieve=self._relieve if settings.enabled else None,
+            on_admission_short=self.planner.note_admission_short if settings.enabled else None,
             on_release=self.planner.on_released,
             prefix_cache=self.prefix_cache,
         )
@@ -107,6 +108,8 @@ class KVCompressScheduler(Scheduler):
             # Every running request was resolved in the step that admitted it
             # (_step_compression).
             planner.compress_due(self.running, all_resolved=True)
+            if planner.admission_short:
+                planner.make_room(self.running)
         output = super().schedule(*args, **kwargs)
         planner.note_batch(self.running)
         return with_step_compression(output, self._step_compression(output))
@@ -167,6 +170,7 @@ class KVCompressScheduler(Scheduler):
         return {
             **self.planner.page_stats(),
             "running": [request.request_id for request in self.running],
+            "waiting": len(self.waiting),
             "running_limit": self.max_num_active_reqs,  # admission bound (live_sequence_limit)
         }
 
