@@ -155,8 +155,10 @@ class CompressionPlanner:
         self.due: set[str] = set()
         self.step = _Step()
         # Pages a waiting request lacked when vLLM last refused to admit it (0: none;
-        # make_room acts on it at the next step's start).
+        # make_room acts on it at the next step's start), and the first step at which
+        # make_room may find a running request due.
         self.admission_short = 0
+        self.pressure_check_step = 0
         # Resolved once: the server's policy settings are fixed for the engine's life.
         self._policies = {name: settings.policy_for(name) for name in POLICY_NAMES}
 
@@ -355,10 +357,16 @@ class CompressionPlanner:
         batch that is recompressed while requests wait for memory admits them while it
         runs, instead of only as its requests finish (or are preempted)."""
         short, self.admission_short = self.admission_short, 0
-        if short > 0:
-            interval = self.settings.interval
-            self._compress_stale(self.candidates(running), min(interval or PRESSURE_INTERVAL, PRESSURE_INTERVAL),
-                                 "to_admit")
+        step = self.step.number
+        if short <= 0 or step < self.pressure_check_step:
+            return
+        interval = min(self.settings.interval or PRESSURE_INTERVAL, PRESSURE_INTERVAL)
+        candidates = self.candidates(running)
+        self._compress_stale(candidates, interval, "to_admit")
+        # None falls due before the least recently compressed is an interval past its
+        # compression (requests compressed later, or admitted later, come after it).
+        lasts = [self.requests[r.request_id].last_compressed_step for r in candidates]
+        self.pressure_check_step = min((s for s in lasts if s is not None), default=step) + interval
 
     def take_orders(self) -> dict[str, CompressionOrder]:
         """This step's orders, as the step goes to the worker; those of requests
