@@ -114,11 +114,14 @@ class KVCompressConfig(BaseModel):
     interval: int = Field(0, ge=0)
     """Also compress every running sequence every N engine steps; 0 = only after prefill
     and instead of preemption."""
-    decode_metric_stride: int = Field(4, ge=1)
+    decode_metric_stride: int = Field(8, ge=1)
     """A decoding sequence's query adds its attention to the eviction metrics every N
     tokens (prompt metrics are scaled by 1/N to match, so rankings estimate those of
     every query); 1 = every decode query. The metric pass is a cost of its own on
-    kernels that return no probabilities."""
+    kernels that return no probabilities. 8: SmolLM2 perplexity with continual
+    compression is that of stride 4 within noise (r8 31.57 vs 31.42; no decode
+    queries: 31.98), at half stride 4's pass
+    (``benchmarks/results/quality-metric-stride-smollm2-cpu.md``)."""
     shared_prefix_tokens: int = Field(0, ge=0)
     """With --enable-prefix-caching: the first N prompt tokens of a compressed request
     that misses the prefix cache (whole blocks; e.g. a system prompt's length) stay
