@@ -104,6 +104,34 @@ def test_deferred_queries_give_the_every_step_metrics(batch, group, block_size):
     torch.testing.assert_close(later.pool.slot_metrics, now.pool.slot_metrics, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("power", [1, 2])
+def test_sequences_holding_different_counts_share_one_exact_pass(power):
+    """Three sequences holding 1, 2 and 3 queries (the engine flushes every pending row
+    of a step together): one pass, padded at weight 0, gives the every-step metrics."""
+    now = GrowingCache(3, 2, 2, 32, 16, seed=11)
+    later = GrowingCache(3, 2, 2, 32, 16, seed=11)
+    deferred = DeferredDecodeQueries(4)
+    gen = torch.Generator().manual_seed(6)
+    for step in range(3):
+        position = now.context + step
+        now.step(position)
+        later.step(position)
+        seqs = list(range(step, 3))  # sequence s adds a query from step s on
+        queries = torch.randn((2, len(seqs), 8, 32), generator=gen) * 3
+        decode_now = GrowingCache.tables(now, seqs)
+        num_pages = decode_now[0].shape[-1]
+        decode_metrics_by_head(
+            queries.reshape(-1, 4, 32), now.pool, decode_now[0].reshape(-1, num_pages),
+            decode_now[1].reshape(-1), 0.2, power,
+        )
+        assert deferred.add(np.array(seqs), np.full(len(seqs), position), queries, 0.2, power).size == 0
+    assert [deferred._pending[s].count for s in range(3)] == [1, 2, 3]
+    deferred.flush(later.pool, [0, 1, 2], *later.tables([0, 1, 2]))
+    assert deferred.passes == 1
+    assert (now.pool.slot_metrics > 0).sum() > 100
+    torch.testing.assert_close(later.pool.slot_metrics, now.pool.slot_metrics, rtol=1e-5, atol=1e-7)
+
+
 def test_flush_of_sequence_zero_matches_its_every_step_metrics():
     """A compression reads one sequence's metrics: after flushing it alone, its slots
     equal the every-step pass's, while the others' still wait."""
@@ -164,3 +192,43 @@ def test_one_scale_and_power():
         deferred.add(np.array([3]), np.array([11]), queries, 0.5, 1)
     with pytest.raises(ValueError, match="batch must be >= 1"):
         DeferredDecodeQueries(0)
+
+
+def test_a_full_row_takes_every_pending_row_of_its_step_along():
+    """The engine's per-step object (``DecodeStepMetrics``): rows query at different
+    phases; when one row is full, every batch row holding queries is scored in the same
+    pass (none left pending), and the metrics stay those of the every-step pass."""
+    from kvcompress.ops.cpu_attention import DecodeStepMetrics
+
+    num_layers, num_rows, num_kv_heads, group, head_dim, scale = 2, 3, 2, 4, 32, 0.2
+    now = GrowingCache(num_rows, num_layers, num_kv_heads, head_dim, 16, seed=13)
+    later = GrowingCache(num_rows, num_layers, num_kv_heads, head_dim, 16, seed=13)
+    deferred = DeferredDecodeQueries(2)
+    gen = torch.Generator().manual_seed(8)
+    passes_with_a_row_not_full = 0
+    for step in range(8):
+        position = now.context + step
+        now.step(position)
+        later.step(position)
+        metric_rows = [row for row in range(num_rows) if (step + row) % 2 == 0]  # two phases
+        queries = torch.randn((num_layers, num_rows, num_kv_heads * group, head_dim), generator=gen)
+        score_now(now, metric_rows, queries[:, metric_rows], scale)
+        tables, lens = later.tables(list(range(num_rows)))
+        step_metrics = DecodeStepMetrics(
+            torch.tensor(metric_rows), tables.reshape(num_layers, num_rows * num_kv_heads, -1),
+            lens.reshape(num_layers, -1), num_kv_heads, num_kv_heads * group, head_dim, torch.float32,
+        )
+        step_metrics.defer(deferred, np.arange(num_rows), np.full(len(metric_rows), position))
+        before = {row: deferred._pending[row].count for row in range(num_rows) if row in deferred}
+        for layer in range(num_layers):
+            step_metrics.record(layer, queries[layer])
+        passes = deferred.passes
+        step_metrics.run(later.pool, scale, 2)
+        if deferred.passes > passes:
+            assert deferred.passes == passes + 1
+            assert not any(row in deferred for row in range(num_rows))
+            if any(row not in metric_rows and count for row, count in before.items()):
+                passes_with_a_row_not_full += 1
+    assert passes_with_a_row_not_full >= 2
+    deferred.flush(later.pool, list(range(num_rows)), *later.tables(list(range(num_rows))))
+    torch.testing.assert_close(later.pool.slot_metrics, now.pool.slot_metrics, rtol=1e-5, atol=1e-7)

@@ -298,13 +298,14 @@ class DecodeStepMetrics:
         self.queries = torch.empty((self.num_layers, rows.shape[0], num_q_heads, head_dim), dtype=dtype)
         self.layers_recorded = 0
         self.deferred: DeferredDecodeQueries | None = None
-        self.slots: np.ndarray | None = None
+        self.batch_slots: np.ndarray | None = None
         self.positions: np.ndarray | None = None
 
-    def defer(self, deferred: DeferredDecodeQueries, slots: np.ndarray, positions: np.ndarray) -> None:
-        """Hand the queries to ``deferred`` instead of scoring them at once: the rows'
-        sequence slots ``slots [M]`` and query positions ``positions [M]``."""
-        self.deferred, self.slots, self.positions = deferred, slots, positions
+    def defer(self, deferred: DeferredDecodeQueries, batch_slots: np.ndarray, positions: np.ndarray) -> None:
+        """Hand the queries to ``deferred`` instead of scoring them at once: the
+        sequence slots of every batch row ``batch_slots [B]`` and the metric rows' query
+        positions ``positions [M]``."""
+        self.deferred, self.batch_slots, self.positions = deferred, batch_slots, positions
 
     def record(self, layer: int, query: torch.Tensor) -> bool:
         """Keep layer ``layer``'s metric-row queries (``query [B, Hq, D]``); True once
@@ -322,11 +323,15 @@ class DecodeStepMetrics:
         heads = self.num_kv_heads
         num_rows = num_seqs // heads
         if self.deferred is not None:
-            full = self.deferred.add(self.slots, self.positions, self.queries, scale, power)
+            full = self.deferred.add(self.batch_slots[self.rows.numpy()], self.positions, self.queries, scale, power)
             if full.size:
-                rows = self.rows[torch.from_numpy(full)]
+                # Every batch row with pending queries joins the pass a full row calls
+                # for: rows then fall due together, one pass per cycle instead of one
+                # per row phase (a pass costs its op count more than its queries).
+                due = self.deferred.pending_among(self.batch_slots)
+                rows = torch.from_numpy(due)
                 self.deferred.flush(
-                    pool, self.slots[full].tolist(),
+                    pool, self.batch_slots[due].tolist(),
                     self.block_tables.view(num_layers, num_rows, heads, num_pages)[:, rows],
                     self.seq_lens.view(num_layers, num_rows, heads)[:, rows],
                 )

@@ -5,7 +5,12 @@ On vLLM's CPU kernel the decode-time eviction metrics are a pass of their own
 holds to score a handful of queries, and the copy and the per-op overhead, not the
 arithmetic, set its cost (one query set of a 4-layer step: 0.26 ms; four: 0.41 ms). So a
 sequence's metric queries wait here, all layers of each, until it has ``batch`` of them;
-then one pass scores them together.
+then one pass scores them together, with those of every other sequence of the step that
+holds some (:meth:`DecodeStepMetrics.run <kvcompress.ops.cpu_attention.DecodeStepMetrics.run>`):
+sequences reach their ``batch``-th query at different steps (each queries every
+``decode_metric_stride``-th position of its own), and a pass for each would cost one
+pass's ops per sequence phase. Sequences holding fewer queries than the most are padded
+with a copy of their last query at weight 0 (``query_weights``), so one pass serves all.
 
 Deferring changes nothing the eviction reads. A decode query sees the KVs its head
 held in its own step: those at positions up to its own (KVs are appended in position
@@ -95,37 +100,53 @@ class DeferredDecodeQueries:
                 full.append(index)
         return np.asarray(full, dtype=np.int64)
 
+    def pending_among(self, slots: np.ndarray) -> np.ndarray:
+        """Indices into ``slots [M]`` of the slots holding queries not yet scored."""
+        return np.asarray([i for i, slot in enumerate(slots.tolist()) if slot in self], dtype=np.int64)
+
     def flush(
         self, pool: KVPool, slots: list[int], block_tables: torch.Tensor, head_lens: torch.Tensor,
     ) -> None:
-        """Add the pending queries of ``slots`` to ``pool.slot_metrics`` and forget them.
+        """Add the pending queries of ``slots`` to ``pool.slot_metrics`` and forget them:
+        one pass for all of them, whatever each holds (fewer than the most: padded with
+        a copy of its last query at weight 0).
 
         Args:
             slots: sequence slots (those with nothing pending are skipped).
             block_tables: ``[L, n, H, P]`` page ids of each slot's heads now.
             head_lens: ``[L, n, H]`` KVs each of those heads holds now.
         """
-        by_count: dict[int, list[int]] = {}
-        for index, slot in enumerate(slots):
-            if slot in self:
-                by_count.setdefault(self._pending[slot].count, []).append(index)
-        for count, indices in by_count.items():
-            pending = [self._pending[slots[i]] for i in indices]
-            chosen = torch.tensor(indices, dtype=torch.int64)
-            self._score(
-                pool, torch.stack([p.queries[:count] for p in pending]),
-                torch.from_numpy(np.stack([p.positions[:count] for p in pending])),
-                block_tables[:, chosen], head_lens[:, chosen],
-            )
-            for p in pending:
-                p.count = 0
+        indices = [index for index, slot in enumerate(slots) if slot in self]
+        if not indices:
+            return
+        pending = [self._pending[slots[i]] for i in indices]
+        counts = [p.count for p in pending]
+        most = max(counts)
+        queries = torch.stack([p.queries[:most] for p in pending])  # [n, most, L, Hq, D]
+        positions = np.stack([p.positions[:most] for p in pending])
+        weights = None
+        if min(counts) < most:
+            weights = torch.zeros((len(pending), most), dtype=torch.float32)
+            for row, count in enumerate(counts):
+                weights[row, :count] = 1.0
+                # Copies of a real query at its position: finite scores, so weight 0
+                # adds exactly nothing.
+                queries[row, count:] = queries[row, count - 1]
+                positions[row, count:] = positions[row, count - 1]
+        chosen = torch.tensor(indices, dtype=torch.int64)
+        self._score(
+            pool, queries, torch.from_numpy(positions), block_tables[:, chosen], head_lens[:, chosen], weights,
+        )
+        for p in pending:
+            p.count = 0
 
     def _score(
         self, pool: KVPool, queries: torch.Tensor, positions: torch.Tensor,
-        block_tables: torch.Tensor, head_lens: torch.Tensor,
+        block_tables: torch.Tensor, head_lens: torch.Tensor, weights: torch.Tensor | None = None,
     ) -> None:
-        """One pass: ``queries [n, c, L, Hq, D]`` at ``positions [n, c]`` over the heads
-        of ``block_tables [L, n, H, P]`` / ``head_lens [L, n, H]``."""
+        """One pass: ``queries [n, c, L, Hq, D]`` at ``positions [n, c]`` (weighted by
+        ``weights [n, c]``, None: all 1) over the heads of ``block_tables [L, n, H, P]`` /
+        ``head_lens [L, n, H]``."""
         from kvcompress.ops.metrics import decode_metrics_by_head
 
         num_seqs, count, num_layers, num_q_heads, head_dim = queries.shape
@@ -137,9 +158,14 @@ class DeferredDecodeQueries:
         query_positions = positions.view(1, num_seqs, 1, count, 1).expand(
             num_layers, num_seqs, num_kv_heads, count, group
         ).reshape(-1, count * group)
+        query_weights = None
+        if weights is not None:
+            query_weights = weights.view(1, num_seqs, 1, count, 1).expand(
+                num_layers, num_seqs, num_kv_heads, count, group
+            ).reshape(-1, count * group)
         decode_metrics_by_head(
             per_head, pool, block_tables.reshape(-1, block_tables.shape[-1]), head_lens.reshape(-1),
-            self._scale, self._power, query_positions=query_positions,
+            self._scale, self._power, query_positions=query_positions, query_weights=query_weights,
         )
         self.passes += 1
 

@@ -244,6 +244,7 @@ def decode_metrics_by_head(
     power: int = 2,
     max_pages_per_pass: int = 4096,
     query_positions: torch.Tensor | None = None,
+    query_weights: torch.Tensor | None = None,
 ) -> None:
     """``decode_metrics`` over head-sequences of any layers at once, reading only the
     pages each head holds (no padding to the longest head).
@@ -267,6 +268,9 @@ def decode_metrics_by_head(
             from earlier steps (:mod:`kvcompress.ops.deferred_metrics`): a query sees
             only the KVs at positions up to its own (``pool.slot_positions``), as in
             its own step. None: every query sees every KV the head holds.
+        query_weights: ``[S, G]`` float32 factor on each query's contribution (0 for
+            a padding query: head-sequences with fewer real queries than ``G`` share
+            one pass). None: every query counts once.
     """
     num_heads, num_pages = block_tables.shape
     if num_heads == 0:
@@ -277,7 +281,9 @@ def decode_metrics_by_head(
         raise ValueError("decode_metrics_by_head: a head holds more KVs than its page table row")
     ends = torch.cumsum(pages_held, 0).tolist()
     if ends[-1] <= max_pages_per_pass:
-        _decode_metrics_heads(query, pool, block_tables, head_lens, pages_held, scale, power, query_positions)
+        _decode_metrics_heads(
+            query, pool, block_tables, head_lens, pages_held, scale, power, query_positions, query_weights,
+        )
         return
     start_head, start_page = 0, 0
     for head, end_page in enumerate(ends):
@@ -287,11 +293,14 @@ def decode_metrics_by_head(
                 query[start_head : head + 1], pool, block_tables[start_head : head + 1],
                 head_lens[start_head : head + 1], pages_held[start_head : head + 1], scale, power,
                 None if query_positions is None else query_positions[start_head : head + 1],
+                None if query_weights is None else query_weights[start_head : head + 1],
             )
             start_head, start_page = head + 1, end_page
 
 
-def _decode_metrics_heads(query, pool, block_tables, head_lens, pages_held, scale, power, query_positions=None) -> None:
+def _decode_metrics_heads(
+    query, pool, block_tables, head_lens, pages_held, scale, power, query_positions=None, query_weights=None,
+) -> None:
     """One pass of :func:`decode_metrics_by_head` over whole heads."""
     num_heads = block_tables.shape[0]
     group = query.shape[1]
@@ -316,7 +325,12 @@ def _decode_metrics_heads(query, pool, block_tables, head_lens, pages_held, scal
     probs = torch.exp_(scores.sub_(head_max.index_select(0, head_of_page).unsqueeze(-1)))
     totals = torch.zeros((num_heads, group), device=device).index_add_(0, head_of_page, probs.sum(dim=2))
     probs.div_(totals.index_select(0, head_of_page).unsqueeze(-1))
-    gained = probs.pow_(power).sum(dim=1) if power != 1 else probs.sum(dim=1)  # [N, b]
+    if power != 1:
+        probs.pow_(power)
+    if query_weights is None:
+        gained = probs.sum(dim=1)  # [N, b]
+    else:  # [N, 1, G] @ [N, G, b]: padding queries (weight 0) add nothing
+        gained = torch.bmm(query_weights.index_select(0, head_of_page).unsqueeze(1), probs).squeeze(1)
     pool.slot_metrics.index_add_(0, page_ids, gained.to(pool.slot_metrics.dtype))
 
 

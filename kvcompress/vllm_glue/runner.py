@@ -645,7 +645,7 @@ class PerHeadRunnerMixin:
         """The step's metric queries go to the per-sequence queue (scored a few at once)."""
         metrics = kernel_decode[0].metrics if kernel_decode else None
         if metrics is not None and self.kvc_deferred_metrics is not None:
-            metrics.defer(self.kvc_deferred_metrics, rows.slots[flagged], computed[flagged])
+            metrics.defer(self.kvc_deferred_metrics, rows.slots, computed[flagged])
 
     def _kvc_apply_prefix_cache(self, step: PrefixCacheStep) -> None:
         """After this step's appends: the cache takes the blocks vLLM cached (their
