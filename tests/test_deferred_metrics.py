@@ -59,14 +59,14 @@ class GrowingCache:
         return tables, torch.from_numpy(self.lens[:, seqs])
 
 
-def score_now(cache, seqs, queries, scale):
+def score_now(cache, seqs, queries, scale, power=2):
     """The every-step pass: ``queries [L, M, Hq, D]`` of sequences ``seqs``."""
     tables, lens = cache.tables(seqs)
     num_layers, _, num_kv_heads, num_pages = tables.shape
     group = queries.shape[2] // num_kv_heads
     decode_metrics_by_head(
         queries.reshape(-1, group, queries.shape[3]), cache.pool, tables.reshape(-1, num_pages),
-        lens.reshape(-1), scale, 2,
+        lens.reshape(-1), scale, power,
     )
 
 
@@ -112,18 +112,12 @@ def test_sequences_holding_different_counts_share_one_exact_pass(power):
     later = GrowingCache(3, 2, 2, 32, 16, seed=11)
     deferred = DeferredDecodeQueries(4)
     gen = torch.Generator().manual_seed(6)
-    for step in range(3):
-        position = now.context + step
-        now.step(position)
-        later.step(position)
-        seqs = list(range(step, 3))  # sequence s adds a query from step s on
+    for step, seqs in enumerate([[0, 1, 2], [1, 2], [2]]):  # sequence s queries from step s on
+        now.step(now.context + step)
+        later.step(now.context + step)
         queries = torch.randn((2, len(seqs), 8, 32), generator=gen) * 3
-        decode_now = GrowingCache.tables(now, seqs)
-        num_pages = decode_now[0].shape[-1]
-        decode_metrics_by_head(
-            queries.reshape(-1, 4, 32), now.pool, decode_now[0].reshape(-1, num_pages),
-            decode_now[1].reshape(-1), 0.2, power,
-        )
+        score_now(now, seqs, queries, 0.2, power)
+        position = now.context + step
         assert deferred.add(np.array(seqs), np.full(len(seqs), position), queries, 0.2, power).size == 0
     assert [deferred._pending[s].count for s in range(3)] == [1, 2, 3]
     deferred.flush(later.pool, [0, 1, 2], *later.tables([0, 1, 2]))
