@@ -120,7 +120,7 @@ class KVCompressConfig(BaseModel):
     every query); 1 = every decode query. The metric pass is a cost of its own on
     kernels that return no probabilities. 8: SmolLM2 perplexity with continual
     compression is that of stride 4 within noise (r8 31.57 vs 31.42; no decode
-    queries: 31.98), at half stride 4's pass
+    queries: 31.98), with half the queries to score
     (``benchmarks/results/quality-metric-stride-smollm2-cpu.md``)."""
     shared_prefix_tokens: int = Field(0, ge=0)
     """With --enable-prefix-caching: the first N prompt tokens of a compressed request

@@ -327,7 +327,7 @@ class DecodeStepMetrics:
             if full.size:
                 # Every batch row with pending queries joins the pass a full row calls
                 # for: rows then fall due together, one pass per cycle instead of one
-                # per row phase (a pass costs its op count more than its queries).
+                # per row phase (each pass costs a few dozen ops besides its queries).
                 due = self.deferred.pending_among(self.batch_slots)
                 rows = torch.from_numpy(due)
                 self.deferred.flush(
