@@ -326,14 +326,13 @@ class DecodeStepMetrics:
             full = self.deferred.add(self.batch_slots[self.rows.numpy()], self.positions, self.queries, scale, power)
             if full.size:
                 # Every batch row with pending queries joins the pass a full row calls
-                # for: rows then fall due together, one pass per cycle instead of one
-                # per row phase (each pass costs a few dozen ops besides its queries).
-                due = self.deferred.pending_among(self.batch_slots)
-                rows = torch.from_numpy(due)
+                # for (flush skips the rest): rows then fall due together, one pass per
+                # cycle instead of one per row phase (each pass costs a few dozen ops
+                # besides its queries).
                 self.deferred.flush(
-                    pool, self.batch_slots[due].tolist(),
-                    self.block_tables.view(num_layers, num_rows, heads, num_pages)[:, rows],
-                    self.seq_lens.view(num_layers, num_rows, heads)[:, rows],
+                    pool, self.batch_slots.tolist(),
+                    self.block_tables.view(num_layers, num_rows, heads, num_pages),
+                    self.seq_lens.view(num_layers, num_rows, heads),
                 )
             return
         tables = self.block_tables.view(num_layers, num_rows, heads, num_pages)[:, self.rows]

@@ -100,10 +100,6 @@ class DeferredDecodeQueries:
                 full.append(index)
         return np.asarray(full, dtype=np.int64)
 
-    def pending_among(self, slots: np.ndarray) -> np.ndarray:
-        """Indices into ``slots [M]`` of the slots holding queries not yet scored."""
-        return np.asarray([i for i, slot in enumerate(slots.tolist()) if slot in self], dtype=np.int64)
-
     def flush(
         self, pool: KVPool, slots: list[int], block_tables: torch.Tensor, head_lens: torch.Tensor,
     ) -> None:
