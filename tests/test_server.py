@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -226,6 +227,15 @@ def _idle_metrics(server: str) -> dict:
         time.sleep(0.5)
 
 
+def _rest_of(stream, seconds: float) -> str | None:
+    """What is left of a streamed reply if it ends within ``seconds``, else None."""
+    box = []
+    reader = threading.Thread(target=lambda: box.append(stream.read().decode()), daemon=True)
+    reader.start()
+    reader.join(seconds)
+    return box[0] if box else None
+
+
 def test_prometheus_metrics_agree_with_the_worker(server):
     """kvcompress:* on /metrics against the worker's own counters (dev-mode
     /collective_rpc, model-runner process): a request compressed with streamingllm (per
@@ -252,8 +262,9 @@ def test_prometheus_metrics_agree_with_the_worker(server):
                          "ignore_eos": True, "stream": True, "vllm_xargs": xargs}).encode(),
         headers={"Content-Type": "application/json"},
     )
+    sent = time.monotonic()
     with urllib.request.urlopen(request, timeout=120) as stream:
-        chunks = []  # three tokens streamed: the prefill ran, the compression after it too
+        chunks, arrived = [], []  # three tokens streamed: the prefill ran, the compression after it too
         while len(chunks) < 3:
             line = stream.readline().decode()
             assert line, f"the stream ended after {chunks}"
@@ -261,8 +272,20 @@ def test_prometheus_metrics_agree_with_the_worker(server):
                 payload = line[len("data: "):].strip()
                 assert payload != "[DONE]" and "error" not in json.loads(payload), (chunks, payload)
                 chunks.append(payload)
+                arrived.append(round(time.monotonic() - sent, 2))
         running = _metrics(server)
-        assert _worker_stats(server)["live_requests"] == 1
+        scraped = round(time.monotonic() - sent, 2)
+        live = _worker_stats(server)["live_requests"]
+        answered = round(time.monotonic() - sent, 2)
+        if live != 1:  # once in CI (stop 53); say where the time went and how the request ended
+            rest = _rest_of(stream, seconds=10)
+            pytest.fail(
+                f"live_requests {live} after tokens at {arrived} s, scraped at {scraped} s, worker "
+                f"answered at {answered} s; preemptions "
+                f"{_metric(running, 'kvcompress:preemptions_total') - _metric(before, 'kvcompress:preemptions_total')}; "
+                f"the rest of the stream: "
+                + ("not ended in 10 s" if rest is None else f"{rest.count('data: ')} chunks, {rest[-200:]!r}")
+            )
     ratio = _metric(running, "kvcompress:kvs_kept_ratio")
     assert 0 < ratio < 0.5, ratio
     assert 0 < _metric(running, "kvcompress:pages_held") < _metric(running, "kvcompress:pages_total")
