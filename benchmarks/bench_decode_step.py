@@ -179,6 +179,8 @@ def main(argv=None) -> int:
     parser.add_argument("--block-size", type=int, default=None, help="kvcompress page size (default: its own)")
     parser.add_argument("--rate", type=float, default=1.0,
                         help="kvcompress's compression rate (default 1: nothing evicted, kernel parity)")
+    parser.add_argument("--log-stats", action="store_true",
+                        help="engines log stats per step, as benchmark_throughput.py's do (default off)")
     parser.add_argument("--host-breakdown", action="store_true",
                         help="then time kvcompress's host-side hooks per decode step (see above)")
     args = parser.parse_args(argv)
@@ -195,7 +197,7 @@ def main(argv=None) -> int:
         kv_tokens = max(8192, (args.input_len + args.output_len + 300) * args.batch)
         engine_args = bench.token_prompt_engine_args(
             shape, dtype, args.input_len, args.output_len, kv_tokens,
-            max_num_batched_tokens=max(2048, args.input_len), disable_log_stats=True,
+            max_num_batched_tokens=max(2048, args.input_len), disable_log_stats=not args.log_stats,
         )
         engine_args["max_num_seqs"] = max(256, args.batch)  # the whole batch decodes at once
         engines = {
@@ -224,7 +226,8 @@ def main(argv=None) -> int:
     stock, kvc = statistics.median(times["stock"]), statistics.median(times["kvcompress"])
     ratios = [k / s for s, k in zip(times["stock"], times["kvcompress"])]
     print(f"{description}; batch {args.batch} x {args.input_len} tokens, {args.output_len - 1} decode "
-          f"steps, kvcompress page {block}, rate {args.rate:g}; {bench.machine_description()}")
+          f"steps, kvcompress page {block}, rate {args.rate:g}, stats {'on' if args.log_stats else 'off'}; "
+          f"{bench.machine_description()}")
     print(f"decode step: stock {stock:.3f} ms, kvcompress {kvc:.3f} ms, ratio of medians "
           f"{kvc / stock:.3f}; per repetition {min(ratios):.3f}..{max(ratios):.3f} "
           f"(median {statistics.median(ratios):.3f})")

@@ -10,7 +10,9 @@ on ``/metrics``).
 Counts are deltas since the previous :class:`KVCompressStats`, as vLLM sends its own
 prefix-cache counts: vLLM hands each ``SchedulerStats`` to one front end only, so with
 several API-server processes every front end adds what it received and Prometheus'
-multiprocess collector sums them. Gauges are the values at the end of the step.
+multiprocess collector sums them. Gauges are the values at the end of the step, except
+that the KV gauges may lag decode growth (and nothing else) by up to 0.25 s
+(``compression_planner.KV_GAUGES_MAX_AGE_S``).
 
 Plain dataclasses of ints, floats, strings and dicts: msgspec carries them between the
 processes as vLLM carries its own stats.
@@ -56,7 +58,8 @@ class PolicyTotals:
 class KVCompressStats:
     """One engine's kvcompress figures between two of vLLM's ``SchedulerStats``.
 
-    Gauges (at the end of the step, scheduler's page accounting):
+    Gauges (at the end of the step, scheduler's page accounting; ``kvs_*`` recounted
+    after any admission, compression or release, else at most 0.25 s old):
         pages_total: pages of the per-(layer, KV head) pool (the scratch page not
             counted).
         pages_free: pages no request holds.

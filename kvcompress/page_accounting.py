@@ -103,6 +103,9 @@ class PageAccounting:
         # request id -> logical tokens granted by grow_in_room, not yet in the arrays
         # (the KV manager's decode fast path writes it directly, as grow_in_room does).
         self.deferred_growth: dict[str, int] = {}
+        # Bumped by every change to head lengths other than growth (admission, compression,
+        # release): readers that may lag decode growth but no other change watch it.
+        self.changes = 0
 
     @property
     def pages_per_token_block(self) -> int:
@@ -254,6 +257,7 @@ class PageAccounting:
         """Extend every head to cover ``target_tokens`` logical tokens; returns pages taken."""
         self.sync()
         is_new = request_id not in self._row_of
+        self.changes += is_new
         row = self._row(request_id)
         growth = target_tokens - int(self.logical_lens[row])
         if growth <= 0:
@@ -304,6 +308,7 @@ class PageAccounting:
             raise ValueError(f"cannot evict {evict_blocks} pages from request {request_id}")
         self.pages_held_per_row[row] -= evict
         self.free_pages += evict
+        self.changes += 1
         self.pending[row] = True
         self.num_pending += 1
         self.room[row] = 0
@@ -318,6 +323,7 @@ class PageAccounting:
             return 0
         held = self._held(np.asarray(head_lens, np.int64), self.shared_blocks[row])
         surplus = self.pages_held_per_row[row] - held
+        self.changes += 1
         self.head_lens[row] = head_lens
         self.pages_held_per_row[row] = held
         self.num_pending -= int(self.pending[row])
@@ -340,6 +346,7 @@ class PageAccounting:
             raise ValueError("set_head_lens can only shrink heads")
         held = self._held(head_lens, self.shared_blocks[row])
         freed = self.pages_held_per_row[row] - held
+        self.changes += 1
         self.head_lens[row] = head_lens
         self.pages_held_per_row[row] = held
         self.room[row] = 0 if self.pending[row] else self._room(self.head_lens[row])
@@ -359,6 +366,7 @@ class PageAccounting:
         if row is None:
             return np.zeros(self.num_ranks, np.int64)
         freed = self.pages_held_per_row[row].copy()
+        self.changes += 1
         self.head_lens[row] = 0
         self.logical_lens[row] = 0
         self.pages_held_per_row[row] = 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvcompress.compression_planner import CompressionPlanner
+from kvcompress.compression_planner import KV_GAUGES_MAX_AGE_S, CompressionPlanner
 from kvcompress.config import KVCompressConfig
 from kvcompress.contract import CompressionRecord, WorkerReport
 from kvcompress.engine_stats import KVCompressStats, PolicyTotals
@@ -61,6 +61,42 @@ def _report(planner, shrink: dict, records=(), evict_mismatches=0) -> WorkerRepo
 def _record(policy, requests, pages, before, evicted, seconds) -> CompressionRecord:
     return CompressionRecord(policy=policy, requests=requests, pages_freed=pages,
                              kvs_before=before, kvs_evicted=evicted, seconds=seconds)
+
+
+def _exact_kv_gauges(accounting) -> tuple[int, int]:
+    """(kvs_held, kvs_logical) summed from the heads, growth applied."""
+    held = sum(int(accounting.head_lens_of(r).sum()) for r in accounting.request_ids())
+    logical = sum(accounting.logical_len(r) for r in accounting.request_ids()) * LAYERS * HEADS
+    return held, logical
+
+
+def test_kv_gauges_lag_decode_growth_by_at_most_their_age_and_nothing_else():
+    planner = _planner()
+    accounting = planner.accounting
+    _prefilled(planner, "a", 300)  # 19 pages of 16 per head: room for 4 more tokens
+    now = 100.0
+    first = planner.take_metrics(now=now)
+    assert (first.kvs_held, first.kvs_logical) == _exact_kv_gauges(accounting) == (LAYERS * HEADS * 300,) * 2
+
+    # Decode growth inside held pages (the KV manager's fast path, no array op) ...
+    accounting.grow_in_room("a", 302)
+    young = planner.take_metrics(now=now + KV_GAUGES_MAX_AGE_S / 2)
+    assert (young.kvs_held, young.kvs_logical) == (first.kvs_held, first.kvs_logical)  # may lag ...
+    assert young.pages_free == POOL - LAYERS * HEADS * 19  # (pages are never late)
+    due = planner.take_metrics(now=now + KV_GAUGES_MAX_AGE_S)
+    assert (due.kvs_held, due.kvs_logical) == _exact_kv_gauges(accounting) == (LAYERS * HEADS * 302,) * 2
+
+    # ... but an admission, a compression or a release shows at once, growth included.
+    for change in (
+        lambda: (accounting.grow_in_room("a", 303), _prefilled(planner, "b", 64)),
+        lambda: (accounting.grow_in_room("a", 304), accounting.set_head_lens("b", np.full((LAYERS, HEADS), 40))),
+        lambda: accounting.release("b"),
+    ):
+        change()
+        figures = planner.take_metrics(now=now + KV_GAUGES_MAX_AGE_S)  # no time passed
+        assert (figures.kvs_held, figures.kvs_logical) == _exact_kv_gauges(accounting)
+        assert figures.pages_free == POOL - sum(accounting.pages_held(r) for r in accounting.request_ids())
+    assert figures.kvs_held == figures.kvs_logical == LAYERS * HEADS * 304
 
 
 def test_counts_travel_as_deltas_and_gauges_follow_the_accounting():

@@ -24,7 +24,6 @@ with ``multiprocess_mode="mostrecent"`` as vLLM's are, so ``--api-server-count N
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
@@ -75,9 +74,12 @@ class KVCompressOutputsDecoder(MsgpackDecoder):
 def with_kvcompress_stats(
     stats: SchedulerStats, figures: KVCompressStats | None
 ) -> KVCompressSchedulerStats:
-    """``stats`` as a :class:`KVCompressSchedulerStats` carrying ``figures``."""
-    values = {f.name: getattr(stats, f.name) for f in dataclasses.fields(SchedulerStats) if f.init}
-    return KVCompressSchedulerStats(**values, kvcompress=figures)
+    """``stats`` as a :class:`KVCompressSchedulerStats` carrying ``figures`` (its
+    attributes shared, not copied: vLLM makes a new ``SchedulerStats`` every step)."""
+    combined = KVCompressSchedulerStats.__new__(KVCompressSchedulerStats)
+    combined.__dict__.update(stats.__dict__)  # every step: __init__ costs ~6x more
+    combined.kvcompress = figures
+    return combined
 
 
 def kvcompress_settings(vllm_config: VllmConfig) -> KVCompressConfig | None:
