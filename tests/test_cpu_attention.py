@@ -337,6 +337,31 @@ def test_kv_writes_by_vllms_op_equal_the_indexed_copy(num_kv_heads, head_dim, bl
     assert torch.equal(pools[1].key_cache[write_pages, write_offsets], key)
 
 
+@pytest.mark.parametrize("planned", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_writes_at_flat_slots_equal_the_indexed_copy(planned, dtype):
+    """``write_kv_at_slots`` and a decode step's ``write_kv_planned`` (one copy and one
+    op call at ``page * b + offset`` slots, into the layer's kernel caches) store what
+    ``write_kv`` stores at the pages and offsets; nothing else moves."""
+    from kvcompress.ops.paged_attention import write_kv
+
+    block_size = 64
+    pools, key, value, write_pages, write_offsets = _kv_write_case(
+        13, 2, 64, block_size, dtype, seed=11, pool_seed=7,
+    )
+    flat_slots = (write_pages * block_size + write_offsets).reshape(-1)
+    if planned:
+        tables = torch.zeros((1, 26, 1), dtype=torch.int32)
+        layer = cpu_attention.unplanned_decode_layers(pools[0], tables, torch.ones((1, 26), dtype=torch.int32))[0]
+        cpu_attention.write_kv_planned(layer, key, value, flat_slots)
+    else:
+        cpu_attention.write_kv_at_slots(pools[0], key, value, flat_slots)
+    write_kv(pools[1].key_cache, pools[1].value_cache, key, value, write_pages, write_offsets)
+    assert torch.equal(pools[0].key_cache, pools[1].key_cache)
+    assert torch.equal(pools[0].value_cache, pools[1].value_cache)
+    assert torch.equal(pools[0].value_cache[write_pages, write_offsets], value)
+
+
 @pytest.mark.parametrize("num_tokens", [3, 700])
 def test_engine_ops_write_prompt_batches_by_vllms_op_and_decode_rows_by_indexed_copy(num_tokens, monkeypatch):
     """The engine's ``write_kv`` on the kernel layout: batches of at least

@@ -75,6 +75,10 @@ def _assert_caches_equal(ours: PerHeadPagedCache, theirs: PerHeadPagedCache, liv
 def _assert_plans_equal(ours, theirs, ours_layers, theirs_layers, block_size: int) -> None:
     assert torch.equal(ours.write_pages, theirs.write_pages)
     assert torch.equal(ours.write_offsets.to(torch.int64), theirs.write_offsets)
+    # The flat slots vLLM's write op takes: the same targets, [L, B * H] int64.
+    num_layers = theirs.write_pages.shape[0]
+    assert ours.write_slots.dtype == torch.int64
+    assert torch.equal(ours.write_slots, (theirs.write_pages * block_size + theirs.write_offsets).view(num_layers, -1))
     for mine, want in zip(ours_layers, theirs_layers, strict=True):
         assert torch.equal(mine.seq_lens, want.seq_lens)
         # The work split is an opaque blob (padding included): shared alike, outputs compared.

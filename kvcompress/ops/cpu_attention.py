@@ -214,16 +214,56 @@ def write_kv_cpu(
         key, value: ``[T, H, D]`` (any row stride).
         write_pages, write_offsets: ``[T, H]`` integer targets.
     """
-    num_tokens, num_kv_heads, head_dim = key.shape
-    rows = num_tokens * num_kv_heads
+    rows = key.shape[0] * key.shape[1]
     if rows == 0:
         return
-    key4, value4 = _kernel_caches(pool)
     slots = write_pages.to(torch.int64).reshape(rows) * pool.block_size + write_offsets.reshape(rows)
-    torch.ops._C.cpu_attn_reshape_and_cache(
-        key.to(key4.dtype).reshape(rows, 1, head_dim), value.to(value4.dtype).reshape(rows, 1, head_dim),
-        key4, value4, slots, kernel_isa(pool.block_size, head_dim), 1.0, 1.0, "auto",
-    )
+    write_kv_at_slots(pool, key, value, slots)
+
+
+def write_kv_at_slots(pool: KVPool, key: torch.Tensor, value: torch.Tensor, flat_slots: torch.Tensor) -> None:
+    """:func:`write_kv_cpu` with the targets given as ``flat_slots [T * H]`` int64
+    ``page * b + offset``."""
+    key4, value4 = _kernel_caches(pool)
+    _write_rows(key4, value4, key, value, flat_slots, kernel_isa(pool.block_size, key.shape[2]))
+
+
+def write_kv_planned(layer: "KernelDecodeLayer", key: torch.Tensor, value: torch.Tensor, flat_slots: torch.Tensor) -> None:
+    """A decode step's :func:`write_kv_at_slots` into ``layer``'s kernel caches (the
+    decode plan keeps the slots between steps: one copy and one op call a layer)."""
+    _write_rows(layer.key_cache, layer.value_cache, key, value, flat_slots, layer.isa)
+
+
+def _write_rows(
+    key4: torch.Tensor, value4: torch.Tensor, key: torch.Tensor, value: torch.Tensor, flat_slots: torch.Tensor,
+    isa: str,
+) -> None:
+    # Each (token, KV head) is one row of a one-head cache; key / value are strided
+    # slices of the model's fused QKV rows: one copy makes both row-major.
+    both, key_rows, value_rows = _kv_rows(key.shape, key4.dtype)
+    if key.dtype != key4.dtype:
+        key, value = key.to(key4.dtype), value.to(key4.dtype)
+    torch.stack((key, value), out=both)
+    torch.ops._C.cpu_attn_reshape_and_cache(key_rows, value_rows, key4, value4, flat_slots, isa, 1.0, 1.0, "auto")
+
+
+_KV_ROWS: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _kv_rows(shape: torch.Size, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A ``[2, T, H, D]`` buffer for the new K and V of a ``[T, H, D]`` write and its
+    ``[T * H, 1, D]`` K / V row views (kept per shape, as :func:`_query_starts`: a decode
+    batch writes the same shape in every layer for many steps; each write reads the
+    buffer before the next fills it, and a model's layers run one at a time)."""
+    key = (*shape, dtype)
+    views = _KV_ROWS.get(key)
+    if views is None:
+        if len(_KV_ROWS) >= 64:
+            _KV_ROWS.clear()
+        num_tokens, num_kv_heads, head_dim = shape
+        both = torch.empty((2, num_tokens, num_kv_heads, head_dim), dtype=dtype)
+        views = _KV_ROWS[key] = (both, *both.view(2, num_tokens * num_kv_heads, 1, head_dim).unbind(0))
+    return views
 
 
 def _scheduler_metadata(
@@ -360,6 +400,7 @@ class KernelDecodeLayer:
         key_cache, value_cache: the kernel's ``[N, 1, b, D]`` views of the pool.
         metrics: the step's metric rows and their queries, shared by every layer (None:
             no row adds to the metrics this step).
+        isa: the kernel path for the pool's page and head sizes (:func:`kernel_isa`).
     """
 
     layer: int
@@ -370,6 +411,7 @@ class KernelDecodeLayer:
     key_cache: torch.Tensor
     value_cache: torch.Tensor
     metrics: DecodeStepMetrics | None
+    isa: str
 
 
 def plan_decode_step(
@@ -457,8 +499,9 @@ def unplanned_decode_layers(pool: KVPool, tables: torch.Tensor, seq_lens: torch.
     (:func:`set_decode_work` sets them)."""
     starts = _query_starts(seq_lens.shape[1])
     key4, value4 = _kernel_caches(pool)
+    isa = kernel_isa(pool.block_size, key4.shape[3])
     return [
-        KernelDecodeLayer(layer, layer_table, layer_lens, starts, None, key4, value4, None)
+        KernelDecodeLayer(layer, layer_table, layer_lens, starts, None, key4, value4, None, isa)
         for layer, (layer_table, layer_lens) in enumerate(zip(tables.unbind(0), seq_lens.unbind(0)))
     ]
 

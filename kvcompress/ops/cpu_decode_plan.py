@@ -61,6 +61,8 @@ class DecodeBatchPlan:
         # so one op moves all three.
         self._counters = np.zeros((3, 0, 0, 0), np.int32)
         self._write_pages = np.zeros((0, 0, 0), np.int64)  # [L, B, H] page of the last KV
+        # [L, B, H] int64 copy of _counters[1] for vLLM's KV write op (it takes int64 only).
+        self._write_slots = np.zeros((0, 0, 0), np.int64)
         self._tables = np.zeros((0, 0, 0), np.int32)  # [L, B * H, P]
         self._uniform = True
         # Steps every head can still take in its last page before one needs a new page.
@@ -106,10 +108,15 @@ class DecodeBatchPlan:
         self._write_pages = appended.write_pages.numpy()
         offsets = appended.write_offsets.numpy()
         tables, lens = decode_tables(block_size, cache.tables, slots, cache.host.head_lens[slots])
-        self._counters = np.stack([lens, self._write_pages * block_size + offsets, offsets]).astype(np.int32)
+        self._write_slots = self._write_pages * block_size + offsets
+        self._counters = np.stack([lens, self._write_slots, offsets]).astype(np.int32)
         self._uniform = lens_agree_across_layers(lens) if uniform is None else uniform
         self._room = block_size - 1 - int(offsets.max())
-        self._plan = AppendPlan(appended.write_pages, torch.from_numpy(self._counters[2]))
+        num_layers = self._write_slots.shape[0]
+        self._plan = AppendPlan(
+            appended.write_pages, torch.from_numpy(self._counters[2]),
+            write_slots=torch.from_numpy(self._write_slots).view(num_layers, -1),
+        )
         self._set_tables(tables)
         self._rows_key = rows_key
         self._version = cache.version
@@ -128,6 +135,7 @@ class DecodeBatchPlan:
         host = self.cache.host
         counters = self._counters
         counters += 1
+        self._write_slots += 1
         if self._room > 0:
             self._room -= 1
         else:
@@ -151,7 +159,7 @@ class DecodeBatchPlan:
         pages = cache.take_last_pages_host(slots[rows], layers, heads, columns)
         self._write_pages[layers, rows, heads] = pages
         offsets[layers, rows, heads] = 0
-        flat_slots[layers, rows, heads] = pages * block_size
+        flat_slots[layers, rows, heads] = self._write_slots[layers, rows, heads] = pages * block_size
         if int(columns.max()) >= self._tables.shape[2]:  # the longest head grew a column
             tables, _ = decode_tables(block_size, cache.tables, slots, lens.transpose(1, 0, 2))
             self._set_tables(tables)

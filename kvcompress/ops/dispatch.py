@@ -470,6 +470,14 @@ class KernelOps:
             raise RuntimeError(f"decode_planned needs the vllm_cpu backend (resolved: {self})")
         return cpu_attention.decode_planned(query, pool, tables, scale, out, metric_power)
 
+    def write_kv_planned(self, tables, key: torch.Tensor, value: torch.Tensor, flat_slots: torch.Tensor) -> None:
+        """Store a decode step's new KVs (``key`` / ``value`` ``[B, H, D]``) of one layer
+        at ``flat_slots [B * H]`` int64 ``page * block_size + offset`` through the layer's
+        planned kernel caches (:func:`kvcompress.ops.cpu_attention.write_kv_planned`)."""
+        from kvcompress.ops import cpu_attention
+
+        cpu_attention.write_kv_planned(tables, key, value, flat_slots)
+
     def write_kv(
         self, pool: KVPool, key: torch.Tensor, value: torch.Tensor,
         write_pages: torch.Tensor, write_offsets: torch.Tensor,
@@ -478,8 +486,9 @@ class KernelOps:
         :func:`kvcompress.ops.paged_attention.write_kv` (``key`` / ``value``
         ``[T, H, D]``, targets ``[T, H]``). On vLLM's CPU kernel layout vLLM's own
         ``cpu_attn_reshape_and_cache`` writes prompt-sized batches (half the indexed
-        copy's time at 2048 tokens); the few rows of a decode step take the indexed copy
-        (the op's thread start-up costs more than they do)."""
+        copy's time at 2048 tokens); a few rows with pages and offsets take the indexed
+        copy (building the op's flat slots costs more than they do; decode steps on the
+        kernel's plan keep them: :meth:`write_kv_planned`)."""
         if self.kernel_page_layout:
             from kvcompress.ops import cpu_attention
 

@@ -279,13 +279,16 @@ class PerHeadAttentionImpl(AttentionImpl):
         state = step_state.get_worker_state()
         layer_index = state.layer_index[layer.layer_name]
         rows = step.num_reqs
-        self._store_kvs(
-            state, key, value, rows,
-            step.plan.write_pages[layer_index], step.plan.write_offsets[layer_index],
+        kernel_layer = step.kernel_decode[layer_index]
+        state.ops.write_kv_planned(
+            kernel_layer,
+            key[:rows].view(rows, self.num_kv_heads, self.head_size),
+            value[:rows].view(rows, self.num_kv_heads, self.head_size),
+            step.plan.write_slots[layer_index],
         )
         state.ops.decode_planned(
             query[:rows].view(rows, self.num_heads, self.head_size), state.pool,
-            step.kernel_decode[layer_index], self.scale,
+            kernel_layer, self.scale,
             output[:rows].view(rows, self.num_heads, self.head_size),
             metric_power=step.decode_metric_power,
         )
