@@ -225,36 +225,37 @@ def write_kv_at_slots(pool: KVPool, key: torch.Tensor, value: torch.Tensor, flat
     """:func:`write_kv_cpu` with the targets given as ``flat_slots [T * H]`` int64
     ``page * b + offset``."""
     key4, value4 = _kernel_caches(pool)
-    _write_rows(key4, value4, key, value, flat_slots, kernel_isa(pool.block_size, key.shape[2]))
+    num_tokens, num_kv_heads, head_dim = key.shape
+    # Each (token, KV head) is one row of a one-head cache; key / value are strided
+    # slices of the model's fused QKV rows: one copy makes both row-major.
+    both = torch.stack((key.to(key4.dtype), value.to(key4.dtype)))
+    key_rows, value_rows = both.view(2, num_tokens * num_kv_heads, 1, head_dim).unbind(0)
+    torch.ops._C.cpu_attn_reshape_and_cache(
+        key_rows, value_rows, key4, value4, flat_slots, kernel_isa(pool.block_size, head_dim), 1.0, 1.0, "auto",
+    )
 
 
 def write_kv_planned(layer: "KernelDecodeLayer", key: torch.Tensor, value: torch.Tensor, flat_slots: torch.Tensor) -> None:
-    """A decode step's :func:`write_kv_at_slots` into ``layer``'s kernel caches (the
-    decode plan keeps the slots between steps: one copy and one op call a layer)."""
-    _write_rows(layer.key_cache, layer.value_cache, key, value, flat_slots, layer.isa)
-
-
-def _write_rows(
-    key4: torch.Tensor, value4: torch.Tensor, key: torch.Tensor, value: torch.Tensor, flat_slots: torch.Tensor,
-    isa: str,
-) -> None:
-    # Each (token, KV head) is one row of a one-head cache; key / value are strided
-    # slices of the model's fused QKV rows: one copy makes both row-major.
+    """A decode step's :func:`write_kv_at_slots` into ``layer``'s kernel caches: the
+    decode plan keeps the slots between steps and the rows' copy goes to a buffer kept
+    per shape, so a layer's write is one copy and one op call."""
+    key4, value4 = layer.key_cache, layer.value_cache
     both, key_rows, value_rows = _kv_rows(key.shape, key4.dtype)
     if key.dtype != key4.dtype:
         key, value = key.to(key4.dtype), value.to(key4.dtype)
     torch.stack((key, value), out=both)
-    torch.ops._C.cpu_attn_reshape_and_cache(key_rows, value_rows, key4, value4, flat_slots, isa, 1.0, 1.0, "auto")
+    torch.ops._C.cpu_attn_reshape_and_cache(key_rows, value_rows, key4, value4, flat_slots, layer.isa, 1.0, 1.0, "auto")
 
 
 _KV_ROWS: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
 def _kv_rows(shape: torch.Size, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A ``[2, T, H, D]`` buffer for the new K and V of a ``[T, H, D]`` write and its
-    ``[T * H, 1, D]`` K / V row views (kept per shape, as :func:`_query_starts`: a decode
-    batch writes the same shape in every layer for many steps; each write reads the
-    buffer before the next fills it, and a model's layers run one at a time)."""
+    """A ``[2, B, H, D]`` buffer for the new K and V of a decode step's ``[B, H, D]``
+    write and its ``[B * H, 1, D]`` K / V row views (kept per shape, as
+    :func:`_query_starts`: a decode batch writes the same shape in every layer for many
+    steps; each write reads the buffer before the next fills it, and a model's layers
+    run one at a time). Decode batches only: a few KB each."""
     key = (*shape, dtype)
     views = _KV_ROWS.get(key)
     if views is None:
