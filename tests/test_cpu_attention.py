@@ -352,8 +352,10 @@ def test_writes_at_flat_slots_equal_the_indexed_copy(planned, dtype):
     flat_slots = (write_pages * block_size + write_offsets).reshape(-1)
     if planned:
         tables = torch.zeros((1, 26, 1), dtype=torch.int32)
-        layer = cpu_attention.unplanned_decode_layers(pools[0], tables, torch.ones((1, 26), dtype=torch.int32))[0]
-        cpu_attention.write_kv_planned(layer, key, value, flat_slots)
+        layer, = cpu_attention.unplanned_decode_layers(
+            pools[0], tables, torch.ones((1, 26), dtype=torch.int32), write_slots=flat_slots.view(1, 26),
+        )
+        cpu_attention.write_kv_planned(layer, key, value)
     else:
         cpu_attention.write_kv_at_slots(pools[0], key, value, flat_slots)
     write_kv(pools[1].key_cache, pools[1].value_cache, key, value, write_pages, write_offsets)

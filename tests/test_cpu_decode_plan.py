@@ -75,11 +75,11 @@ def _assert_caches_equal(ours: PerHeadPagedCache, theirs: PerHeadPagedCache, liv
 def _assert_plans_equal(ours, theirs, ours_layers, theirs_layers, block_size: int) -> None:
     assert torch.equal(ours.write_pages, theirs.write_pages)
     assert torch.equal(ours.write_offsets.to(torch.int64), theirs.write_offsets)
-    # The flat slots vLLM's write op takes: the same targets, [L, B * H] int64.
-    num_layers = theirs.write_pages.shape[0]
-    assert ours.write_slots.dtype == torch.int64
-    assert torch.equal(ours.write_slots, (theirs.write_pages * block_size + theirs.write_offsets).view(num_layers, -1))
-    for mine, want in zip(ours_layers, theirs_layers, strict=True):
+    flat_slots = (theirs.write_pages * block_size + theirs.write_offsets).view(len(ours_layers), -1)
+    for mine, want, slots in zip(ours_layers, theirs_layers, flat_slots, strict=True):
+        # The flat slots vLLM's write op takes: the same targets, [B * H] int64.
+        assert mine.write_slots.dtype == torch.int64 and torch.equal(mine.write_slots, slots)
+        assert torch.equal(want.write_slots, slots)  # plan_decode_step's, from the tables
         assert torch.equal(mine.seq_lens, want.seq_lens)
         # The work split is an opaque blob (padding included): shared alike, outputs compared.
         shared = mine.scheduler_metadata is ours_layers[0].scheduler_metadata

@@ -235,16 +235,18 @@ def write_kv_at_slots(pool: KVPool, key: torch.Tensor, value: torch.Tensor, flat
     )
 
 
-def write_kv_planned(layer: "KernelDecodeLayer", key: torch.Tensor, value: torch.Tensor, flat_slots: torch.Tensor) -> None:
-    """A decode step's :func:`write_kv_at_slots` into ``layer``'s kernel caches: the
-    decode plan keeps the slots between steps and the rows' copy goes to a buffer kept
-    per shape, so a layer's write is one copy and one op call."""
+def write_kv_planned(layer: "KernelDecodeLayer", key: torch.Tensor, value: torch.Tensor) -> None:
+    """A decode step's :func:`write_kv_at_slots` into ``layer``'s kernel caches at its
+    ``write_slots`` (the decode plan keeps them between steps); the rows' copy goes to a
+    buffer kept per shape, so a layer's write is one copy and one op call."""
     key4, value4 = layer.key_cache, layer.value_cache
     both, key_rows, value_rows = _kv_rows(key.shape, key4.dtype)
     if key.dtype != key4.dtype:
         key, value = key.to(key4.dtype), value.to(key4.dtype)
     torch.stack((key, value), out=both)
-    torch.ops._C.cpu_attn_reshape_and_cache(key_rows, value_rows, key4, value4, flat_slots, layer.isa, 1.0, 1.0, "auto")
+    torch.ops._C.cpu_attn_reshape_and_cache(
+        key_rows, value_rows, key4, value4, layer.write_slots, layer.isa, 1.0, 1.0, "auto",
+    )
 
 
 _KV_ROWS: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -402,6 +404,9 @@ class KernelDecodeLayer:
         metrics: the step's metric rows and their queries, shared by every layer (None:
             no row adds to the metrics this step).
         isa: the kernel path for the pool's page and head sizes (:func:`kernel_isa`).
+        write_slots: ``[R]`` int64 ``page * b + offset`` of each sequence's new KV (its
+            head's last; :class:`~kvcompress.ops.cpu_decode_plan.DecodeBatchPlan` keeps
+            them between steps).
     """
 
     layer: int
@@ -413,6 +418,7 @@ class KernelDecodeLayer:
     value_cache: torch.Tensor
     metrics: DecodeStepMetrics | None
     isa: str
+    write_slots: torch.Tensor
 
 
 def plan_decode_step(
@@ -489,21 +495,30 @@ def decode_layers(
         uniform: every layer's lengths are the first's (one work split for all).
     """
     num_layers, num_rows, num_kv_heads = lens.shape
-    layers = unplanned_decode_layers(pool, tables, torch.from_numpy(lens).view(num_layers, num_rows * num_kv_heads))
+    # Each head's new KV is its last (appended at the end of the head, in position order).
+    last = lens.reshape(num_layers, -1).astype(np.int64) - 1
+    pages = np.take_along_axis(tables.numpy(), (last // pool.block_size)[..., None], axis=2)[..., 0]
+    write_slots = torch.from_numpy(pages.astype(np.int64) * pool.block_size + last % pool.block_size)
+    layers = unplanned_decode_layers(
+        pool, tables, torch.from_numpy(lens).view(num_layers, num_rows * num_kv_heads), write_slots,
+    )
     set_decode_work(layers, pool, tables, lens, num_q_heads, metric_rows, uniform)
     return layers
 
 
-def unplanned_decode_layers(pool: KVPool, tables: torch.Tensor, seq_lens: torch.Tensor) -> list[KernelDecodeLayer]:
-    """Every layer's :class:`KernelDecodeLayer` over ``tables [L, R, P]`` and
-    ``seq_lens [L, R]`` (views, no copy), without the step's work split and metrics
-    (:func:`set_decode_work` sets them)."""
+def unplanned_decode_layers(
+    pool: KVPool, tables: torch.Tensor, seq_lens: torch.Tensor, write_slots: torch.Tensor,
+) -> list[KernelDecodeLayer]:
+    """Every layer's :class:`KernelDecodeLayer` over ``tables [L, R, P]``, ``seq_lens
+    [L, R]`` and ``write_slots [L, R]`` (views, no copy), without the step's work split
+    and metrics (:func:`set_decode_work` sets them)."""
     starts = _query_starts(seq_lens.shape[1])
     key4, value4 = _kernel_caches(pool)
     isa = kernel_isa(pool.block_size, key4.shape[3])
     return [
-        KernelDecodeLayer(layer, layer_table, layer_lens, starts, None, key4, value4, None, isa)
-        for layer, (layer_table, layer_lens) in enumerate(zip(tables.unbind(0), seq_lens.unbind(0)))
+        KernelDecodeLayer(layer, layer_table, layer_lens, starts, None, key4, value4, None, isa, layer_slots)
+        for layer, (layer_table, layer_lens, layer_slots)
+        in enumerate(zip(tables.unbind(0), seq_lens.unbind(0), write_slots.unbind(0)))
     ]
 
 
@@ -552,11 +567,16 @@ def _query_starts(num_seqs: int) -> torch.Tensor:
 def decode_planned(
     query: torch.Tensor, pool: KVPool, tables: KernelDecodeLayer, scale: float,
     out: torch.Tensor, metric_power: int | None = None,
+    key: torch.Tensor | None = None, value: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode rows ``query [B, Hq, D]`` of one layer into ``out [B, Hq, D]`` with the
-    step's prepared :class:`KernelDecodeLayer`: one kernel call; when ``metric_power``
-    is given, the metric rows' queries are kept, and after the step's last layer the
-    metric pass runs for all layers (:class:`DecodeStepMetrics`)."""
+    step's prepared :class:`KernelDecodeLayer`: the rows' new ``key`` / ``value``
+    ``[B, H, D]`` written first at its ``write_slots`` when given
+    (:func:`write_kv_planned`; None: already written), then one kernel call; when ``metric_power`` is given, the metric rows'
+    queries are kept, and after the step's last layer the metric pass runs for all
+    layers (:class:`DecodeStepMetrics`)."""
+    if key is not None:
+        write_kv_planned(tables, key, value)
     num_rows, num_q_heads, head_dim = query.shape
     num_seqs = tables.seq_lens.shape[0]
     group = num_rows * num_q_heads // num_seqs

@@ -112,11 +112,7 @@ class DecodeBatchPlan:
         self._counters = np.stack([lens, self._write_slots, offsets]).astype(np.int32)
         self._uniform = lens_agree_across_layers(lens) if uniform is None else uniform
         self._room = block_size - 1 - int(offsets.max())
-        num_layers = self._write_slots.shape[0]
-        self._plan = AppendPlan(
-            appended.write_pages, torch.from_numpy(self._counters[2]),
-            write_slots=torch.from_numpy(self._write_slots).view(num_layers, -1),
-        )
+        self._plan = AppendPlan(appended.write_pages, torch.from_numpy(self._counters[2]))
         self._set_tables(tables)
         self._rows_key = rows_key
         self._version = cache.version
@@ -128,6 +124,7 @@ class DecodeBatchPlan:
         num_layers = tables.shape[0]
         self._layers = unplanned_decode_layers(
             self.pool, self._tables_t, torch.from_numpy(self._counters[0]).view(num_layers, -1),
+            write_slots=torch.from_numpy(self._write_slots).view(num_layers, -1),
         )
 
     def _advance(self, slots: np.ndarray, positions: np.ndarray) -> None:

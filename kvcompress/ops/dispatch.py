@@ -459,24 +459,17 @@ class KernelOps:
 
     def decode_planned(
         self, query: torch.Tensor, pool: KVPool, tables, scale: float, out: torch.Tensor,
-        metric_power: int | None = None,
+        metric_power: int | None = None, key: torch.Tensor | None = None, value: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Decode rows of one layer with the tables planned for vLLM's CPU kernel this
         step (:func:`kvcompress.ops.cpu_attention.plan_decode_step`, built only when
-        ``paged_attention`` resolved to ``vllm_cpu`` and the pool suits it)."""
+        ``paged_attention`` resolved to ``vllm_cpu`` and the pool suits it), writing the
+        rows' new ``key`` / ``value`` at the plan's slots first when given."""
         from kvcompress.ops import cpu_attention
 
         if self.backends.get("paged_decode_by_slot") != "vllm_cpu":
             raise RuntimeError(f"decode_planned needs the vllm_cpu backend (resolved: {self})")
-        return cpu_attention.decode_planned(query, pool, tables, scale, out, metric_power)
-
-    def write_kv_planned(self, tables, key: torch.Tensor, value: torch.Tensor, flat_slots: torch.Tensor) -> None:
-        """Store a decode step's new KVs (``key`` / ``value`` ``[B, H, D]``) of one layer
-        at ``flat_slots [B * H]`` int64 ``page * block_size + offset`` through the layer's
-        planned kernel caches (:func:`kvcompress.ops.cpu_attention.write_kv_planned`)."""
-        from kvcompress.ops import cpu_attention
-
-        cpu_attention.write_kv_planned(tables, key, value, flat_slots)
+        return cpu_attention.decode_planned(query, pool, tables, scale, out, metric_power, key, value)
 
     def write_kv(
         self, pool: KVPool, key: torch.Tensor, value: torch.Tensor,
@@ -488,7 +481,7 @@ class KernelOps:
         ``cpu_attn_reshape_and_cache`` writes prompt-sized batches (half the indexed
         copy's time at 2048 tokens); a few rows with pages and offsets take the indexed
         copy (building the op's flat slots costs more than they do; decode steps on the
-        kernel's plan keep them: :meth:`write_kv_planned`)."""
+        kernel's plan keep them: :meth:`decode_planned`)."""
         if self.kernel_page_layout:
             from kvcompress.ops import cpu_attention
 

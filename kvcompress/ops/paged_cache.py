@@ -90,14 +90,10 @@ class AppendPlan:
     Attributes:
         write_pages: ``[num_layers, num_tokens, num_kv_heads]`` int64 page ids.
         write_offsets: ``[num_layers, num_tokens, num_kv_heads]`` int64 slot in page.
-        write_slots: ``[num_layers, num_tokens * num_kv_heads]`` int64
-            ``page * block_size + offset`` of the same KVs (vLLM's CPU write op takes
-            them), or None; the decode plan of vLLM's CPU kernel keeps them.
     """
 
     write_pages: torch.Tensor
     write_offsets: torch.Tensor
-    write_slots: torch.Tensor | None = None
 
 
 class PerHeadPagedCache:

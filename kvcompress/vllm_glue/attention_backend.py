@@ -219,7 +219,8 @@ class PerHeadAttentionImpl(AttentionImpl):
         output_block_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """query ``[T, num_heads, D]``, key/value ``[T, num_kv_heads, D]``;
-        output ``[T, num_heads * D]`` (written in place)."""
+        output ``[T, num_heads, D]`` (written in place; vLLM's ``Attention.forward``
+        gives these views)."""
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("fused output quantization is not supported")
         if attn_metadata is None:  # profiling run: defined output, as vLLM's backends give
@@ -273,24 +274,18 @@ class PerHeadAttentionImpl(AttentionImpl):
         )
 
     def _decode_planned(self, layer, query, key, value, output, step: PerHeadStep) -> torch.Tensor:
-        """A decode-only step on vLLM's CPU kernel with the tables the runner built for
-        every layer once this step (``step.kernel_decode``; no CUDA graph on CPU, so the
-        step's own write slots are read instead of the ``DecodeBuffers``)."""
+        """A decode-only step on vLLM's CPU kernel with the tables and write slots the
+        runner built for every layer once this step (``step.kernel_decode``; no CUDA
+        graph on CPU, so they are read instead of the ``DecodeBuffers``)."""
         state = step_state.get_worker_state()
         layer_index = state.layer_index[layer.layer_name]
         rows = step.num_reqs
-        kernel_layer = step.kernel_decode[layer_index]
-        state.ops.write_kv_planned(
-            kernel_layer,
-            key[:rows].view(rows, self.num_kv_heads, self.head_size),
-            value[:rows].view(rows, self.num_kv_heads, self.head_size),
-            step.plan.write_slots[layer_index],
-        )
+        out = output
+        if query.shape[0] != rows:  # padded rows (vLLM's views are [T, heads, D] already)
+            query, key, value, out = query[:rows], key[:rows], value[:rows], output[:rows]
         state.ops.decode_planned(
-            query[:rows].view(rows, self.num_heads, self.head_size), state.pool,
-            kernel_layer, self.scale,
-            output[:rows].view(rows, self.num_heads, self.head_size),
-            metric_power=step.decode_metric_power,
+            query, state.pool, step.kernel_decode[layer_index], self.scale, out,
+            metric_power=step.decode_metric_power, key=key, value=value,
         )
         return output
 
