@@ -65,7 +65,9 @@ class PageAccounting:
     pages they hold: :meth:`fits_in_room` / :meth:`grow_in_room` grant that with two dict operations and
     no array op (``capacity``: the token count each request reaches before a head needs
     a page), and the arrays catch up in one vectorised update the next time anything
-    reads them (:meth:`sync`, called by every other method).
+    reads them (:meth:`sync`, called by every other method; a request's own page count
+    and length need it only when that request has growth pending, so a waiting request
+    refused every step costs no sync).
     """
 
     def __init__(
@@ -204,7 +206,8 @@ class PageAccounting:
             self.capacity[request_id] = int(self.logical_lens[row] + self.room[row])
 
     def logical_len(self, request_id: str) -> int:
-        self.sync()
+        if request_id in self.deferred_growth:
+            self.sync()
         row = self._row_of.get(request_id)
         return 0 if row is None else int(self.logical_lens[row])
 
@@ -228,11 +231,12 @@ class PageAccounting:
 
     def pages_to_grow_per_rank(self, request_id: str, target_tokens: int) -> np.ndarray:
         """``[num_ranks]`` new pages each rank's pool gives for ``target_tokens`` tokens."""
-        self.sync()
         row = self._row_of.get(request_id)
         if row is None:
             per_head = -(-max(target_tokens, 0) // self.block_size)
             return np.full(self.num_ranks, per_head * self.pages_per_token_block_per_rank, np.int64)
+        if request_id in self.deferred_growth:  # other rows' growth changes no page count
+            self.sync()
         growth = target_tokens - int(self.logical_lens[row])
         if growth <= int(self.room[row]):  # also growth <= 0
             return np.zeros(self.num_ranks, np.int64)

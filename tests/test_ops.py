@@ -338,6 +338,25 @@ def test_page_accounting_decode_growth_matches_a_brute_force_recount():
         assert accounting.pages_held("r") == int(np.ceil(lens / block).sum())
 
 
+def test_other_requests_page_counts_are_exact_while_one_has_growth_deferred():
+    """A request's own page count and length need the arrays caught up only when that
+    request has growth pending: asking for a waiting request (no row) or another running
+    one leaves the deferred growth pending, and every answer equals a recount."""
+    block, layers, heads = 4, 2, 3
+    accounting = PageAccounting(num_pages=10_000, num_layers=layers, num_kv_heads=heads, block_size=block)
+    accounting.grow("r", 9)  # 3 pages per head, room for 3 more tokens
+    accounting.grow("o", 6)  # 2 pages per head, room for 2
+    accounting.grow_in_room("r", 11)
+    for tokens in (1, 4, 5, 13):
+        assert accounting.pages_to_grow("waiting", tokens) == -(-tokens // block) * layers * heads
+        assert accounting.pages_to_grow("o", tokens) == max(-(-tokens // block) - 2, 0) * layers * heads
+    assert accounting.logical_len("o") == 6 and accounting.logical_len("waiting") == 0
+    assert accounting.deferred_growth == {"r": 11}  # still pending: nothing read r's rows
+    assert accounting.pages_to_grow("r", 13) == layers * heads  # r's own question catches up
+    assert accounting.deferred_growth == {} and accounting.logical_len("r") == 11
+    accounting.check_consistent()
+
+
 @pytest.mark.parametrize("path", ["general", "decode-numpy", "decode-torch"])
 def test_a_head_past_its_page_table_is_refused(path):
     """Growing a head past ``max_pages_per_head`` pages (longer than max_model_len) raises

@@ -226,12 +226,13 @@ def write_kv_at_slots(pool: KVPool, key: torch.Tensor, value: torch.Tensor, flat
     ``page * b + offset``."""
     key4, value4 = _kernel_caches(pool)
     num_tokens, num_kv_heads, head_dim = key.shape
+    rows = num_tokens * num_kv_heads
     # Each (token, KV head) is one row of a one-head cache; key / value are strided
-    # slices of the model's fused QKV rows: one copy makes both row-major.
-    both = torch.stack((key.to(key4.dtype), value.to(key4.dtype)))
-    key_rows, value_rows = both.view(2, num_tokens * num_kv_heads, 1, head_dim).unbind(0)
+    # slices of the model's fused QKV rows, made row-major here (torch's reshape copy
+    # runs on every thread; one stack of both takes longer at prompt sizes).
     torch.ops._C.cpu_attn_reshape_and_cache(
-        key_rows, value_rows, key4, value4, flat_slots, kernel_isa(pool.block_size, head_dim), 1.0, 1.0, "auto",
+        key.to(key4.dtype).reshape(rows, 1, head_dim), value.to(value4.dtype).reshape(rows, 1, head_dim),
+        key4, value4, flat_slots, kernel_isa(pool.block_size, head_dim), 1.0, 1.0, "auto",
     )
 
 
