@@ -249,6 +249,10 @@ class PageAccounting:
         """Pages missing on the rank shortest of them for the request to reach
         ``target_tokens`` tokens with ``reserve_per_rank`` pages left free on every
         rank; <= 0: it fits (T = 1: needed + reserve - free)."""
+        if self.num_ranks == 1 and request_id not in self._row_of:
+            # A waiting request (vLLM asks for one every step while it waits): ints only.
+            per_head = -(-max(target_tokens, 0) // self.block_size)
+            return per_head * self.pages_per_token_block + reserve_per_rank - int(self.free_pages[0])
         needed = self.pages_to_grow_per_rank(request_id, target_tokens)
         return int((needed + reserve_per_rank - self.free_pages).max())
 

@@ -351,6 +351,11 @@ def test_other_requests_page_counts_are_exact_while_one_has_growth_deferred():
         assert accounting.pages_to_grow("waiting", tokens) == -(-tokens // block) * layers * heads
         assert accounting.pages_to_grow("o", tokens) == max(-(-tokens // block) - 2, 0) * layers * heads
     assert accounting.logical_len("o") == 6 and accounting.logical_len("waiting") == 0
+    free = 10_000 - (3 + 2) * layers * heads
+    assert accounting.num_free_pages == free
+    for tokens, reserve in ((5, 0), (40_000, 0), (4, free - layers * heads), (4, free - layers * heads + 1)):
+        need = -(-tokens // block) * layers * heads
+        assert accounting.shortfall("waiting", tokens, reserve) == need + reserve - free
     assert accounting.deferred_growth == {"r": 11}  # still pending: nothing read r's rows
     assert accounting.pages_to_grow("r", 13) == layers * heads  # r's own question catches up
     assert accounting.deferred_growth == {} and accounting.logical_len("r") == 11
