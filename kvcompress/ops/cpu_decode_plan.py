@@ -8,9 +8,10 @@ after :meth:`~kvcompress.ops.paged_cache.PerHeadPagedCache.append_one`) takes a 
 dozen small numpy calls. Right after a forward pass has flushed the CPU caches each of
 those costs 10-30 us instead of 1-3 (measured in the engine at 256 rows), so host time
 follows the number of calls more than their size. :class:`DecodeBatchPlan` keeps the
-arrays the kernel and the KV writes read (``[L, B, H]`` lengths, write pages and
-offsets, ``[L, B * H, P]`` tables) and advances them with about five array calls a
-step (one add, three scatters, new pages only when some head's last page is full),
+arrays the kernel and the KV writes read (``[L, B, H]`` lengths, write pages, offsets
+and flat ``page * b + offset`` slots, ``[L, B * H, P]`` tables) and advances them with
+about six array calls a step (two adds, three scatters, new pages only when some head's
+last page is full),
 writing the cache's own state (head lengths, tables, last pages, slot positions and
 metrics) exactly as ``append_one`` would. It rebuilds from the cache when the rows
 changed (another ``rows_key``) or anything else changed the cache
