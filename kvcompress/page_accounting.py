@@ -233,8 +233,7 @@ class PageAccounting:
         """``[num_ranks]`` new pages each rank's pool gives for ``target_tokens`` tokens."""
         row = self._row_of.get(request_id)
         if row is None:
-            per_head = -(-max(target_tokens, 0) // self.block_size)
-            return np.full(self.num_ranks, per_head * self.pages_per_token_block_per_rank, np.int64)
+            return np.full(self.num_ranks, self._pages_per_rank_from_nothing(target_tokens), np.int64)
         if request_id in self.deferred_growth:  # other rows' growth changes no page count
             self.sync()
         growth = target_tokens - int(self.logical_lens[row])
@@ -251,10 +250,14 @@ class PageAccounting:
         rank; <= 0: it fits (T = 1: needed + reserve - free)."""
         if self.num_ranks == 1 and request_id not in self._row_of:
             # A waiting request (vLLM asks for one every step while it waits): ints only.
-            per_head = -(-max(target_tokens, 0) // self.block_size)
-            return per_head * self.pages_per_token_block + reserve_per_rank - int(self.free_pages[0])
+            needed = self._pages_per_rank_from_nothing(target_tokens)
+            return needed + reserve_per_rank - int(self.free_pages[0])
         needed = self.pages_to_grow_per_rank(request_id, target_tokens)
         return int((needed + reserve_per_rank - self.free_pages).max())
+
+    def _pages_per_rank_from_nothing(self, target_tokens: int) -> int:
+        """Pages each rank's pool gives a request holding none for ``target_tokens``."""
+        return -(-max(target_tokens, 0) // self.block_size) * self.pages_per_token_block_per_rank
 
     def _pending_growth_bound(self, growth: int) -> np.ndarray:
         # A head of unknown length needs at most ceil(growth / b) new pages.

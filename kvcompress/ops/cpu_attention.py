@@ -573,9 +573,9 @@ def decode_planned(
     """Decode rows ``query [B, Hq, D]`` of one layer into ``out [B, Hq, D]`` with the
     step's prepared :class:`KernelDecodeLayer`: the rows' new ``key`` / ``value``
     ``[B, H, D]`` written first at its ``write_slots`` when given
-    (:func:`write_kv_planned`; None: already written), then one kernel call; when ``metric_power`` is given, the metric rows'
-    queries are kept, and after the step's last layer the metric pass runs for all
-    layers (:class:`DecodeStepMetrics`)."""
+    (:func:`write_kv_planned`; None: already written), then one kernel call; when
+    ``metric_power`` is given, the metric rows' queries are kept, and after the step's
+    last layer the metric pass runs for all layers (:class:`DecodeStepMetrics`)."""
     if key is not None:
         write_kv_planned(tables, key, value)
     num_rows, num_q_heads, head_dim = query.shape

@@ -56,13 +56,12 @@ class DecodeBatchPlan:
         self.num_q_heads = num_q_heads
         self._rows_key: object | None = None
         self._version = -1
-        # [3, L, B, H] int32 after the last step: [0] KVs held per head (the kernel's
-        # lengths), [1] the flat slot (page * block_size + offset) of its last KV in
-        # slot_positions / slot_metrics, [2] that slot's offset in its page; one array,
-        # so one op moves all three.
-        self._counters = np.zeros((3, 0, 0, 0), np.int32)
+        # [2, L, B, H] int32 after the last step: [0] KVs held per head (the kernel's
+        # lengths), [1] its last KV's offset in its page; one array, so one op moves both.
+        self._counters = np.zeros((2, 0, 0, 0), np.int32)
         self._write_pages = np.zeros((0, 0, 0), np.int64)  # [L, B, H] page of the last KV
-        # [L, B, H] int64 copy of _counters[1] for vLLM's KV write op (it takes int64 only).
+        # [L, B, H] int64 flat slot (page * block_size + offset) of the last KV: in
+        # slot_positions / slot_metrics, and vLLM's KV write op's targets (int64 only).
         self._write_slots = np.zeros((0, 0, 0), np.int64)
         self._tables = np.zeros((0, 0, 0), np.int32)  # [L, B * H, P]
         self._uniform = True
@@ -110,10 +109,10 @@ class DecodeBatchPlan:
         offsets = appended.write_offsets.numpy()
         tables, lens = decode_tables(block_size, cache.tables, slots, cache.host.head_lens[slots])
         self._write_slots = self._write_pages * block_size + offsets
-        self._counters = np.stack([lens, self._write_slots, offsets]).astype(np.int32)
+        self._counters = np.stack([lens, offsets]).astype(np.int32)
         self._uniform = lens_agree_across_layers(lens) if uniform is None else uniform
         self._room = block_size - 1 - int(offsets.max())
-        self._plan = AppendPlan(appended.write_pages, torch.from_numpy(self._counters[2]))
+        self._plan = AppendPlan(appended.write_pages, torch.from_numpy(self._counters[1]))
         self._set_tables(tables)
         self._rows_key = rows_key
         self._version = cache.version
@@ -137,14 +136,13 @@ class DecodeBatchPlan:
         if self._room > 0:
             self._room -= 1
         else:
-            offsets = counters[2]
+            offsets = counters[1]
             starts_page = offsets == self.cache.block_size
             if starts_page.any():
                 self._take_pages(slots, starts_page)
             self._room = self.cache.block_size - 1 - int(offsets.max())
-        lens, flat_slots, _ = counters
-        host.head_lens[slots] = lens.transpose(1, 0, 2)
-        host.place(flat_slots, positions[None, :, None])
+        host.head_lens[slots] = counters[0].transpose(1, 0, 2)
+        host.place(self._write_slots, positions[None, :, None])
 
     def _take_pages(self, slots: np.ndarray, starts_page: np.ndarray) -> None:
         """New pages for the heads whose last page is full (``starts_page [L, B, H]``),
@@ -152,12 +150,12 @@ class DecodeBatchPlan:
         cache = self.cache
         block_size = cache.block_size
         rows, layers, heads = np.nonzero(starts_page.transpose(1, 0, 2))
-        lens, flat_slots, offsets = self._counters
+        lens, offsets = self._counters
         columns = (lens[layers, rows, heads].astype(np.int64) - 1) // block_size
         pages = cache.take_last_pages_host(slots[rows], layers, heads, columns)
         self._write_pages[layers, rows, heads] = pages
         offsets[layers, rows, heads] = 0
-        flat_slots[layers, rows, heads] = self._write_slots[layers, rows, heads] = pages * block_size
+        self._write_slots[layers, rows, heads] = pages * block_size
         if int(columns.max()) >= self._tables.shape[2]:  # the longest head grew a column
             tables, _ = decode_tables(block_size, cache.tables, slots, lens.transpose(1, 0, 2))
             self._set_tables(tables)
