@@ -229,31 +229,55 @@ def test_every_option_runs_in_the_engine(tiny_model):
 
 
 def _check_deferred_decode_metrics(llm) -> None:
-    """The same request, decode metric queries scored every step and then four at a time
-    (kvcompress/ops/deferred_metrics.py): every interval compression reads the same
-    metrics, and the deferred run took fewer metric passes."""
+    """Decode metric queries scored in their own step (no queue: the kernel step's own
+    pass, and a pass at every layer of a step with prompt rows) against the queue of
+    kernel/deferred_metrics.py, one and four query sets at a time: the last compression
+    of each request reads the same metrics, while a request decodes through the prefill
+    of two others (its metric rows ride in steps with prompt rows too), and the queue
+    of four took fewer metric passes than the queue of one."""
+    stride = 8  # the default decode metric stride: the query at position p adds when p % 8 == 0
 
-    def compressions(request_id: str, batch: int) -> tuple[list[dict], int]:
-        passes_before = llm.collective_rpc("kvcompress_defer_decode_metrics", args=(batch,))[0]
+    def run(tag: str, batch: int) -> tuple[dict, int, int]:
+        previous_passes = llm.collective_rpc("kvcompress_defer_decode_metrics", args=(batch,))[0]
         llm.collective_rpc("kvcompress_record_compressions", args=(True,))
         engine = llm.llm_engine
-        engine.add_request(request_id, _prompt(500, 77), _params(70))
+        engine.add_request(f"{tag}-a", _prompt(300, 77), _params(80))
+        # Another prompt joins after the decoding request's 3rd and 12th token: 900
+        # tokens, four chunks of at most 256 each, one of them with a due metric row.
+        joins = {3: "b", 12: "c"}
+        generated, prefilling, due_in_prompt_steps = 0, set(), 0
         while engine.has_unfinished_requests():
-            engine.step()
+            if generated in joins:
+                name = joins.pop(generated)
+                engine.add_request(f"{tag}-{name}", _prompt(900, 78 + ord(name)), _params(10))
+                prefilling.add(f"{tag}-{name}")
+            if prefilling and generated and (300 + generated - 1) % stride == 0:
+                due_in_prompt_steps += 1
+            for output in engine.step():
+                if output.request_id == f"{tag}-a":
+                    generated = len(output.outputs[0].token_ids)
+                if output.outputs[0].token_ids:
+                    prefilling.discard(output.request_id)
         recorded = llm.collective_rpc("kvcompress_record_compressions", args=(False,))[0]
-        return [recorded[key] for key in sorted(recorded)], passes_before
+        # vLLM appends a suffix to each request id: "{tag}-{name}-{suffix}"
+        by_request = {key.split("-")[1]: value for key, value in recorded.items()}
+        return by_request, previous_passes, due_in_prompt_steps
 
-    every_step, _ = compressions("metrics-every-step", 1)
-    deferred, passes_every_step = compressions("metrics-deferred", 4)
-    passes_deferred = llm.collective_rpc("kvcompress_defer_decode_metrics", args=(4,))[0]
-    if passes_every_step == 0:
+    oracle, backend_defers, due = run("noqueue", 0)
+    if backend_defers < 0:
         pytest.skip("decode metrics are not deferred on this backend")
+    assert due >= 2  # the queue's path for steps with prompt rows ran
+    every_step, _, _ = run("queue1", 1)
+    deferred, passes_every_step, _ = run("queue4", 4)
+    passes_deferred = llm.collective_rpc("kvcompress_defer_decode_metrics", args=(4,))[0]
     assert 0 < passes_deferred < passes_every_step
-    assert len(every_step) == len(deferred) > 0
-    for one, other in zip(every_step, deferred):
-        assert one["evict_pages"] == other["evict_pages"]
-        for head_one, head_other in zip(one["heads"], other["heads"], strict=True):
-            positions_one, metrics_one = zip(*head_one)
-            positions_other, metrics_other = zip(*head_other)
-            assert positions_one == positions_other
-            np.testing.assert_allclose(metrics_other, metrics_one, rtol=1e-5, atol=1e-7)
+    assert sorted(oracle) == sorted(every_step) == sorted(deferred) == ["a", "b", "c"]
+    for name in oracle:
+        for queued in (every_step[name], deferred[name]):
+            one, other = oracle[name], queued
+            assert one["evict_pages"] == other["evict_pages"]
+            for head_one, head_other in zip(one["heads"], other["heads"], strict=True):
+                positions_one, metrics_one = zip(*head_one)
+                positions_other, metrics_other = zip(*head_other)
+                assert positions_one == positions_other
+                np.testing.assert_allclose(metrics_other, metrics_one, rtol=1e-5, atol=1e-7)

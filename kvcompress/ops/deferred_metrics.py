@@ -169,3 +169,47 @@ class DeferredDecodeQueries:
         """Forget the pending queries of released ``slots`` (their metrics are never read)."""
         for slot in slots:
             self._pending.pop(int(slot), None)
+
+
+class StepDecodeQueries:
+    """The metric rows' decode queries of a step that also has prompt rows, kept layer
+    by layer during the forward, for :class:`DeferredDecodeQueries` after it (a decode
+    row riding in a prompt step then costs what it costs in a decode step: no metric
+    pass of its own at every layer).
+
+    Args:
+        token_rows: ``[M]`` int64 the rows' query tokens in the step's ``[T, Hq, D]``.
+        slots: ``[M]`` their sequence slots; positions: ``[M]`` their queries' positions.
+        num_layers: layers that record (each once, in any order).
+    """
+
+    def __init__(self, token_rows: torch.Tensor, slots: np.ndarray, positions: np.ndarray, num_layers: int) -> None:
+        self.token_rows = token_rows
+        self.slots = slots
+        self.positions = positions
+        self.num_layers = num_layers
+        self.queries: torch.Tensor | None = None  # [L, M, Hq, D], allocated at the first record
+        self.scale: float | None = None
+        self.layers_recorded = 0
+
+    def record(self, layer: int, query: torch.Tensor, scale: float) -> None:
+        """Keep layer ``layer``'s queries of the rows (``query [T, Hq, D]``, ``scale`` its
+        softmax scale)."""
+        if self.queries is None:
+            self.queries = torch.empty(
+                (self.num_layers, self.token_rows.shape[0], *query.shape[1:]), dtype=query.dtype, device=query.device,
+            )
+        torch.index_select(query, 0, self.token_rows, out=self.queries[layer])
+        self.scale = scale
+        self.layers_recorded += 1
+
+    @property
+    def complete(self) -> bool:
+        """Every layer recorded (a forward that did not run every layer hands nothing on)."""
+        return self.layers_recorded == self.num_layers
+
+    def hand_to(self, deferred: DeferredDecodeQueries, power: int) -> np.ndarray:
+        """Give the queries to ``deferred``; returns the indices of ``slots`` now due
+        for its flush (:meth:`DeferredDecodeQueries.add`)."""
+        assert self.complete and self.queries is not None and self.scale is not None
+        return deferred.add(self.slots, self.positions, self.queries, self.scale, power)

@@ -253,6 +253,8 @@ class PerHeadAttentionImpl(AttentionImpl):
         decode_metrics = None
         if metrics is not None and metrics.decode_seqs is not None:
             decode_metrics = MetricSink(metrics.decode_seqs, metrics.power)
+        if metrics is not None and metrics.decode_queries is not None:
+            metrics.decode_queries.record(layer_index, query, self.scale)
         state.ops.paged_attention(
             query, state.pool, batch, self.scale,
             out=output[:num_tokens].view(num_tokens, self.num_heads, self.head_size),

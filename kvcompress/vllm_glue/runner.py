@@ -44,7 +44,7 @@ from kvcompress.ops import PerHeadPagedCache, compress_sequences
 from kvcompress.ops.paged_cache import pages_for
 from kvcompress.ops import cpu_attention
 from kvcompress.ops.cpu_decode_plan import DecodeBatchPlan
-from kvcompress.ops.deferred_metrics import DeferredDecodeQueries
+from kvcompress.ops.deferred_metrics import DeferredDecodeQueries, StepDecodeQueries
 from kvcompress.ops.dispatch import resolve_ops
 from kvcompress.ops.expected_attention import RopeFrequencies, rope_frequencies
 from kvcompress.ops.flattened import flat_query_starts
@@ -298,6 +298,8 @@ class PerHeadRunnerMixin:
         )
         # Their metric queries wait per sequence to be scored several at once.
         self.kvc_deferred_metrics = DeferredDecodeQueries() if self.kvc_plan_kernel_decode else None
+        # A step with prompt rows: its decode rows' metric queries, for that queue after the forward.
+        self.kvc_step_decode_queries: StepDecodeQueries | None = None
         # ... and keep that plan between steps while the same rows decode.
         self.kvc_decode_plan: DecodeBatchPlan | None = None
         if self.kvc_plan_kernel_decode and cache.host is not None:
@@ -333,6 +335,7 @@ class PerHeadRunnerMixin:
 
     def _update_states(self, scheduler_output):
         set_current_step(None)
+        self.kvc_step_decode_queries = None
         if self.kvc_cache is not None:
             step = step_compression_of(scheduler_output)
             # Frees first: the scheduler may have handed these pages to new work.
@@ -488,15 +491,16 @@ class PerHeadRunnerMixin:
         return recorded
 
     def kvcompress_defer_decode_metrics(self, batch: int) -> int:
-        """Score decode metric queries ``batch`` at a time from now on (1: every step);
-        for tests, between requests (queries still pending are dropped). Returns the
-        metric passes the previous queue ran; 0 where the metric pass is not deferred
-        (not on vLLM's CPU kernel)."""
+        """Score decode metric queries ``batch`` at a time from now on (1: every step,
+        through the queue; 0: no queue, each step's own pass, as on other backends); for
+        tests, between requests (queries still pending are dropped). Returns the metric
+        passes the previous queue ran (0 after no queue); -1 where the metric pass is
+        never deferred (not on vLLM's CPU kernel)."""
+        if not self.kvc_plan_kernel_decode:
+            return -1
         deferred = self.kvc_deferred_metrics
-        if deferred is None:
-            return 0
-        self.kvc_deferred_metrics = DeferredDecodeQueries(batch)
-        return deferred.passes
+        self.kvc_deferred_metrics = DeferredDecodeQueries(batch) if batch > 0 else None
+        return 0 if deferred is None else deferred.passes
 
     def _kvc_column(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.kvc_cache.device)
@@ -551,6 +555,8 @@ class PerHeadRunnerMixin:
 
     def execute_model(self, *args, **kwargs):
         output = super().execute_model(*args, **kwargs)
+        if self.kvc_step_decode_queries is not None:
+            self._kvc_queue_step_decode_queries()
         if self.kvc_cache is not None and self.kvc_reconstructions:
             pending, self.kvc_reconstructions = self.kvc_reconstructions, []
             self.kvc_reconstruction.run(pending)
@@ -561,6 +567,16 @@ class PerHeadRunnerMixin:
             else:
                 self.kvc_surprisal.run(executed.hidden_states)
         return self._kvc_attach_report(output)
+
+    def _kvc_queue_step_decode_queries(self) -> None:
+        """A step with prompt rows ran: its decode rows' metric queries join the queue;
+        if one of them is due, every row of the batch with pending queries is scored
+        (as a decode step does, :class:`~kvcompress.ops.cpu_attention.DecodeStepMetrics`)."""
+        recorded, self.kvc_step_decode_queries = self.kvc_step_decode_queries, None
+        if not recorded.complete or self.kvc_deferred_metrics is None:
+            return  # no forward ran (nothing written, nothing to score)
+        if recorded.hand_to(self.kvc_deferred_metrics, self.kvc_decode_metric_power).size:
+            self._kvc_flush_deferred_metrics(self.kvc_rows.slots.tolist())
 
     def sample_tokens(self, *args, **kwargs):
         return self._kvc_attach_report(super().sample_tokens(*args, **kwargs))
@@ -608,7 +624,7 @@ class PerHeadRunnerMixin:
                 head_lens=cache.head_lens[seq_slots],
                 max_head_len=max_head_len,
                 plan=plan,
-                metrics=self._kvc_metric_queries(req_ids, computed, num_new, query_start),
+                metrics=self._kvc_metric_queries(req_ids, computed, num_new, query_start, rows.slots),
                 flat_query_start_loc=torch.from_numpy(
                     flat_query_starts(query_start_list, cache.num_kv_heads)).to(device),
             )
@@ -802,13 +818,15 @@ class PerHeadRunnerMixin:
             return step is not None and step.decode_only
         return uniform
 
-    def _kvc_metric_queries(self, req_ids, computed, num_new, query_start) -> MetricQueries | None:
+    def _kvc_metric_queries(self, req_ids, computed, num_new, query_start, slots: np.ndarray) -> MetricQueries | None:
         """Which of this step's queries add to eviction metrics (compressing requests only).
 
         Prompt queries, by the request's policy: the last ``observation_window``
         prompt positions (or, in ``full`` mode, every prompt query; none for the
         position and random policies); decode queries: every ``decode_metric_stride``-th
-        token past the prompt, added by the attention kernel or a metric pass of its own.
+        token past the prompt, added by the attention kernel or a metric pass of its own,
+        or (vLLM's CPU kernel) recorded for the runner's queue of decode queries
+        (``kvc_step_decode_queries``).
         A request whose policy reconstructs and whose prompt completes in this step is
         queued in ``kvc_reconstructions`` instead (scored after the step's forward).
         """
@@ -850,14 +868,23 @@ class PerHeadRunnerMixin:
                     protected_window=compression.budget.protected_window,
                     end_position=hi,
                 ))
-        if not prompt_rows and not decode_seqs.any():
+        any_decode = bool(decode_seqs.any())
+        if not prompt_rows and not any_decode:
             return None
+        decode_queries = None
+        if any_decode and self.kvc_deferred_metrics is not None:
+            metric_rows = np.flatnonzero(decode_seqs)
+            decode_queries = self.kvc_step_decode_queries = StepDecodeQueries(
+                torch.from_numpy(query_start[metric_rows].astype(np.int64)), slots[metric_rows],
+                computed[metric_rows], self.kvc_cache.num_layers,
+            )
         return MetricQueries(
             prompt_rows=prompt_rows,
             decode_seqs=torch.from_numpy(decode_seqs).to(self.kvc_cache.device)
-            if decode_seqs.any() else None,
+            if any_decode and decode_queries is None else None,
             power=self.kvc_decode_metric_power,
             prompt_weight=1.0 / settings.decode_metric_stride,
+            decode_queries=decode_queries,
         )
 
     def _kvc_queue_surprisal(self, request_id: str, first: int, count: int, row_start: int) -> None:

@@ -16,6 +16,7 @@ import torch
 from kvcompress.ops import AppendPlan, KernelOps, KVPool, PerHeadPagedCache, resolve_ops
 from kvcompress.ops.cpu_attention import KernelDecodeLayer
 from kvcompress.ops.decode_by_slot import graph_partition_size
+from kvcompress.ops.deferred_metrics import StepDecodeQueries
 from kvcompress.ops.expected_attention import RopeFrequencies
 from kvcompress.ops.page_tables import ChunkedPageTables
 from kvcompress.ops.paged_cache import pages_for
@@ -207,12 +208,17 @@ class MetricQueries:
         prompt_weight: factor on prompt queries' scores (1 / the decode metric stride:
             decode queries add every stride-th token, so both estimate per-query sums
             on one scale).
+        decode_queries: where the decode metric queries wait for a pass shared with
+            later ones (vLLM's CPU kernel): each layer records the rows'
+            queries here instead (``decode_seqs`` is then None), and the runner hands
+            them to its queue after the forward.
     """
 
     prompt_rows: list[PromptMetricRows]
     decode_seqs: torch.Tensor | None
     power: int
     prompt_weight: float = 1.0
+    decode_queries: StepDecodeQueries | None = None
 
 
 @dataclass(frozen=True)
