@@ -43,13 +43,15 @@ SHAPES = [  # (num_kv_heads, group, head_dim, block_size)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "hkv{}-g{}-d{}-b{}".format(*s))
-@pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
+@pytest.mark.parametrize("kind", ["decode", "prefill", "mixed", "long-chunks"])
 def test_kernel_equals_reference(shape, kind):
     num_kv_heads, group, head_dim, block_size = shape
     query_lens = {
         "decode": [1] * 7,
         "prefill": [37, 64, 5],
         "mixed": [1, 19, 1, 1, 40, 1],
+        # chunks of >= BY_HEAD_FROM_ROWS rows: one kernel call per KV head
+        "long-chunks": [1, 150, 1, cpu_attention.BY_HEAD_FROM_ROWS, 1],
     }[kind]
     pool, batch, query = make_case(query_lens, num_kv_heads, group, head_dim, block_size, torch.float32, seed=sum(shape))
     scale = head_dim ** -0.5
@@ -57,6 +59,25 @@ def test_kernel_equals_reference(shape, kind):
     want = paged_attention(query, pool, batch, scale)
     got = cpu_attention.paged_attention_cpu(query, pool, batch, scale)
     assert (got - want).abs().max().item() < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 4, 64, 16), (3, 3, 80, 32), (8, 1, 128, 64)], ids=["hkv2-g4-d64-b16", "hkv3-g3-d80-b32", "hkv8-g1-d128-b64"])
+def test_a_call_per_kv_head_equals_the_flattened_call_and_the_reference(shape, dtype):
+    """flat_prompt_by_head (query column views, an output buffer per head) and the one
+    flattened call give the reference attention on ragged heads, decode rows among
+    prompt chunks."""
+    from kvcompress.ops.flattened import paged_attention_flat
+
+    num_kv_heads, group, head_dim, block_size = shape
+    pool, batch, query = make_case([1, 70, 1, 1, 33, 1], num_kv_heads, group, head_dim, block_size, dtype, seed=head_dim)
+    scale = head_dim ** -0.5
+    want = paged_attention(query, pool, batch, scale)
+    flat = paged_attention_flat(cpu_attention._attend, query, pool, batch, scale)
+    by_head = paged_attention_flat(cpu_attention._attend, query, pool, batch, scale, by_head_from=1)
+    assert (flat.float() - want.float()).abs().max().item() < TOLERANCE[dtype]
+    assert (by_head.float() - want.float()).abs().max().item() < TOLERANCE[dtype]
+    assert (by_head.float() - flat.float()).abs().max().item() < TOLERANCE[dtype]
 
 
 def test_flat_query_starts_number_the_head_major_rows():

@@ -306,6 +306,11 @@ def _attend(
     )
 
 
+BY_HEAD_FROM_ROWS = 128
+"""Prompt chunks from which a call per KV head beats one flattened call (below, the
+calls' own host work, ~15-30 us each, outweighs the query copy they save)."""
+
+
 def paged_attention_cpu(
     query: torch.Tensor, pool: KVPool, batch: PagedBatch, scale: float,
     out: torch.Tensor | None = None, metrics: MetricSink | None = None,
@@ -313,8 +318,9 @@ def paged_attention_cpu(
     """:func:`kvcompress.ops.paged_attention.paged_attention` on vLLM's CPU kernel
     (``pool`` in the kernel layout, :func:`supports`). Same arguments and result; the
     decode queries selected by ``metrics`` add to ``pool.slot_metrics`` through
-    :func:`kvcompress.ops.metrics.decode_metrics`."""
-    return paged_attention_flat(_attend, query, pool, batch, scale, out, metrics)
+    :func:`kvcompress.ops.metrics.decode_metrics`. Batches with a prompt chunk of at
+    least ``BY_HEAD_FROM_ROWS`` rows run one kernel call per KV head."""
+    return paged_attention_flat(_attend, query, pool, batch, scale, out, metrics, by_head_from=BY_HEAD_FROM_ROWS)
 
 
 class DecodeStepMetrics:

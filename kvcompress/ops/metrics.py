@@ -92,26 +92,45 @@ def attention_metrics(
     """
     num_kv_heads, num_pages = block_tables.shape
     block_size, head_dim = key_cache.shape[1], key_cache.shape[2]
+    num_keys = num_pages * block_size
     group = query.shape[1] // num_kv_heads
-    keys = key_cache[block_tables].reshape(num_kv_heads, num_pages * block_size, head_dim).float()
-    key_pos = slot_positions[block_tables].reshape(num_kv_heads, -1).long()
-    held = torch.arange(key_pos.shape[1], device=key_pos.device) < head_lens.unsqueeze(-1)
+    flat_pages = block_tables.reshape(-1).long()
+    # K^T of each head [H, D, K]: whole pages gathered as vLLM's CPU layout stores them
+    # ([D, b]; other layouts gather strided), then one transposing copy.
+    keys_t = (
+        key_cache.transpose(1, 2).index_select(0, flat_pages)
+        .view(num_kv_heads, num_pages, head_dim, block_size)
+        .permute(0, 2, 1, 3).reshape(num_kv_heads, head_dim, num_keys).float()
+    )
+    key_pos = slot_positions.index_select(0, flat_pages).view(num_kv_heads, num_keys).long()
+    held = torch.arange(num_keys, device=key_pos.device) < head_lens.unsqueeze(-1)
     metric = torch.zeros(key_pos.shape, dtype=torch.float32, device=key_pos.device)
-    query_chunk = metric_query_chunk(query_chunk, query.shape[1], key_pos.shape[1], workspace_bytes)
+    query_chunk = metric_query_chunk(query_chunk, query.shape[1], num_keys, workspace_bytes)
     for start in range(0, query.shape[0], query_chunk):
         # The scale goes on the queries (Tq x Hq x D values, not Hq x Tq x K scores), and
         # the score-sized passes run in place: this pass is ~3% of a prompt step on CPU.
         q = query[start : start + query_chunk].float() * scale
         q_pos = query_positions[start : start + query_chunk].long()
-        q = q.view(q.shape[0], num_kv_heads, group, head_dim)
-        scores = torch.einsum("thgd,hkd->hgtk", q, keys)
+        num_queries = q.shape[0]
+        q = q.view(num_queries, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        scores = torch.bmm(q.reshape(num_kv_heads, group * num_queries, head_dim), keys_t)
+        scores = scores.view(num_kv_heads, group, num_queries, num_keys)
         hidden = ~(held.unsqueeze(1) & (key_pos.unsqueeze(1) <= q_pos.view(1, -1, 1)))  # [H, Tq, K]
-        probs = torch.softmax(scores.masked_fill_(hidden.unsqueeze(1), float("-inf")), dim=-1)
-        probs.nan_to_num_(nan=0.0)  # a query that sees no held key adds nothing
+        scores.masked_fill_(hidden.unsqueeze(1), float("-inf"))
+        # softmax(s) ** p summed over the queries = sum of exp(s - max) ** p / total ** p:
+        # one weighted reduction (a bmm) instead of a division, a power and a sum pass.
+        top = scores.amax(dim=3, keepdim=True).clamp_(min=torch.finfo(torch.float32).min)
+        scores.sub_(top).exp_()
+        totals = scores.sum(dim=3, keepdim=True)  # [H, G, Tq, 1]; 0: the query sees no held key
         if skip_nearest > 0:
             near = (q_pos.view(1, -1, 1) - key_pos.unsqueeze(1)) < skip_nearest  # [H, Tq, K]
-            probs.masked_fill_(near.unsqueeze(1), 0.0)
-        metric += probs.pow_(power).sum(dim=(1, 2))
+            scores.masked_fill_(near.unsqueeze(1), 0.0)
+        weights = torch.where(totals > 0, totals.pow(-power), torch.zeros_like(totals))
+        if power != 1:
+            scores.pow_(power)
+        metric += torch.bmm(
+            weights.view(num_kv_heads, 1, group * num_queries), scores.view(num_kv_heads, group * num_queries, num_keys),
+        ).view(num_kv_heads, num_keys)
     return metric
 
 
