@@ -12,7 +12,9 @@ that head's length.
   head-major ``[H * T, G, D]`` (a copy); their starts (:func:`flat_query_starts`) are the
   same for every layer, so the runner puts them on the device once per step
   (``PagedBatch.flat_query_start_loc``): on CUDA a copy from pageable host memory at each
-  layer's call would wait for the stream.
+  layer's call would wait for the stream; or, for kernels that read the query's row
+  stride (vLLM's CPU kernel) and long prompt chunks, one call per KV head over query
+  column views (:func:`flat_prompt_by_head`).
 
 A backend supplies ``attend(query, pool, out, query_start_loc, max_query_len, seq_lens,
 max_seq_len, block_table, scale)``: one kernel call over sequences of one KV head
