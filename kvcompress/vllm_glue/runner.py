@@ -164,6 +164,8 @@ class PerHeadRunnerMixin:
     """Adds the per-(layer, KV head) page pool to a vLLM V1 model runner."""
 
     kvc_cache: PerHeadPagedCache | None = None
+    # Set by a step with prompt rows whose decode rows add to the metrics (vLLM's CPU kernel).
+    kvc_step_decode_queries: StepDecodeQueries | None = None
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig, *args, **kwargs) -> None:
         # vLLM's CUDA-graph memory profiling builds a minimal KV cache first
@@ -299,7 +301,7 @@ class PerHeadRunnerMixin:
         # Their metric queries wait per sequence to be scored several at once.
         self.kvc_deferred_metrics = DeferredDecodeQueries() if self.kvc_plan_kernel_decode else None
         # A step with prompt rows: its decode rows' metric queries, for that queue after the forward.
-        self.kvc_step_decode_queries: StepDecodeQueries | None = None
+        self.kvc_step_decode_queries = None
         # ... and keep that plan between steps while the same rows decode.
         self.kvc_decode_plan: DecodeBatchPlan | None = None
         if self.kvc_plan_kernel_decode and cache.host is not None:
