@@ -130,7 +130,7 @@ def flat_prompt(
 
 def flat_prompt_by_head(
     attend: Attend, query: torch.Tensor, pool: KVPool, tables: torch.Tensor, lens: torch.Tensor,
-    starts: list[int], max_len: int, scale: float, out: torch.Tensor,
+    starts: list[int], max_query_len: int, max_len: int, scale: float, out: torch.Tensor,
 ) -> None:
     """:func:`flat_prompt` as one call per KV head ``h`` over the ``S`` sequences' head
     ``h``, for kernels that read the query's row stride (vLLM's CPU kernel): the query
@@ -141,13 +141,12 @@ def flat_prompt_by_head(
     copy is gone and the kernel's split of one call over ``H * S`` sequences is less
     even than ``H`` splits of ``S``."""
     num_rows, num_q_heads, head_dim = query.shape
-    num_seqs, num_kv_heads = lens.shape
+    num_kv_heads = lens.shape[1]
     group = num_q_heads // num_kv_heads
     head_out = torch.empty((num_rows, group, head_dim), dtype=query.dtype, device=query.device)
     head_lens = lens.t().contiguous().to(torch.int32)  # [H, S]
     head_tables = tables.transpose(0, 1).contiguous().to(torch.int32)  # [H, S, P]
     query_starts = torch.tensor(starts, dtype=torch.int32, device=query.device)
-    max_query_len = max(starts[s + 1] - starts[s] for s in range(num_seqs))
     for head in range(num_kv_heads):
         columns = slice(head * group, (head + 1) * group)
         attend(query[:, columns], pool, head_out, query_starts, max_query_len,
@@ -175,9 +174,11 @@ def paged_attention_flat(
     tables = batch.block_tables[:, :, : max(1, -(-max_len // pool.block_size))]
     if batch.decode_only():
         flat_decode(attend, query[:num_rows], pool, tables, batch.head_lens, max_len, scale, out[:num_rows])
-    elif by_head_from is not None and max(b - a for a, b in zip(starts, starts[1:])) >= by_head_from:
-        flat_prompt_by_head(attend, query[:num_rows], pool, tables, batch.head_lens, starts, max_len, scale,
-                            out[:num_rows])
+    elif by_head_from is not None and (
+        longest_chunk := max(end - begin for begin, end in zip(starts, starts[1:]))
+    ) >= by_head_from:
+        flat_prompt_by_head(attend, query[:num_rows], pool, tables, batch.head_lens, starts, longest_chunk,
+                            max_len, scale, out[:num_rows])
     else:
         flat_prompt(attend, query[:num_rows], pool, tables, batch.head_lens, starts, max_len, scale,
                     out[:num_rows], flat_starts=batch.flat_query_start_loc)
