@@ -109,6 +109,24 @@ def test_cuda_custom_backend_in_attention_config_is_kept(cuda_platform, monkeypa
     assert args.attention_backend is None
 
 
+@pytest.mark.parametrize(
+    "kwargs,named",
+    [({"enable_dbo": True}, "--enable-dbo"), ({"ubatch_size": 2}, "--ubatch-size 2")],
+)
+def test_cuda_micro_batching_is_refused(cuda_platform, monkeypatch, kwargs, named):
+    """Dual-batch overlap and micro-batching split each step into sub-batches, each with
+    attention metadata of its own; the step plan covers the whole batch, so the builder
+    would stop the first split step. Refused at start instead, naming the flag."""
+    from kvcompress.vllm_glue.engine_setup import V2_RUNNER_ENV, prepare_engine_args
+
+    monkeypatch.delenv(V2_RUNNER_ENV, raising=False)
+    with pytest.raises(KVCompressConfigError, match=named):
+        prepare_engine_args(_engine_args(**kwargs), platform=cuda_platform)
+    # vLLM's defaults (0) and a single micro-batch (1) do not split a step.
+    for size in (0, 1):
+        prepare_engine_args(_engine_args(ubatch_size=size), platform=cuda_platform)
+
+
 def test_cuda_v2_model_runner_is_refused(cuda_platform, monkeypatch):
     from kvcompress.vllm_glue.engine_setup import V2_RUNNER_ENV, prepare_engine_args
 

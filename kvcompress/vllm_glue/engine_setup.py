@@ -86,6 +86,23 @@ def worker_cls_for_platform(engine_args: Any, platform: Any) -> str:
     )
 
 
+def refuse_micro_batching(engine_args: Any) -> None:
+    """Dual-batch overlap and micro-batching (vLLM's ``ParallelConfig.use_ubatching``)
+    build attention metadata per sub-batch of a step, while the runner plans the step
+    as one batch: the first split step would stop in the metadata builder."""
+    flag = FLAGS["enabled"]
+    if engine_args.enable_dbo:
+        raise KVCompressConfigError(
+            f"--enable-dbo cannot be combined with {flag}: the per-head step plan covers the "
+            "whole batch, not vLLM's micro-batches"
+        )
+    if (engine_args.ubatch_size or 0) > 1:
+        raise KVCompressConfigError(
+            f"--ubatch-size {engine_args.ubatch_size} cannot be combined with {flag}: the "
+            "per-head step plan covers the whole batch, not vLLM's micro-batches (leave it at 0 or 1)"
+        )
+
+
 def default_block_size(platform: Any) -> int:
     """Tokens per page when ``--kv-compress-block-size`` is not given: 64 on CPU, where
     vLLM's attention kernel reads 64-token pages within 0.97-1.14x of stock's time even
@@ -130,6 +147,7 @@ def prepare_engine_args(engine_args: Any, platform: Any = None) -> KVCompressCon
         raise KVCompressConfigError(f"speculative decoding cannot be combined with {flag}")
     if engine_args.pipeline_parallel_size > 1:
         raise KVCompressConfigError(f"pipeline parallelism cannot be combined with {flag}")
+    refuse_micro_batching(engine_args)
     if engine_args.async_scheduling:
         # vLLM 0.32 turns it on by default on CUDA; kvcompress turns it off (below).
         raise KVCompressConfigError(
