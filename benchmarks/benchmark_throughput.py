@@ -410,9 +410,12 @@ def _measure(
     progress: bool = True,
     engines=(STOCK, KVC),
     repeats: int = 1,
+    engine_args: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run stock vLLM (one engine) then kvcompress (one engine, every rate), ``repeats``
-    times alternating which goes first; the results (each row the median-time run)."""
+    times alternating which goes first; the results (each row the median-time run).
+    ``engine_args``: more ``vllm.LLM`` arguments for both engines (e.g. the GPU kit's
+    ``load_format="dummy"`` and ``compilation_config``), applied last."""
     _setup_env()
     started_all = time.perf_counter()
     model_path, description, default_dtype = resolve_model(model)
@@ -468,6 +471,7 @@ def _measure(
         args["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
     else:
         args["gpu_memory_utilization"] = gpu_memory_utilization
+    args.update(engine_args or {})
 
     from vllm import LLM, SamplingParams
 

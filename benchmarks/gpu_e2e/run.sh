@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The GPU kit's device side (benchmarks/gpu_e2e/README.md): unpack vLLM 0.32.0's CUDA build
+# from .gpu-kit/, install kvcompress without network, prove the compiled ops load on this
+# machine's torch, then run the cases (e2e.py) into $OUT: setup.log, one log per case and
+# results.json (at most 8 files).
+#
+#   bash benchmarks/gpu_e2e/run.sh              # the run (call 1 of the one-call layout)
+#   bash benchmarks/gpu_e2e/run.sh stage        # layout two, call 1: keep the .so's first part
+#   KIT_BUDGET_S=400 bash benchmarks/gpu_e2e/run.sh   # less time for the cases
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/kvc-gpu-out}
+KIT=${KIT:-.gpu-kit}
+SCRATCH=${KIT_SCRATCH:-/tmp/kvc-gpu-kit}
+SITE=$SCRATCH/site
+mkdir -p "$OUT" "$SCRATCH"
+LOG=$OUT/setup.log
+started=$(date +%s)
+say() { echo "[run.sh +$(($(date +%s) - started))s] $*" | tee -a "$LOG"; }
+
+if [ "${1:-run}" = stage ]; then
+  cp "$KIT"/call1/so.xz.part-a "$SCRATCH"/ && say "staged $(du -h "$SCRATCH"/so.xz.part-a | cut -f1) in $SCRATCH"
+  python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" 2>&1 | tee -a "$LOG"
+  exit 0
+fi
+
+export PYTHONUNBUFFERED=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export VLLM_USE_V2_MODEL_RUNNER=0 KVCOMPRESS_NO_CUDA=1 KVCOMPRESS_CACHE=$SCRATCH/cache
+{ nvidia-smi; python3 --version; } >> "$LOG" 2>&1
+
+# 1. vLLM's Python and the missing dependencies.
+site_xz=$(ls "$KIT"/call*/site.tar.xz 2>/dev/null | head -1)
+if [ -z "$site_xz" ]; then say "no site.tar.xz under $KIT/call*/: carry the kit (make gpu-kit)"; exit 2; fi
+rm -rf "$SITE" && mkdir -p "$SITE" && tar -xJf "$site_xz" -C "$SITE" || { say "unpacking $site_xz failed"; exit 2; }
+say "unpacked $site_xz ($(du -sh "$SITE" | cut -f1))"
+
+# 2. vLLM's compiled ops: the Hopper-only .so (layout one), the whole one from two parts
+#    (layout two), else a stub and vLLM's PyTorch ops.
+SO=$SITE/vllm/_C_stable_libtorch.abi3.so
+VARIANT=stub
+if [ -f "$KIT"/call1/vllm_C_sm90.so.xz ]; then
+  xz -dc "$KIT"/call1/vllm_C_sm90.so.xz > "$SO" && VARIANT=real
+elif [ -f "$SCRATCH"/so.xz.part-a ] && [ -f "$KIT"/call2/so.xz.part-b ]; then
+  cat "$SCRATCH"/so.xz.part-a "$KIT"/call2/so.xz.part-b | xz -dc > "$SO" && VARIANT=real
+fi
+use_stub() { rm -f "$SO"; echo "# kvcompress GPU kit: no compiled ops (stub)" > "$SITE"/vllm/_C_stable_libtorch.py; VARIANT=stub; }
+[ "$VARIANT" = real ] || use_stub
+export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+
+# 3. kvcompress, no network (the vllm.general_plugins entry point needs an install).
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >> "$LOG" 2>&1 \
+  || { say "pip install -e . failed (setup.log)"; exit 2; }
+
+# 4. The ABI check: vLLM's stable-ABI ops on this torch, one real kernel against PyTorch.
+check='import torch, vllm._C_stable_libtorch
+x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16); w = torch.ones(256, device="cuda", dtype=torch.bfloat16)
+out = torch.empty_like(x); torch.ops._C.rms_norm(out, x, w, 1e-6)
+ref = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+err = (out.float() - ref).abs().max().item(); assert err < 0.05, err; print("vllm._C rms_norm ok, max err", err)'
+if [ "$VARIANT" = real ]; then
+  if ! timeout 180 python3 -c "$check" >> "$LOG" 2>&1; then
+    say "the real .so did not load or run (setup.log): falling back to the stub"; use_stub
+  fi
+fi
+timeout 240 python3 -c "import vllm, kvcompress; from vllm.platforms import current_platform as p; print('vllm', vllm.__version__, p.device_name, p.is_cuda())" >> "$LOG" 2>&1 \
+  || { say "import vllm failed (setup.log)"; exit 2; }
+say "variant $VARIANT; setup done"
+
+# 5. The cases, within what is left of the call (600 s at most).
+left=$(( ${KIT_CALL_S:-590} - ($(date +%s) - started) ))
+budget=${KIT_BUDGET_S:-$left}
+python3 benchmarks/gpu_e2e/e2e.py run --out "$OUT" --variant "$VARIANT" --budget-s "$budget" 2>&1 | tee -a "$LOG"
+status=${PIPESTATUS[0]}
+say "e2e.py exited with $status"
+exit "$status"
