@@ -243,6 +243,45 @@ def test_decode_metrics_match_reference_deltas(power, dtype):
         assert torch.equal(tri_metrics[seq2_pages], base[seq2_pages])
 
 
+def test_decode_metric_pass_of_a_mixed_step_launches_only_the_selected_rows(monkeypatch):
+    """Issue 56 item 1: the metric pass of a mixed step (vLLM's unified attention returns
+    no probabilities) ran the decode kernels over every decode row, though only the rows
+    selected this step (1 in ``decode_metric_stride``) add to the metrics. A sink made
+    from the selected sequences known on the host launches for those rows only (nothing
+    read on the host); the metrics equal the reference's."""
+    triton_attention, _ = _kernels()
+    block_size, head_dim, kv_heads, group = 16, 64, 2, 2
+    query_lens = [9] + [1] * 8  # one prompt chunk, eight decode rows
+    lengths = torch.tensor([[20, 9]] + [[10 + 7 * s, 40 - 3 * s] for s in range(8)])
+    pool, tables, top = _random_cache(31, lengths, block_size, head_dim, torch.float32)
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    query_pos = torch.tensor(
+        [p for s, n in enumerate(query_lens) for p in range(top[s] - n + 1, top[s] + 1)], device=DEVICE)
+    query = torch.randn(starts[-1], kv_heads * group, head_dim).to(DEVICE)
+    batch = PagedBatch(tables, lengths.to(DEVICE), starts, query_pos)
+    selected_seq, scale = 4, head_dim ** -0.5
+    flags = torch.tensor([s == selected_seq for s in range(len(query_lens))], device=DEVICE)
+    want_pool = replace(pool, slot_metrics=torch.zeros_like(pool.slot_metrics))
+    reference_attention(query, want_pool, batch, scale, metrics=MetricSink(flags))
+
+    launched_rows = []
+    launch = triton_attention._launch_decode
+
+    def counted_launch(*args, **kwargs):
+        launched_rows.append(args[5][0].numel())  # rows = (dec_seq, dec_tok)
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(triton_attention, "_launch_decode", counted_launch)
+    got_pool = replace(pool, slot_metrics=torch.zeros_like(pool.slot_metrics))
+    sink = MetricSink.of_decode_rows([selected_seq], starts, 2, DEVICE)
+    triton_attention.decode_metrics_triton(query, got_pool, batch, scale, sink)
+    assert launched_rows == [1]
+    assert want_pool.slot_metrics.sum() > 0  # the check is not vacuous
+    torch.testing.assert_close(got_pool.slot_metrics, want_pool.slot_metrics, atol=1e-6, rtol=1e-4)
+
+
 # -- decode over slot-indexed tables (the CUDA-graph path) ------------------------------------
 
 

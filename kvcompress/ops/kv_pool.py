@@ -11,7 +11,8 @@ Instead of a dozen positional tensors, every op takes:
   ``slot_metrics``, and with what power.
 
 The CUDA ops (``csrc/``) keep their flat schemas; :meth:`KVPool.tensors` gives the pool's
-tensors under those schema argument names. Plain holders: nothing is copied or checked.
+tensors under those schema argument names. Plain holders: nothing is copied or checked
+(but :meth:`MetricSink.of_decode_rows`, which puts host-made rows on the device).
 """
 
 from __future__ import annotations
@@ -171,7 +172,40 @@ class MetricSink:
             sequences, or ``[num_slots]`` int8 / bool over the sequence slots of a
             ``SlotBatch``.
         power: 2 (L2, the paper's squared attention) or 1 (L1).
+        rows: optional ``[2, K]`` int32 (sequence, query row) of the selected decode
+            queries of a ``PagedBatch``, on the query's device, known on the host where
+            the sink was made (:meth:`of_decode_rows`): a metric pass of its own
+            (:func:`kvcompress.ops.triton_attention.decode_metrics_triton`) launches for
+            these rows only. None: for every decode row (the unselected add nothing).
     """
 
     selected: torch.Tensor
     power: int = 2
+    rows: torch.Tensor | None = None
+
+    @classmethod
+    def of_decode_rows(
+        cls, seqs, query_start_loc: list[int], power: int, device: torch.device,
+        selected: torch.Tensor | None = None,
+    ) -> "MetricSink":
+        """The sink of the decode queries of sequences ``seqs`` (host ints, each with
+        one query row) of a ``PagedBatch`` with starts ``query_start_loc``, with
+        :attr:`rows`. Made on the host and copied to ``device`` once (on CUDA from
+        pinned memory, so the copy does not wait for the stream): a step's layers share
+        it. ``selected``: the same sequences' ``[S]`` flags when already on ``device``."""
+        seq_ids = torch.as_tensor(seqs, dtype=torch.int64).reshape(-1)
+        starts = torch.as_tensor(query_start_loc, dtype=torch.int64)
+        rows = torch.stack([seq_ids, starts[seq_ids]]).to(torch.int32)
+        if selected is None:
+            flags = torch.zeros(starts.numel() - 1, dtype=torch.bool)
+            flags[seq_ids] = True
+            selected = _host_to_device(flags, torch.device(device))
+        return cls(selected, power, _host_to_device(rows, torch.device(device)))
+
+
+def _host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor made on the host, on ``device``; on CUDA through pinned memory and a
+    non-blocking copy (a copy from pageable memory waits for the stream)."""
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)

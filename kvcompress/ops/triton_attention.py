@@ -604,16 +604,18 @@ def decode_metrics_triton(
     for the prompt rows: the metric pass of attention kernels that return no
     probabilities (vLLM's ``unified_attention``, :mod:`kvcompress.ops.flattened`).
 
-    The decode kernel runs over every decode row into a scratch output (its partition
-    maxima and sums normalise the metric kernel's scores). No host reads: the rows come
-    from the batch's host starts (copied once per step, :func:`_decode_rows`) and the
-    launch shapes from ``max_head_len`` (default: the tables' width), so on CUDA the
-    pass never waits for the stream, as ``torch`` gathers with ``nonzero`` would.
+    The decode kernel runs over the selected rows (``metrics.rows``; without them over
+    every decode row) into a scratch output: its partition maxima and sums normalise
+    the metric kernel's scores. No host reads: the rows were made on the host (the
+    sink's, or the batch's decode rows, copied once per step by :func:`_decode_rows`)
+    and the launch shapes come from ``max_head_len`` (default: the tables' width), so
+    on CUDA the pass never waits for the stream, as ``torch`` gathers with ``nonzero``
+    would.
     """
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed: the Triton decode metrics are unavailable")
-    rows = _decode_rows(batch.query_start_loc, query.device)
-    if rows is None:
+    rows = metrics.rows if metrics.rows is not None else _decode_rows(batch.query_start_loc, query.device)
+    if rows is None or rows.shape[1] == 0:
         return
     if max_head_len is None:
         max_head_len = batch.block_tables.shape[2] * pool.block_size

@@ -250,15 +250,12 @@ class PerHeadAttentionImpl(AttentionImpl):
             step.query_start_loc, step.query_positions, max_head_len=step.max_head_len,
             flat_query_start_loc=step.flat_query_start_loc,
         )
-        decode_metrics = None
-        if metrics is not None and metrics.decode_seqs is not None:
-            decode_metrics = MetricSink(metrics.decode_seqs, metrics.power)
         if metrics is not None and metrics.decode_queries is not None:
             metrics.decode_queries.record(layer_index, query, self.scale)
         state.ops.paged_attention(
             query, state.pool, batch, self.scale,
             out=output[:num_tokens].view(num_tokens, self.num_heads, self.head_size),
-            metrics=decode_metrics,
+            metrics=step.decode_metric_sink,
         )
         if metrics is not None:
             self._prompt_metrics(state, step, metrics, query, batch)

@@ -10,10 +10,12 @@ built. Decode-only steps read the fixed-address ``DecodeBuffers`` instead of a
 from __future__ import annotations
 
 from dataclasses import InitVar, dataclass
+from functools import cached_property
 
+import numpy as np
 import torch
 
-from kvcompress.ops import AppendPlan, KernelOps, KVPool, PerHeadPagedCache, resolve_ops
+from kvcompress.ops import AppendPlan, KernelOps, KVPool, MetricSink, PerHeadPagedCache, resolve_ops
 from kvcompress.ops.cpu_attention import KernelDecodeLayer
 from kvcompress.ops.decode_by_slot import graph_partition_size
 from kvcompress.ops.deferred_metrics import StepDecodeQueries
@@ -212,6 +214,10 @@ class MetricQueries:
             later ones (vLLM's CPU kernel): each layer records the rows'
             queries here instead (``decode_seqs`` is then None), and the runner hands
             them to its queue after the forward.
+        decode_seq_ids: ``[K]`` int64 numpy, the sequences set in ``decode_seqs``, on
+            the host (the runner knows them): the decode metric pass then launches for
+            those rows only (:attr:`PerHeadStep.decode_metric_sink`); None: for every
+            decode row.
     """
 
     prompt_rows: list[PromptMetricRows]
@@ -219,6 +225,7 @@ class MetricQueries:
     power: int
     prompt_weight: float = 1.0
     decode_queries: StepDecodeQueries | None = None
+    decode_seq_ids: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -300,6 +307,22 @@ class PerHeadStep:
     kernel_decode: list[KernelDecodeLayer] | None = None
     decode_metric_power: int = 2
     flat_query_start_loc: torch.Tensor | None = None
+
+    @cached_property
+    def decode_metric_sink(self) -> MetricSink | None:
+        """The decode queries that add to the metrics this step, as every layer's
+        attention takes them (made once per step); None when none does. With the
+        runner's host ids (``metrics.decode_seq_ids``) the sink carries the rows, so
+        the metric pass launches for those rows only."""
+        metrics = self.metrics
+        if metrics is None or metrics.decode_seqs is None:
+            return None
+        if metrics.decode_seq_ids is None:
+            return MetricSink(metrics.decode_seqs, metrics.power)
+        return MetricSink.of_decode_rows(
+            metrics.decode_seq_ids, self.query_start_loc, metrics.power, metrics.decode_seqs.device,
+            selected=metrics.decode_seqs,
+        )
 
 
 @dataclass
