@@ -250,7 +250,8 @@ def test_gpu_worker_refuses_v2_runner():
     # The mixin's hooks must win over GPUModelRunner's.
     mro = KVCompressGPUModelRunner.__mro__
     assert mro.index(PerHeadRunnerMixin) < mro.index(GPUModelRunner)
-    for hook in ("initialize_kv_cache", "_update_states", "execute_model", "sample_tokens", "_dummy_run"):
+    for hook in ("initialize_kv_cache", "_update_states", "execute_model", "sample_tokens", "_dummy_run",
+                 "_cleanup_profiling_kv_cache"):
         assert getattr(KVCompressGPUModelRunner, hook) is getattr(PerHeadRunnerMixin, hook), hook
     worker = KVCompressGPUWorker.__new__(KVCompressGPUWorker)
     worker.use_v2_model_runner = True

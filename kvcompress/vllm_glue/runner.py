@@ -176,9 +176,19 @@ class PerHeadRunnerMixin:
         self._kvc_build_pool(self.kv_cache_config)
 
     def _kvc_drop_pool(self) -> None:
+        """Forget the pool: every reference to its cache and to views of the KV buffer."""
         set_current_step(None)
         set_worker_state(None)
         self.kvc_cache = None
+        self.kvc_prefix_groups = None  # holds the cache
+        self.kvc_decode_plan = None  # holds the pool's views (vLLM's CPU kernel)
+
+    def _cleanup_profiling_kv_cache(self) -> None:
+        # vLLM drops its references to the CUDA-graph profiling KV buffer here and empties
+        # the allocator's cache: the pool's views of that buffer and its tables must go
+        # too, or they stay allocated until the real KV cache replaces them.
+        self._kvc_drop_pool()
+        super()._cleanup_profiling_kv_cache()
 
     def _kvc_build_pool(self, kv_cache_config: KVCacheConfig) -> None:
         group = single_full_attention_group(kv_cache_config)
