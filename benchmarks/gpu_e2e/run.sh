@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_e2e/run.sh              # the run (call 1 of the one-call layout)
 #   bash benchmarks/gpu_e2e/run.sh stage        # layout two, call 1: keep the .so's first part
 #   KIT_BUDGET_S=400 bash benchmarks/gpu_e2e/run.sh   # less time for the cases
+#   KIT_CASES="graphs" bash benchmarks/gpu_e2e/run.sh  # only some cases (a rerun)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/kvc-gpu-out}
@@ -69,7 +70,8 @@ say "variant $VARIANT; setup done"
 # 5. The cases, within what is left of the call (600 s at most).
 left=$(( ${KIT_CALL_S:-590} - ($(date +%s) - started) ))
 budget=${KIT_BUDGET_S:-$left}
-python3 benchmarks/gpu_e2e/e2e.py run --out "$OUT" --variant "$VARIANT" --budget-s "$budget" 2>&1 | tee -a "$LOG"
+cases=${KIT_CASES:+--cases $KIT_CASES}
+python3 benchmarks/gpu_e2e/e2e.py run --out "$OUT" --variant "$VARIANT" --budget-s "$budget" $cases 2>&1 | tee -a "$LOG"
 status=${PIPESTATUS[0]}
 say "e2e.py exited with $status"
 exit "$status"
