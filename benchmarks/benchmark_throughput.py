@@ -411,11 +411,13 @@ def _measure(
     engines=(STOCK, KVC),
     repeats: int = 1,
     engine_args: dict[str, Any] | None = None,
+    stock_engine_args: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run stock vLLM (one engine) then kvcompress (one engine, every rate), ``repeats``
     times alternating which goes first; the results (each row the median-time run).
     ``engine_args``: more ``vllm.LLM`` arguments for both engines (e.g. the GPU kit's
-    ``load_format="dummy"`` and ``compilation_config``), applied last."""
+    ``load_format="dummy"`` and ``compilation_config``), applied last; ``stock_engine_args``
+    for stock vLLM only (e.g. ``attention_backend``, which kvcompress sets itself)."""
     _setup_env()
     started_all = time.perf_counter()
     model_path, description, default_dtype = resolve_model(model)
@@ -519,7 +521,8 @@ def _measure(
         # does not favour one of them.
         for phase in phases if repeat % 2 == 0 else phases[::-1]:
             if phase == STOCK:
-                phase_rows = _stock_phase(LLM, model_path, args, bytes_per_token, prompts, params, results, progress)
+                phase_rows = _stock_phase(LLM, model_path, args, bytes_per_token, prompts, params, results, progress,
+                                          stock_engine_args or {})
             else:
                 phase_rows = _kvcompress_phase(
                     kvcompress.LLM, model_path, args, rates, prompts, params, results, progress,
@@ -544,12 +547,13 @@ def _measure(
     return results
 
 
-def _stock_phase(LLM, model_path, args, bytes_per_token, prompts, params, results, progress) -> list[dict]:
+def _stock_phase(LLM, model_path, args, bytes_per_token, prompts, params, results, progress,
+                 stock_only: dict[str, Any]) -> list[dict]:
     """Start stock vLLM, run every input length, shut it down; its rows. The first start
     records stock's block size and KV capacity and, under a memory-fraction budget, fixes
     ``args["kv_cache_memory_bytes"]`` to the KV memory stock got."""
     t0 = time.perf_counter()
-    stock = LLM(model=model_path, **args)
+    stock = LLM(model=model_path, **args, **stock_only)
     results["engine_start_seconds"].setdefault(STOCK, time.perf_counter() - t0)
     cache = stock.llm_engine.vllm_config.cache_config
     results["stock_block_size"] = cache.block_size

@@ -179,9 +179,14 @@ def test_read_log_finds_backend_capture_and_jit_events():
     assert not bad.custom_backend and not bad.decode_graph_capture
 
 
+def _idle(num_pages, num_free, scheduler_free=None):
+    return {"num_pages": num_pages, "num_free": num_free, "scheduler_num_pages": num_pages,
+            "scheduler_num_free": num_free if scheduler_free is None else scheduler_free}
+
+
 def _graphs_case(**changes):
     case = dict(tokens_equal=True, compressions=3, evict_mismatches=0, scheduler_mismatches=0, graph_replays=40,
-                graph_idle={"num_pages": 10, "num_free": 10}, eager_idle={"num_pages": 10, "num_free": 10})
+                graph_idle=_idle(10, 10), eager_idle=_idle(10, 10))
     case.update(changes)
     return case
 
@@ -193,7 +198,8 @@ def test_graphs_verdict_names_each_failed_condition():
         "graph and eager tokens differ": _graphs_case(tokens_equal=False),
         "no compression ran": _graphs_case(compressions=0),
         "page / evict mismatches": _graphs_case(evict_mismatches=1),
-        "graph: 2 pages held at idle": _graphs_case(graph_idle={"num_pages": 10, "num_free": 8}),
+        "graph: 2 pages held at idle": _graphs_case(graph_idle=_idle(10, 8, scheduler_free=10)),
+        "eager: the scheduler counts 3 pages busy at idle": _graphs_case(eager_idle=_idle(10, 10, scheduler_free=7)),
         "no CUDA graph replayed": _graphs_case(graph_replays=0),
     }
     for reason, case in cases.items():
@@ -232,6 +238,10 @@ def test_profiles_give_vllm_arguments_it_accepts():
         assert profile.graph_args()["compilation_config"]["cudagraph_mode"] == "FULL_DECODE_ONLY"
         assert ("custom_ops" in profile.graph_args()["compilation_config"]) == (variant == "stub")
     assert e2e.Profile(gpu=False, variant="cpu").stock_args() == {"enforce_eager": True}
+    # Throughput: the backend goes to stock alone (kvcompress refuses any but its own).
+    both, eager, stock_only = e2e.throughput_engine_args(e2e.Profile(gpu=True, variant="real"))
+    assert stock_only == {"attention_backend": "TRITON_ATTN"} and "attention_backend" not in both
+    assert both["load_format"] == "dummy" and eager is False
 
 
 def test_dummy_model_config_has_the_kv_shape_the_benchmark_reads(tmp_path):

@@ -154,6 +154,9 @@ def graphs_verdict(case: dict[str, Any], log: LogFindings, on_gpu: bool) -> tupl
         idle = case.get(f"{engine}_idle", {})
         if idle.get("num_free") != idle.get("num_pages"):
             why.append(f"{engine}: {idle.get('num_pages', 0) - idle.get('num_free', 0)} pages held at idle")
+        if idle.get("scheduler_num_free") != idle.get("scheduler_num_pages"):
+            why.append(f"{engine}: the scheduler counts "
+                       f"{idle.get('scheduler_num_pages', 0) - idle.get('scheduler_num_free', 0)} pages busy at idle")
     if on_gpu:
         if case.get("graph_replays", 0) <= 0:
             why.append("no CUDA graph replayed")
@@ -330,6 +333,9 @@ def _rate8_run(model: str, prompts, engine_args: dict[str, Any], profile: Profil
     try:
         replays_before = counter.count if counter else 0
         tokens, logprobs = _generate(llm, prompts, _greedy(96, rate=8))
+        # The worker lets go of a request's pages when the next step names it finished:
+        # one more (empty) engine step hands it the last ones.
+        llm.llm_engine.step()
         worker = llm.collective_rpc("kvcompress_pages_used")[0]
         sched = page_stats(llm)
     finally:
@@ -338,6 +344,13 @@ def _rate8_run(model: str, prompts, engine_args: dict[str, Any], profile: Profil
         shutdown(llm)
     return {"tokens": tokens, "logprobs": logprobs, "worker": worker, "sched": sched,
             "replays": (counter.count - replays_before) if counter else 0}
+
+
+def _idle_pages(run: dict[str, Any]) -> dict[str, Any]:
+    worker, sched = run["worker"], run["sched"]
+    return {"num_pages": worker["num_pages"], "num_free": worker["num_free"],
+            "held_by_live_requests": worker["held_by_live_requests"], "live_requests": worker["live_requests"],
+            "scheduler_num_pages": sched["num_pages"], "scheduler_num_free": sched["num_free"]}
 
 
 def case_graphs(profile: Profile, out: dict[str, Any]) -> None:
@@ -357,9 +370,18 @@ def case_graphs(profile: Profile, out: dict[str, Any]) -> None:
         decode_only_steps=graph["worker"]["decode_only_steps"],
         graph_replays=graph["replays"],
         backend=graph["worker"].get("attention_backend"),
-        graph_idle={k: graph["worker"][k] for k in ("num_pages", "num_free", "held_by_live_requests")},
-        eager_idle={k: eager["worker"][k] for k in ("num_pages", "num_free", "held_by_live_requests")},
+        graph_idle=_idle_pages(graph),
+        eager_idle=_idle_pages(eager),
     )
+
+
+def throughput_engine_args(profile: Profile) -> tuple[dict[str, Any], bool, dict[str, Any]]:
+    """(both engines' extra arguments, enforce_eager, stock's own): random weights, the
+    profile's graphs; the attention backend for stock alone (kvcompress sets its own)."""
+    engine_args = {"load_format": "dummy", **profile.graph_args()}
+    enforce_eager = engine_args.pop("enforce_eager")
+    stock_only = {k: v for k, v in profile.stock_args().items() if k not in profile.graph_args()}
+    return engine_args, enforce_eager, stock_only
 
 
 def case_throughput(profile: Profile, out: dict[str, Any], shape: str) -> None:
@@ -375,10 +397,9 @@ def case_throughput(profile: Profile, out: dict[str, Any], shape: str) -> None:
         sizes = dict(input_lens=[256], output_len=16, num_prompts=8, kv_tokens=1024, max_num_seqs=8,
                      max_num_batched_tokens=256, dtype="float32", protected_window=8, rates=[1, 8])
     folder = Path(tempfile.mkdtemp(prefix=f"kvc-e2e-{shape}-"))
-    engine_args = {"load_format": "dummy", **profile.graph_args()}
-    enforce_eager = engine_args.pop("enforce_eager")
+    engine_args, enforce_eager, stock_only = throughput_engine_args(profile)
     results = bt.measure(model=dummy_model(shape, folder), min_cache_tokens=128, enforce_eager=enforce_eager,
-                         progress=False, engine_args=engine_args, **sizes)
+                         progress=False, engine_args=engine_args, stock_engine_args=stock_only, **sizes)
     out["shape"] = shape
     out["rows"] = [{k: row.get(k) for k in bt.CSV_FIELDS} for row in results["rows"]]
     out["kv_cache_memory_bytes"] = results["kv_cache_memory_bytes"]
