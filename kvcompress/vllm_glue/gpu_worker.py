@@ -14,7 +14,9 @@ slot-indexed decode is capturable, so decode-only batches replay as full graphs 
 fixed-address ``DecodeBuffers`` (vLLM pads them to a captured size; padding rows read an
 empty slot and write the scratch page), and mixed batches run piecewise graphs with
 attention and compression eager on the step's plan. Warm-up runs take the decode path
-over padding rows, so its kernels compile before capture.
+over padding rows, so its kernels compile before capture; the kernels of steps with
+prompt rows are compiled when the pool is built (``warm_up.py``), before vLLM arms its
+JIT monitor.
 
 Not yet run on a GPU (no GPU machine is lent to this project): this module is import-
 and configuration-checked on CPU (``tests/test_cuda_engine_setup.py``,

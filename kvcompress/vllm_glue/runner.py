@@ -72,6 +72,7 @@ from kvcompress.vllm_glue.batch_rows import BatchRows
 from kvcompress.vllm_glue.reconstruction import PendingReconstruction, ReconstructionPass
 from kvcompress.vllm_glue.surprisal import SurprisalRows, SurprisalScoring
 from kvcompress.vllm_glue.tokenizer_checks import word_edges
+from kvcompress.vllm_glue.warm_up import mixed_warm_up_due, page_views, warm_up_mixed_steps
 from kvcompress.vllm_glue.outputs import step_compression_of, with_report
 
 logger = init_logger(f"vllm.{__name__}")
@@ -294,11 +295,12 @@ class PerHeadRunnerMixin:
         self.kvc_recorded: dict[str, dict] | None = None
         state = WorkerCacheState(
             cache=cache,
-            pool=cache.kv_pool(*self._kvc_page_views(pool, ops)),
+            pool=cache.kv_pool(*page_views(pool, ops)),
             ops=ops,
             layer_index={name: i for i, name in enumerate(layer_names)},
             decode_buffers=decode_buffers,
-            rope=None if (rope := model_rope(self.model)) is None else rope.to(pool.device),
+            # get_model(): the model itself, not a CUDA-graph wrapper forwarding to it.
+            rope=None if (rope := model_rope(self.get_model())) is None else rope.to(pool.device),
         )
         set_worker_state(state)
         # Decode steps on vLLM's CPU kernel get their tables in its terms once per step.
@@ -323,14 +325,20 @@ class PerHeadRunnerMixin:
             "(%d layers x %d KV heads, %d bytes per page); kernels: %s",
             num_pages, block_size, num_layers, num_kv_heads, page_bytes, ops,
         )
+        if mixed_warm_up_due(ops, self.vllm_config):
+            self._kvc_warm_up_mixed_steps()
 
-    @staticmethod
-    def _kvc_page_views(buffer: torch.Tensor, ops) -> tuple[torch.Tensor, torch.Tensor]:
-        """K / V ``[num_pages, block_size, head_dim]`` views of ``buffer [2, N, b, D]``:
-        in vLLM's CPU kernel layout when the attention runs on it, else row-major."""
-        if ops.kernel_page_layout:
-            return cpu_attention.pool_views(buffer)
-        return buffer[0], buffer[1]
+    def _kvc_warm_up_mixed_steps(self) -> int:
+        """Compile the kernels of steps with prompt rows now, before vLLM arms its JIT
+        monitor (``warm_up.py``); the pool is not touched. Returns the steps run."""
+        started = time.perf_counter()
+        spec = single_full_attention_group(self.kv_cache_config).kv_cache_spec
+        steps = warm_up_mixed_steps(
+            get_worker_state(), self.kvc_num_q_heads, spec.head_size, spec.dtype, self.kvc_decode_metric_power,
+        )
+        logger.info("kvcompress: warmed up %d steps with prompt rows in %.2f s",
+                    steps, time.perf_counter() - started)
+        return steps
 
     def _kvc_release(self, request_ids) -> None:
         gone = [r for r in request_ids if r in self.kvc_requests]
