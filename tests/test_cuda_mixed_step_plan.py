@@ -3,6 +3,9 @@ every layer's attention is worked out once per step. A real per-head cache on CP
 attention backend's impl run layer by layer; vLLM is imported inside the functions (the
 Triton interpreter tests must import triton first).
 
+Item 3: the batch's starts are scanned once per step (decode-only or not, the longest
+chunk), not in Python at every layer call.
+
 Item 1, the glue: the decode rows that add to the eviction metrics reach every layer as
 one sink carrying the rows the runner selected on the host, so the metric pass of vLLM's
 unified attention launches for those rows only (the kernel side:
@@ -12,6 +15,7 @@ tests/test_triton_kernels.py,
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from kvcompress.ops import PerHeadPagedCache
@@ -21,15 +25,19 @@ NUM_LAYERS, NUM_KV_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE = 4, 2, 2, 64, 16
 
 
 def _mixed_step(query_lens: list[int], context: int = 30, metric_seqs: list[int] | None = None,
-               with_host_ids: bool = True, backend: str = "reference"):
+               with_host_ids: bool = True, backend: str = "reference", kernel_layout: bool | None = None):
     """A worker state and a planned step: sequence ``s`` holds ``context + 3 * s``
     earlier tokens and has ``query_lens[s]`` new ones; ``metric_seqs``: the decode rows
     whose query adds to the metrics (with the runner's host ids when ``with_host_ids``).
+    ``kernel_layout``: pages in vLLM's CPU kernel layout (default: for ``vllm_cpu``).
     Returns ``(state, step, layer names)``."""
     from kvcompress.vllm_glue.step import MetricQueries, PerHeadStep, StepTables, WorkerCacheState
 
+    from kvcompress.ops import cpu_attention
+    from kvcompress.ops.flattened import flat_query_starts
+
     num_seqs = len(query_lens)
-    cache = PerHeadPagedCache(256, NUM_LAYERS, NUM_KV_HEADS, BLOCK_SIZE, max_seqs=num_seqs + 1,
+    cache = PerHeadPagedCache(1024, NUM_LAYERS, NUM_KV_HEADS, BLOCK_SIZE, max_seqs=num_seqs + 1,
                               max_pages_per_head=16)
     slots = torch.tensor([cache.new_sequence() for _ in range(num_seqs)])
     held = torch.tensor([context + 3 * s for s in range(num_seqs)])
@@ -48,14 +56,18 @@ def _mixed_step(query_lens: list[int], context: int = 30, metric_seqs: list[int]
     step = PerHeadStep(
         num_reqs=num_seqs, num_tokens=starts[-1], query_start_loc=starts, query_positions=positions,
         tables=tables, head_lens=cache.head_lens[slots], max_head_len=max_head_len, plan=plan,
-        metrics=metrics,
+        metrics=metrics, flat_query_start_loc=torch.from_numpy(flat_query_starts(starts, NUM_KV_HEADS)),
     )
-    buffer = torch.randn(cache.num_pages + 1, 2, BLOCK_SIZE, HEAD_DIM, generator=torch.Generator().manual_seed(0))
+    buffer = torch.randn(2, cache.num_pages + 1, BLOCK_SIZE, HEAD_DIM, generator=torch.Generator().manual_seed(0))
+    # vLLM's CPU kernel reads its own page layout (the engine's pool for it).
+    if kernel_layout is None:
+        kernel_layout = backend == "vllm_cpu"
+    key_cache, value_cache = cpu_attention.pool_views(buffer) if kernel_layout else buffer
     names = [f"layers.{layer}.attn" for layer in range(NUM_LAYERS)]
     ops = KernelOps(torch.device("cpu"), {"paged_attention": backend, "paged_decode_by_slot": backend,
                                           "move_cache": "reference", "fill_page_tables": "reference"})
     state = WorkerCacheState(cache=cache, layer_index={name: i for i, name in enumerate(names)},
-                             key_cache=buffer[:, 0], value_cache=buffer[:, 1], ops=ops)
+                             key_cache=key_cache, value_cache=value_cache, ops=ops)
     return state, step, names
 
 
@@ -124,3 +136,40 @@ def test_every_layer_gets_one_sink_with_the_selected_rows(monkeypatch):
     assert sinks[-1].rows is None
     assert state.pool.slot_metrics.sum() > 0
     torch.testing.assert_close(state.pool.slot_metrics, plain_state.pool.slot_metrics)
+
+
+@pytest.mark.parametrize("backend", ["vllm_cpu", "cuda"])
+def test_the_batch_rows_are_scanned_once_per_step(monkeypatch, backend):
+    """Every layer's call scanned the starts in Python: ``PagedBatch.decode_only()`` (a
+    loop over all rows: in the dispatch, ``cuda``, and the flattened kernels,
+    ``vllm_cpu``) and the longest chunk's ``max(...)`` (flattened; 140 rows take the
+    by-head call): ~33K iterations per mixed step at 1,024 rows x 32 layers, on the host's
+    critical path (attention runs eagerly between piecewise graphs). Now the step scans
+    them once (``QueryLayout.of``) and every layer's batch shares the result; the
+    outputs are those of the reference."""
+    from kvcompress.ops import cpu_attention
+    from kvcompress.ops.kv_pool import QueryLayout
+
+    if backend == "vllm_cpu" and cpu_attention.unavailable_reason() is not None:
+        pytest.skip(cpu_attention.unavailable_reason())
+    scans = []
+    scan = QueryLayout.of.__func__
+    monkeypatch.setattr(QueryLayout, "of", classmethod(lambda cls, starts: scans.append(1) or scan(cls, starts)))
+    layouts = []
+    attend = KernelOps.paged_attention
+
+    def recorded(self, query, pool, batch, *args, **kwargs):
+        layouts.append(batch.layout)
+        return attend(self, query, pool, batch, *args, **kwargs)
+
+    monkeypatch.setattr(KernelOps, "paged_attention", recorded)
+    query_lens = [140] + [1] * 8
+    state, step, names = _mixed_step(query_lens, backend=backend)
+    outputs = _forward_all_layers(state, step, names)
+    assert len(scans) == 1 and len(layouts) == NUM_LAYERS
+    assert all(layout is step.query_layout for layout in layouts)
+    assert step.query_layout.longest_chunk == 140 and not step.query_layout.decode_only
+
+    ref_state, ref_step, _ = _mixed_step(query_lens, backend="reference", kernel_layout=backend == "vllm_cpu")
+    for got, want in zip(outputs, _forward_all_layers(ref_state, ref_step, names)):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)

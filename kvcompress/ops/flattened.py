@@ -101,7 +101,7 @@ def flat_query_starts(starts: list[int], num_kv_heads: int) -> np.ndarray:
 def flat_prompt(
     attend: Attend, query: torch.Tensor, pool: KVPool, tables: torch.Tensor, lens: torch.Tensor,
     starts: list[int], max_len: int, scale: float, out: torch.Tensor,
-    flat_starts: torch.Tensor | None = None,
+    flat_starts: torch.Tensor | None = None, max_query_len: int | None = None,
 ) -> None:
     """A batch with prompt rows, ``query [T, Hq, D]`` (sequence ``s`` owns rows
     ``[starts[s], starts[s + 1])``) over ``tables [S, H, P]``, ``lens [S, H]`` into ``out``:
@@ -109,7 +109,9 @@ def flat_prompt(
     head ``h`` with rows ``h * T + starts[s] ...`` of the query regrouped head-major
     ``[H * T, G, D]`` (one copy in, one out: a call per KV head costs more in host work
     on a GPU, 0.15-0.4 ms each, than the copies). ``flat_starts``: those sequences'
-    starts on the device (:func:`flat_query_starts`), else copied here."""
+    starts on the device (:func:`flat_query_starts`), else copied here;
+    ``max_query_len``: the longest chunk (``QueryLayout.longest_chunk``), else
+    counted here."""
     num_rows, num_q_heads, head_dim = query.shape
     num_seqs, num_kv_heads = lens.shape
     group = num_q_heads // num_kv_heads
@@ -118,7 +120,8 @@ def flat_prompt(
     flat_out = torch.empty_like(flat_query)
     if flat_starts is None:
         flat_starts = torch.from_numpy(flat_query_starts(starts, num_kv_heads)).to(query.device)
-    max_query_len = max(starts[s + 1] - starts[s] for s in range(num_seqs))
+    if max_query_len is None:
+        max_query_len = max(starts[s + 1] - starts[s] for s in range(num_seqs))
     attend(
         flat_query, pool, flat_out, flat_starts,
         max_query_len, lens.t().reshape(-1).to(torch.int32), max_len,
@@ -172,16 +175,16 @@ def paged_attention_flat(
     num_rows = starts[-1]
     max_len = batch.max_head_len if batch.max_head_len is not None else int(batch.head_lens.max())
     tables = batch.block_tables[:, :, : max(1, -(-max_len // pool.block_size))]
+    # The step's layout: no layer scans the rows (kvcompress.ops.kv_pool.QueryLayout).
+    longest_chunk = batch.layout.longest_chunk
     if batch.decode_only():
         flat_decode(attend, query[:num_rows], pool, tables, batch.head_lens, max_len, scale, out[:num_rows])
-    elif by_head_from is not None and (
-        longest_chunk := max(end - begin for begin, end in zip(starts, starts[1:]))
-    ) >= by_head_from:
+    elif by_head_from is not None and longest_chunk >= by_head_from:
         flat_prompt_by_head(attend, query[:num_rows], pool, tables, batch.head_lens, starts, longest_chunk,
                             max_len, scale, out[:num_rows])
     else:
         flat_prompt(attend, query[:num_rows], pool, tables, batch.head_lens, starts, max_len, scale,
-                    out[:num_rows], flat_starts=batch.flat_query_start_loc)
+                    out[:num_rows], flat_starts=batch.flat_query_start_loc, max_query_len=longest_chunk)
     if metrics is not None:
         (metric_pass or torch_decode_metrics)(query, pool, batch, scale, metrics, max_len)
     return out

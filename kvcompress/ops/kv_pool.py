@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -69,6 +70,30 @@ class KVPool:
 
 
 @dataclass(frozen=True, eq=False)
+class QueryLayout:
+    """How a batch's query rows fall into sequences, worked out from its starts in one
+    scan: every layer of a step shares one (``PerHeadStep.query_layout``), so no layer
+    call loops over the rows in Python (1,024 rows x 32 layers: ~33K iterations per
+    step otherwise, on the host's critical path of eager attention).
+
+    Attributes:
+        query_start_loc: the ``S + 1`` starts it describes (the same list object).
+        decode_only: every sequence has exactly one query row.
+        longest_chunk: the most query rows of one sequence (0 without sequences).
+    """
+
+    query_start_loc: list[int]
+    decode_only: bool
+    longest_chunk: int
+
+    @classmethod
+    def of(cls, query_start_loc: list[int]) -> "QueryLayout":
+        """The layout of starts ``query_start_loc`` (``S + 1`` Python ints)."""
+        rows = np.diff(np.asarray(query_start_loc, dtype=np.int64))
+        return cls(query_start_loc, bool((rows == 1).all()), int(rows.max()) if rows.size else 0)
+
+
+@dataclass(frozen=True, eq=False)
 class PagedBatch:
     """One layer of a batch, for ``paged_attention``.
 
@@ -89,6 +114,8 @@ class PagedBatch:
             layer of a step, so the runner copies them to the device once per step;
             None: the flattened kernels copy them at each call (on CUDA a copy from
             pageable host memory waits for the stream: a sync per layer).
+        layout: :class:`QueryLayout` of ``query_start_loc``, shared by a step's layers
+            (made here when None, or when it describes another list of starts).
     """
 
     block_tables: torch.Tensor
@@ -97,15 +124,18 @@ class PagedBatch:
     query_positions: torch.Tensor
     max_head_len: int | None = None
     flat_query_start_loc: torch.Tensor | None = None
+    layout: QueryLayout | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.query_start_loc, torch.Tensor):
             object.__setattr__(self, "query_start_loc", self.query_start_loc.tolist())
+        # Identity, not equality: comparing would scan the rows again.
+        if self.layout is None or self.layout.query_start_loc is not self.query_start_loc:
+            object.__setattr__(self, "layout", QueryLayout.of(self.query_start_loc))
 
     def decode_only(self) -> bool:
         """Every sequence has exactly one query row."""
-        starts = self.query_start_loc
-        return all(starts[s + 1] - starts[s] == 1 for s in range(len(starts) - 1))
+        return self.layout.decode_only
 
 
 @dataclass(frozen=True, eq=False)

@@ -248,7 +248,7 @@ class PerHeadAttentionImpl(AttentionImpl):
         batch = PagedBatch(
             step.tables.layer(layer_index), step.head_lens[:, layer_index],
             step.query_start_loc, step.query_positions, max_head_len=step.max_head_len,
-            flat_query_start_loc=step.flat_query_start_loc,
+            flat_query_start_loc=step.flat_query_start_loc, layout=step.query_layout,
         )
         if metrics is not None and metrics.decode_queries is not None:
             metrics.decode_queries.record(layer_index, query, self.scale)

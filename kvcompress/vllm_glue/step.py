@@ -20,6 +20,7 @@ from kvcompress.ops.cpu_attention import KernelDecodeLayer
 from kvcompress.ops.decode_by_slot import graph_partition_size
 from kvcompress.ops.deferred_metrics import StepDecodeQueries
 from kvcompress.ops.expected_attention import RopeFrequencies
+from kvcompress.ops.kv_pool import QueryLayout
 from kvcompress.ops.page_tables import ChunkedPageTables
 from kvcompress.ops.paged_cache import pages_for
 from kvcompress.policies import MetricSpec
@@ -307,6 +308,12 @@ class PerHeadStep:
     kernel_decode: list[KernelDecodeLayer] | None = None
     decode_metric_power: int = 2
     flat_query_start_loc: torch.Tensor | None = None
+
+    @cached_property
+    def query_layout(self) -> QueryLayout:
+        """How ``query_start_loc`` falls into sequences, scanned once for every layer's
+        ``PagedBatch``."""
+        return QueryLayout.of(self.query_start_loc)
 
     @cached_property
     def decode_metric_sink(self) -> MetricSink | None:
