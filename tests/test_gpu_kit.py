@@ -257,8 +257,9 @@ def test_dummy_model_config_has_the_kv_shape_the_benchmark_reads(tmp_path):
 
 
 def _fake_child(behaviour: dict[str, object], calls: list[str]):
-    """A child that writes what ``behaviour[name]`` says: a dict (its results), "hang"
-    (sleeps past its timeout, as a killed child leaves no JSON), or "crash"."""
+    """A child that writes what ``behaviour[name]`` says: a dict (its results, as
+    ``run_case`` writes them, ``seconds`` last), ("hang", partial figures or None): saves
+    those, then sleeps past its timeout (killed), or "crash" (dies before writing)."""
 
     def child(name, json_path, log_path, timeout):
         calls.append(name)
@@ -267,12 +268,14 @@ def _fake_child(behaviour: dict[str, object], calls: list[str]):
             log.write(f"==== {name} (timeout {timeout:.0f} s) ====\n")
             if name == "graphs":
                 log.write(LOG)
-        if what == "hang":
+        if isinstance(what, tuple):
+            if what[1] is not None:
+                json_path.write_text(json.dumps(what[1]))
             time.sleep(min(timeout, 0.3))
             return None
         if what == "crash":
             return 1
-        json_path.write_text(json.dumps(what))
+        json_path.write_text(json.dumps({**what, "seconds": 1.0}))
         return 0
 
     return child
@@ -290,7 +293,7 @@ def test_run_all_writes_results_after_each_case_and_honours_the_plan(tmp_path):
     behaviour = {
         "rate1": {"passed": True, "agreement": 1.0},
         "graphs": _graphs_case(),
-        "throughput-8b": "hang",
+        "throughput-8b": ("hang", None),
         "throughput-1b": {"passed": True, "shape": "1b", "summary": summary, "rows": []},
     }
     calls: list[str] = []
@@ -302,7 +305,7 @@ def test_run_all_writes_results_after_each_case_and_honours_the_plan(tmp_path):
         assert key in saved, key
     cases = saved["cases"]
     assert cases["rate1"]["passed"] and cases["graphs"]["passed"], cases["graphs"].get("failures")
-    assert cases["throughput-8b"] == {**cases["throughput-8b"], "passed": False, "error": "timed out after 0 s"}
+    assert cases["throughput-8b"]["error"] == "timed out after 0 s" and not cases["throughput-8b"]["passed"]
     assert saved["throughput"]["rate8"] == 3.2 and saved["throughput"]["shape"] == "1b"
     assert "skipped" in cases["never"] and not saved["passed"] and results["passed"] is False
     assert sorted(p.name for p in tmp_path.iterdir()) == ["graphs.log", "rate1.log", "results.json", "throughput.log"]
@@ -318,6 +321,28 @@ def test_run_all_skips_the_fallback_shape_when_the_first_passed_and_reports_cras
     results = e2e.run_all(tmp_path, e2e.Profile(gpu=False, variant="cpu"), plan, 60, _fake_child(behaviour, calls))
     assert calls == ["throughput-8b", "rate1"]
     assert results["cases"]["rate1"]["error"] == "exited with 1 before writing results"
+
+
+def test_a_case_cut_short_keeps_the_rows_it_saved_but_fails(tmp_path):
+    rows = [{"engine": "stock vLLM", "rate": 1.0, "output_tokens_per_s": 80.0},
+            {"engine": "kvcompress", "rate": 8.0, "output_tokens_per_s": 240.0}]
+    partial = {"passed": False, "shape": "8b", "rows": rows, "summary": e2e.throughput_summary(rows)}
+    plan = (e2e.PlannedCase("throughput-8b", 0.2, 0, "t.log"),)
+    results = e2e.run_all(tmp_path, e2e.Profile(gpu=True, variant="real"), plan, 60,
+                          _fake_child({"throughput-8b": ("hang", partial)}, []))
+    case = results["cases"]["throughput-8b"]
+    assert not case["passed"] and case["error"].startswith("timed out") and case["rows"] == rows
+    assert results["throughput"]["rate8"] == pytest.approx(3.0)
+
+
+def test_throughput_passes_only_with_both_engines_and_every_request_finished():
+    def row(engine, finished=4, mismatches=0):
+        return {"engine": engine, "rate": 1.0, "finished": finished, "num_prompts": 4, "mismatches": mismatches}
+
+    assert e2e.throughput_passed([row("stock vLLM"), row("kvcompress")])
+    assert not e2e.throughput_passed([row("stock vLLM")])
+    assert not e2e.throughput_passed([row("stock vLLM"), row("kvcompress", finished=3)])
+    assert not e2e.throughput_passed([row("stock vLLM"), row("kvcompress", mismatches=2)])
 
 
 def test_a_real_child_that_raises_still_writes_its_error(tmp_path):

@@ -303,7 +303,7 @@ class ReplayCounter:
 # Cases (each runs in its own process: ``e2e.py case NAME``)
 
 
-def case_rate1(profile: Profile, out: dict[str, Any]) -> None:
+def case_rate1(profile: Profile, out: CaseOutput) -> None:
     import vllm
 
     import kvcompress
@@ -353,7 +353,7 @@ def _idle_pages(run: dict[str, Any]) -> dict[str, Any]:
             "scheduler_num_pages": sched["num_pages"], "scheduler_num_free": sched["num_free"]}
 
 
-def case_graphs(profile: Profile, out: dict[str, Any]) -> None:
+def case_graphs(profile: Profile, out: CaseOutput) -> None:
     model, prompts = tiny_model(), tiny_prompts(16, seed=1)
     graph = _rate8_run(model, prompts, profile.graph_args(), profile)
     eager = _rate8_run(model, prompts, profile.eager_args(), profile)
@@ -384,35 +384,47 @@ def throughput_engine_args(profile: Profile) -> tuple[dict[str, Any], bool, dict
     return engine_args, enforce_eager, stock_only
 
 
-def case_throughput(profile: Profile, out: dict[str, Any], shape: str) -> None:
-    """Stock and kvcompress at one KV memory (``benchmark_throughput.measure``)."""
+def case_throughput(profile: Profile, out: CaseOutput, shape: str) -> None:
+    """Stock and kvcompress at one KV memory (``benchmark_throughput.measure``), rate 8
+    first; each row is saved as it finishes, so a case cut short by its timeout still
+    reports the rows it ran."""
     sys.path.insert(0, str(BENCHMARKS))
     import benchmark_throughput as bt
 
     if profile.gpu:
-        sizes = dict(input_lens=[6000], output_len=500, num_prompts=64 if shape == "8b" else 96,
+        sizes = dict(input_lens=[6000], output_len=500, num_prompts=48 if shape == "8b" else 96,
                      kv_tokens=32768, max_num_seqs=128, max_num_batched_tokens=8192, dtype="bfloat16",
-                     protected_window=32, rates=[1, 4, 8])
+                     protected_window=32, rates=[8, 1, 4])
     else:
         sizes = dict(input_lens=[256], output_len=16, num_prompts=8, kv_tokens=1024, max_num_seqs=8,
-                     max_num_batched_tokens=256, dtype="float32", protected_window=8, rates=[1, 8])
+                     max_num_batched_tokens=256, dtype="float32", protected_window=8, rates=[8, 1])
+    out.update(shape=shape, settings=dict(sizes), rows=[])
+    print_row = bt._print_row
+
+    def keep_row(row: dict[str, Any]) -> None:
+        print_row(row)
+        out["rows"].append({k: row.get(k) for k in bt.CSV_FIELDS})
+        out["summary"] = throughput_summary(out["rows"])
+        out.save()
+
+    bt._print_row = keep_row
     folder = Path(tempfile.mkdtemp(prefix=f"kvc-e2e-{shape}-"))
     engine_args, enforce_eager, stock_only = throughput_engine_args(profile)
     results = bt.measure(model=dummy_model(shape, folder), min_cache_tokens=128, enforce_eager=enforce_eager,
                          progress=False, engine_args=engine_args, stock_engine_args=stock_only, **sizes)
-    out["shape"] = shape
     out["rows"] = [{k: row.get(k) for k in bt.CSV_FIELDS} for row in results["rows"]]
-    out["kv_cache_memory_bytes"] = results["kv_cache_memory_bytes"]
-    out["settings"] = {k: v for k, v in sizes.items()}
-    out["engine_start_seconds"] = results["engine_start_seconds"]
-    out["wall_seconds"] = results["wall_seconds"]
-    out["summary"] = throughput_summary(results["rows"])
+    out.update(kv_cache_memory_bytes=results["kv_cache_memory_bytes"], summary=throughput_summary(results["rows"]),
+               engine_start_seconds=results["engine_start_seconds"], wall_seconds=results["wall_seconds"])
     if results.get("kvcompress_error"):
         out["error"] = results["kvcompress_error"]
-    kvc_rows = [r for r in results["rows"] if r["engine"] == "kvcompress"]
-    out["passed"] = bool(kvc_rows) and all(
-        r["finished"] == r["num_prompts"] and not r.get("mismatches") for r in results["rows"] if r.get("finished") is not None
-    )
+    out["passed"] = throughput_passed(out["rows"])
+
+
+def throughput_passed(rows: list[dict[str, Any]]) -> bool:
+    """Stock and at least one kvcompress rate ran, every request finished, no page mismatch."""
+    engines = {row["engine"] for row in rows}
+    return {"stock vLLM", "kvcompress"} <= engines and all(
+        row["finished"] == row["num_prompts"] and not row.get("mismatches") for row in rows)
 
 
 CASES = {
@@ -424,10 +436,22 @@ CASES = {
 }
 
 
+class CaseOutput(dict):
+    """A case's figures; ``save()`` writes them now (a case killed later still reports)."""
+
+    def __init__(self, json_path: Path | None = None) -> None:
+        super().__init__(passed=False)
+        self.json_path = json_path
+
+    def save(self) -> None:
+        if self.json_path is not None:
+            self.json_path.write_text(json.dumps(self, indent=1, default=str))
+
+
 def run_case(name: str, profile: Profile, json_path: Path) -> int:
     """The child: run one case, write its figures (also when it raises)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core and worker here
-    out: dict[str, Any] = {"passed": False}
+    out = CaseOutput(json_path)
     started = time.perf_counter()
     try:
         CASES[name](profile, out)
@@ -438,7 +462,7 @@ def run_case(name: str, profile: Profile, json_path: Path) -> int:
         out["error"] = f"{type(error).__name__}: {error}"[:2000]
         out["passed"] = False
     out["seconds"] = round(time.perf_counter() - started, 1)
-    json_path.write_text(json.dumps(out, indent=1, default=str))
+    out.save()
     return 0 if out.get("passed") else 1
 
 
@@ -549,12 +573,12 @@ def _child_process(profile: Profile):
 
 
 def _child_result(json_path: Path, code: int | None, timeout: float, wall: float) -> dict[str, Any]:
-    if json_path.exists():
-        result = json.loads(json_path.read_text())
-    elif code is None:
-        result = {"passed": False, "error": f"timed out after {timeout:.0f} s"}
-    else:
-        result = {"passed": False, "error": f"exited with {code} before writing results"}
+    """The child's figures; a timeout fails the case but keeps what it saved before."""
+    result = json.loads(json_path.read_text()) if json_path.exists() else {"passed": False}
+    if code is None:
+        result.update(passed=False, error=f"timed out after {timeout:.0f} s")
+    elif "seconds" not in result:  # run_case writes it last: the child died first
+        result.update(passed=False, error=f"exited with {code} before writing results")
     result["wall_s"] = round(wall, 1)
     return result
 
