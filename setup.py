@@ -11,6 +11,10 @@ brings, so it is built WITHOUT build isolation (pip's isolated build has no torc
 missing. ``KVCOMPRESS_NO_CUDA=1``: never build it. Neither: build it when possible, and
 say why not otherwise. ``TORCH_CUDA_ARCH_LIST`` (default ``8.0;9.0+PTX``: A100, H100, and
 PTX that newer GPUs compile at load) picks the architectures.
+
+pip shows none of this output unless the build fails (or ``-v``), so the decision is
+also written to ``kvcompress/_build_record.py``: a CUDA engine without the extension
+logs the recorded reason at start (``kvcompress.vllm_glue.engine_setup``).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from dataclasses import dataclass, field
 from setuptools import setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+BUILD_RECORD = os.path.join(HERE, "kvcompress", "_build_record.py")
 DEFAULT_ARCHS = "8.0;9.0+PTX"
 ISOLATION_HINT = (
     "install vLLM (which brings CUDA torch) first, then build without isolation: "
@@ -132,8 +137,25 @@ def probe_toolchain() -> Toolchain:
     return Toolchain(torch.__version__, torch.version.cuda, CUDA_HOME, _nvcc_cuda_version())
 
 
+def record_build(plan: BuildPlan, path: str = BUILD_RECORD) -> None:
+    """Write whether ``kvcompress._C`` is built and why not, as a module of the package
+    (a ``.py`` file ships in wheels and editable installs alike)."""
+    reason = None if plan.build else plan.reason
+    try:
+        with open(path, "w", encoding="utf-8") as record:
+            record.write(
+                "# Written by setup.py at install (not tracked): whether the CUDA extension\n"
+                "# kvcompress._C was built, and why not (read by a CUDA engine at start).\n"
+                f"EXTENSION_BUILT = {plan.build!r}\n"
+                f"REASON = {reason!r}\n"
+            )
+    except OSError as exc:  # a read-only tree: the engine then says it has no record
+        print(f"kvcompress setup: warning: cannot write {path}: {exc}", file=sys.stderr)
+
+
 def cuda_extensions():
     plan = plan_build(dict(os.environ), probe_toolchain(), have_sources=bool(csrc_sources()))
+    record_build(plan)
     for warning in plan.warnings:
         print(f"kvcompress setup: warning: {warning}", file=sys.stderr)
     if not plan.build:

@@ -7,6 +7,8 @@ at startup with a message that names the flag.
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import os
 from typing import Any
 
@@ -72,6 +74,48 @@ def require_v1_model_runner() -> None:
     os.environ[V2_RUNNER_ENV] = "0"  # inherited by the worker processes
 
 
+EXTENSION_MODULE = "kvcompress._C"
+# Written by setup.py (``record_build``): whether it built the extension, and why not.
+BUILD_RECORD_MODULE = "kvcompress._build_record"
+NO_BUILD_RECORD = (
+    "setup.py left no build record (kvcompress was not installed with pip); build it with "
+    "KVCOMPRESS_BUILD_CUDA=1 pip install -e . --no-build-isolation"
+)
+# Messages this process has logged (vLLM may build an engine's config more than once).
+_notices_logged: set[str] = set()
+
+
+def extension_installed() -> bool:
+    """Whether ``kvcompress._C`` is installed (found, not loaded: the engine's kernel
+    dispatch loads it, and logs why when that fails)."""
+    return importlib.util.find_spec(EXTENSION_MODULE) is not None
+
+
+def extension_notice() -> tuple[int, str] | None:
+    """``(log level, message)`` when ``kvcompress._C`` is not installed, with the reason
+    setup.py recorded (pip shows its output only when a build fails); a warning unless
+    ``KVCOMPRESS_NO_CUDA=1`` turned it off on purpose. None when it is installed."""
+    if extension_installed():
+        return None
+    try:
+        reason = importlib.import_module(BUILD_RECORD_MODULE).REASON or "unknown"
+    except ImportError:
+        reason = NO_BUILD_RECORD
+    level = logging.INFO if reason == "KVCOMPRESS_NO_CUDA=1" else logging.WARNING
+    return level, f"{EXTENSION_MODULE} not built: CUDA engines use the Triton kernels; reason: {reason}"
+
+
+def log_extension_notice() -> None:
+    """Log :func:`extension_notice` once per process."""
+    notice = extension_notice()
+    if notice is None or notice[1] in _notices_logged:
+        return
+    _notices_logged.add(notice[1])
+    from vllm.logger import init_logger
+
+    init_logger(f"vllm.{__name__}").log(*notice)
+
+
 def worker_cls_for_platform(engine_args: Any, platform: Any) -> str:
     """The kvcompress worker class for vLLM's platform; sets what CUDA needs."""
     if platform.is_cpu():
@@ -79,6 +123,7 @@ def worker_cls_for_platform(engine_args: Any, platform: Any) -> str:
     if platform.is_cuda():
         select_cuda_attention_backend(engine_args)
         require_v1_model_runner()
+        log_extension_notice()
         return CUDA_WORKER_CLS
     raise KVCompressConfigError(
         f"{FLAGS['enabled']} runs on vLLM's CPU and CUDA platforms; this is "
