@@ -898,13 +898,15 @@ class PerHeadRunnerMixin:
                 torch.from_numpy(query_start[metric_rows].astype(np.int64)), slots[metric_rows],
                 computed[metric_rows], self.kvc_cache.num_layers,
             )
+        pass_rows = any_decode and decode_queries is None
         return MetricQueries(
             prompt_rows=prompt_rows,
-            decode_seqs=torch.from_numpy(decode_seqs).to(self.kvc_cache.device)
-            if any_decode and decode_queries is None else None,
+            decode_seqs=torch.from_numpy(decode_seqs).to(self.kvc_cache.device) if pass_rows else None,
             power=self.kvc_decode_metric_power,
             prompt_weight=1.0 / settings.decode_metric_stride,
             decode_queries=decode_queries,
+            # The metric pass of a mixed step launches for these rows only.
+            decode_seq_ids=np.flatnonzero(decode_seqs) if pass_rows else None,
         )
 
     def _kvc_queue_surprisal(self, request_id: str, first: int, count: int, row_start: int) -> None:
