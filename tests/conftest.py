@@ -138,3 +138,30 @@ def load_benchmark(name: str):
 def worker_page_stats(llm) -> dict:
     """Worker-side page counters (model-runner process)."""
     return llm.collective_rpc("kvcompress_pages_used")[0]
+
+
+@pytest.fixture(scope="module")
+def setup_py():
+    """The project's ``setup.py`` as a module (not ``__main__``: ``setup()`` does not run)."""
+    path = Path(__file__).resolve().parents[1] / "setup.py"
+    spec = importlib.util.spec_from_file_location("kvcompress_setup", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+@pytest.fixture
+def cuda_platform():
+    """A vLLM platform object that says CUDA (the CUDA engine setup, checked on CPU)."""
+    from vllm.platforms.interface import Platform, PlatformEnum
+
+    class CudaLikePlatform(Platform):
+        _enum = PlatformEnum.CUDA
+        device_name = "cuda"
+        device_type = "cuda"
+
+    return CudaLikePlatform()

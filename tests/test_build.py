@@ -4,8 +4,6 @@ and ship PTX for GPUs newer than the listed architectures. No compiler is run.""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,26 +11,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def setup_module():
-    spec = importlib.util.spec_from_file_location("kvcompress_setup", ROOT / "setup.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    try:
-        spec.loader.exec_module(module)  # not __main__: setup() does not run
-        yield module
-    finally:
-        sys.modules.pop(spec.name, None)
 
-
-def tools(setup_module, **overrides):
+def tools(setup_py, **overrides):
     values = dict(torch_version="2.9.0+cu128", torch_cuda="12.8", cuda_home="/usr/local/cuda", nvcc_cuda="12.8")
     values.update(overrides)
-    return setup_module.Toolchain(**values)
+    return setup_py.Toolchain(**values)
 
 
-def test_builds_with_ptx_where_everything_is_there(setup_module):
-    plan = setup_module.plan_build({}, tools(setup_module))
+def test_builds_with_ptx_where_everything_is_there(setup_py):
+    plan = setup_py.plan_build({}, tools(setup_py))
     assert plan.build and plan.archs == "8.0;9.0+PTX" and not plan.warnings
 
 
@@ -43,25 +30,25 @@ def test_builds_with_ptx_where_everything_is_there(setup_module):
     (dict(cuda_home=None), "nvcc was not found"),
     (dict(nvcc_cuda="11.8"), "CUDA 11.8 but torch was built with CUDA 12.8"),
 ])  # fmt: skip
-def test_required_extension_fails_loudly_naming_what_is_missing(setup_module, overrides, named):
-    toolchain = tools(setup_module, **overrides)
-    with pytest.raises(setup_module.ExtensionBuildError, match=named.replace("+", r"\+").replace(".", r"\.")):
-        setup_module.plan_build({"KVCOMPRESS_BUILD_CUDA": "1"}, toolchain)
+def test_required_extension_fails_loudly_naming_what_is_missing(setup_py, overrides, named):
+    toolchain = tools(setup_py, **overrides)
+    with pytest.raises(setup_py.ExtensionBuildError, match=named.replace("+", r"\+").replace(".", r"\.")):
+        setup_py.plan_build({"KVCOMPRESS_BUILD_CUDA": "1"}, toolchain)
     # Not required: the pure-Python install goes on and says why.
-    plan = setup_module.plan_build({}, toolchain)
+    plan = setup_py.plan_build({}, toolchain)
     assert not plan.build and named in plan.reason
 
 
-def test_minor_version_mismatch_and_missing_ptx_warn(setup_module):
-    plan = setup_module.plan_build({"TORCH_CUDA_ARCH_LIST": "9.0"}, tools(setup_module, nvcc_cuda="12.4"))
+def test_minor_version_mismatch_and_missing_ptx_warn(setup_py):
+    plan = setup_py.plan_build({"TORCH_CUDA_ARCH_LIST": "9.0"}, tools(setup_py, nvcc_cuda="12.4"))
     assert plan.build and plan.archs == "9.0"
     assert any("12.4" in warning for warning in plan.warnings)
     assert any("+PTX" in warning for warning in plan.warnings)
 
 
-def test_opt_out_and_contradiction(setup_module):
-    assert not setup_module.plan_build({"KVCOMPRESS_NO_CUDA": "1"}, tools(setup_module)).build
-    with pytest.raises(setup_module.ExtensionBuildError, match="contradict"):
-        setup_module.plan_build({"KVCOMPRESS_NO_CUDA": "1", "KVCOMPRESS_BUILD_CUDA": "1"}, tools(setup_module))
-    plan = setup_module.plan_build({}, tools(setup_module), have_sources=False)
+def test_opt_out_and_contradiction(setup_py):
+    assert not setup_py.plan_build({"KVCOMPRESS_NO_CUDA": "1"}, tools(setup_py)).build
+    with pytest.raises(setup_py.ExtensionBuildError, match="contradict"):
+        setup_py.plan_build({"KVCOMPRESS_NO_CUDA": "1", "KVCOMPRESS_BUILD_CUDA": "1"}, tools(setup_py))
+    plan = setup_py.plan_build({}, tools(setup_py), have_sources=False)
     assert not plan.build and "no sources" in plan.reason

@@ -17,17 +17,6 @@ import torch
 from kvcompress.config import KVCompressConfigError
 
 
-@pytest.fixture
-def cuda_platform():
-    from vllm.platforms.interface import Platform, PlatformEnum
-
-    class CudaLikePlatform(Platform):
-        _enum = PlatformEnum.CUDA
-        device_name = "cuda"
-        device_type = "cuda"
-
-    return CudaLikePlatform()
-
 
 @pytest.fixture
 def clean_registry():

@@ -17,17 +17,6 @@ ROOT = Path(__file__).resolve().parents[1]
 ISOLATED_BUILD_REASON = "torch is not importable in the build environment; install vLLM first"
 
 
-@pytest.fixture(scope="module")
-def setup_module():
-    spec = importlib.util.spec_from_file_location("kvcompress_setup_record", ROOT / "setup.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    try:
-        spec.loader.exec_module(module)  # not __main__: setup() does not run
-        yield module
-    finally:
-        sys.modules.pop(spec.name, None)
-
 
 def _load(path: Path) -> types.ModuleType:
     spec = importlib.util.spec_from_file_location("build_record_under_test", path)
@@ -36,26 +25,15 @@ def _load(path: Path) -> types.ModuleType:
     return module
 
 
-def test_setup_records_whether_and_why_not_the_extension_was_built(setup_module, tmp_path):
+def test_setup_records_whether_and_why_not_the_extension_was_built(setup_py, tmp_path):
     path = tmp_path / "_build_record.py"
-    setup_module.record_build(setup_module.BuildPlan(False, ISOLATED_BUILD_REASON), path)
+    setup_py.record_build(setup_py.BuildPlan(False, ISOLATED_BUILD_REASON), path)
     record = _load(path)
     assert record.EXTENSION_BUILT is False and record.REASON == ISOLATED_BUILD_REASON
-    setup_module.record_build(setup_module.BuildPlan(True, "CUDA 12.8, torch 2.9.0"), path)
+    setup_py.record_build(setup_py.BuildPlan(True, "CUDA 12.8, torch 2.9.0"), path)
     record = _load(path)
     assert record.EXTENSION_BUILT is True and record.REASON is None
 
-
-@pytest.fixture
-def cuda_platform():
-    from vllm.platforms.interface import Platform, PlatformEnum
-
-    class CudaLikePlatform(Platform):
-        _enum = PlatformEnum.CUDA
-        device_name = "cuda"
-        device_type = "cuda"
-
-    return CudaLikePlatform()
 
 
 @pytest.fixture
