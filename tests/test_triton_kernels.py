@@ -243,6 +243,34 @@ def test_decode_metrics_match_reference_deltas(power, dtype):
         assert torch.equal(tri_metrics[seq2_pages], base[seq2_pages])
 
 
+def test_decode_partitions_lengthen_within_the_workspace_bound(monkeypatch):
+    """Issue 56 item 2: a decode launch's split-softmax workspace stays within
+    DECODE_WORKSPACE_BYTES (outside vLLM's profile run) by taking fewer, longer
+    partitions over many rows. Bound shrunk so that these 4 rows get 2 partitions of
+    whole tiles where 32-key ones would make 3: output and metrics, and the metric pass
+    alone (no output: maxima and sums only), still equal the reference."""
+    triton_attention, _ = _kernels()
+    block_size, head_dim, kv_heads, group = 16, 64, 2, 2
+    per_partition = 4 * kv_heads * group * (head_dim + 2) * 4  # rows x Hq x (D + max, sum) float32
+    monkeypatch.setattr(triton_attention, "DECODE_WORKSPACE_BYTES", 2 * per_partition)
+    assert triton_attention._decode_partitions(4, kv_heads * group, head_dim, 70, 32, block_size, 4) == (4, 2)
+    lengths = torch.tensor([[37, 5], [1, 70], [33, 33], [20, 64]])
+    pool, tables, top = _random_cache(17, lengths, block_size, head_dim, torch.float32)
+    num_pages = pool.key_cache.shape[0]
+    base = torch.rand(num_pages, block_size, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    flags = torch.tensor([True, True, False, True], device=DEVICE)
+    query = torch.randn(4, kv_heads * group, head_dim).to(DEVICE)
+    batch = PagedBatch(tables, lengths.to(DEVICE), [0, 1, 2, 3, 4], torch.tensor(top, device=DEVICE))
+    expected, out, ref_metrics, tri_metrics = _run_both(query, pool, batch, metrics=base, flags=flags, partition_size=32)
+    _assert_close(out, expected, torch.float32)
+    torch.testing.assert_close(tri_metrics - base, ref_metrics - base, atol=1e-6, rtol=1e-4)
+
+    metric_pool = replace(pool, slot_metrics=base.clone())
+    triton_attention.decode_metrics_triton(query, metric_pool, batch, head_dim ** -0.5, MetricSink(flags),
+                                           partition_size=32)
+    torch.testing.assert_close(metric_pool.slot_metrics - base, ref_metrics - base, atol=1e-6, rtol=1e-4)
+
+
 def test_decode_metric_pass_of_a_mixed_step_launches_only_the_selected_rows(monkeypatch):
     """Issue 56 item 1: the metric pass of a mixed step (vLLM's unified attention returns
     no probabilities) ran the decode kernels over every decode row, though only the rows
@@ -719,6 +747,14 @@ attention(torch.bfloat16, 128, 4, 16, 32, True)    # v2 decode + reduce + metric
 attention(torch.bfloat16, 128, 4, 16, 512, True, length_scale=512)  # 35K-token heads: 64-part blocks
 attention(torch.float16, 64, 1, 32, 512, False)    # v1 decode
 attention(torch.float32, 256, 8, 16, 512, False)   # float32 operands, widest head
+for partition_size in (32, 512):  # the metric pass alone (no output, no V read): several / one partition
+    lens = torch.tensor([[40, 5], [70, 3], [16, 16]])
+    pool = torch.zeros(64, 2, 16, 128, dtype=torch.bfloat16)
+    kv = KVPool(pool[:, 0], pool[:, 1], torch.zeros(64, 16, dtype=torch.int32), torch.zeros(64, 16))
+    batch = PagedBatch(torch.zeros(3, 2, 8, dtype=torch.int64), lens, [0, 1, 2, 7], torch.arange(7))
+    sink = MetricSink.of_decode_rows([0, 1], [0, 1, 2, 7], 2, torch.device("cpu"))
+    ta.decode_metrics_triton(torch.zeros(7, 8, 128, dtype=torch.bfloat16), kv, batch, 0.1, sink,
+                             partition_size=partition_size)
 pool = torch.zeros(8, 2, 16, 128, dtype=torch.bfloat16)
 index = torch.zeros(3, dtype=torch.int64)
 kv = KVPool(pool[:, 0], pool[:, 1], torch.zeros(8, 16, dtype=torch.int32), torch.zeros(8, 16))

@@ -98,6 +98,19 @@ def flat_query_starts(starts: list[int], num_kv_heads: int) -> np.ndarray:
     return np.append(flat, num_kv_heads * num_rows).astype(np.int32)
 
 
+def flat_prompt_workspace_bytes(
+    num_rows: int, num_seqs: int, num_kv_heads: int, num_q_heads: int, head_dim: int, dtype_bytes: int,
+    num_pages: int,
+) -> int:
+    """Bytes :func:`flat_prompt` allocates for ``num_rows`` query rows of ``num_seqs``
+    sequences over int32 tables of ``num_pages`` columns (the step's): the head-major
+    query and its output, the flattened tables, lengths (int64 regrouped, then int32)
+    and starts."""
+    flat_seqs = num_kv_heads * num_seqs
+    query_and_out = 2 * num_rows * num_q_heads * head_dim * dtype_bytes
+    return query_and_out + flat_seqs * num_pages * 4 + flat_seqs * (8 + 4) + (flat_seqs + 1) * 4
+
+
 def flat_prompt(
     attend: Attend, query: torch.Tensor, pool: KVPool, tables: torch.Tensor, lens: torch.Tensor,
     starts: list[int], max_len: int, scale: float, out: torch.Tensor,
@@ -111,7 +124,7 @@ def flat_prompt(
     on a GPU, 0.15-0.4 ms each, than the copies). ``flat_starts``: those sequences'
     starts on the device (:func:`flat_query_starts`), else copied here;
     ``max_query_len``: the longest chunk (``QueryLayout.longest_chunk``), else
-    counted here."""
+    counted here. Allocates :func:`flat_prompt_workspace_bytes`."""
     num_rows, num_q_heads, head_dim = query.shape
     num_seqs, num_kv_heads = lens.shape
     group = num_q_heads // num_kv_heads

@@ -56,6 +56,7 @@ __all__ = [
     "HAS_TRITON",
     "interpreter_active",
     "decode_metrics_triton",
+    "decode_workspace_bytes",
     "paged_attention_triton",
     "paged_decode_by_slot_triton",
 ]
@@ -113,7 +114,7 @@ if HAS_TRITON:
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PART_TOKENS: tl.constexpr,
-        SINGLE_PARTITION: tl.constexpr, WRITE_STATS: tl.constexpr,
+        SINGLE_PARTITION: tl.constexpr, WRITE_STATS: tl.constexpr, WRITE_OUT: tl.constexpr,
         DOT_DTYPE: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
         CHUNK: tl.constexpr,
     ):
@@ -164,33 +165,36 @@ if HAS_TRITON:
             p = tl.exp(s - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                v_ptr + page[:, None] * stride_vn + off[:, None] * stride_vb + d[None, :] * stride_vd,
-                mask=kv_mask, other=0.0,
-            )
-            acc = acc * alpha[:, None] + _dot(p, v, DOT_DTYPE, EMULATE, PRECISION)
+            if WRITE_OUT:  # a metric pass needs only the maxima and sums: no V read
+                v = tl.load(
+                    v_ptr + page[:, None] * stride_vn + off[:, None] * stride_vb + d[None, :] * stride_vd,
+                    mask=kv_mask, other=0.0,
+                )
+                acc = acc * alpha[:, None] + _dot(p, v, DOT_DTYPE, EMULATE, PRECISION)
             m_i = m_new
 
         denom = tl.where(l_i > 0.0, l_i, 1.0)
         result = acc / denom[:, None]
-        if SINGLE_PARTITION:
-            tl.store(
-                out_ptr + tok * stride_ot + qh[:, None] * stride_oh + d[None, :] * stride_od,
-                result.to(out_ptr.dtype.element_ty),
-                mask=row_ok[:, None] & d_ok[None, :],
-            )
+        if WRITE_OUT:
+            if SINGLE_PARTITION:
+                tl.store(
+                    out_ptr + tok * stride_ot + qh[:, None] * stride_oh + d[None, :] * stride_od,
+                    result.to(out_ptr.dtype.element_ty),
+                    mask=row_ok[:, None] & d_ok[None, :],
+                )
         # (a vector compare: the interpreter mishandles vector & scalar-bool masks)
         part_ok = (tl.zeros([GROUP_PAD], tl.int64) + part_start) < head_len
         stat = (b.to(tl.int64) * num_q_heads + qh) * num_parts + part
         if WRITE_STATS:
             tl.store(part_max_ptr + stat, m_i, mask=row_ok & part_ok)
             tl.store(part_sum_ptr + stat, l_i, mask=row_ok & part_ok)
-        if not SINGLE_PARTITION:
-            tl.store(
-                part_out_ptr + stat[:, None] * HEAD_PAD + d[None, :],
-                result,
-                mask=(row_ok & part_ok)[:, None] & d_ok[None, :],
-            )
+        if WRITE_OUT:
+            if not SINGLE_PARTITION:
+                tl.store(
+                    part_out_ptr + stat[:, None] * HEAD_PAD + d[None, :],
+                    result,
+                    mask=(row_ok & part_ok)[:, None] & d_ok[None, :],
+                )
 
     @triton.jit
     def _decode_reduce_kernel(
@@ -605,12 +609,12 @@ def decode_metrics_triton(
     probabilities (vLLM's ``unified_attention``, :mod:`kvcompress.ops.flattened`).
 
     The decode kernel runs over the selected rows (``metrics.rows``; without them over
-    every decode row) into a scratch output: its partition maxima and sums normalise
-    the metric kernel's scores. No host reads: the rows were made on the host (the
-    sink's, or the batch's decode rows, copied once per step by :func:`_decode_rows`)
-    and the launch shapes come from ``max_head_len`` (default: the tables' width), so
-    on CUDA the pass never waits for the stream, as ``torch`` gathers with ``nonzero``
-    would.
+    every decode row) for its partition maxima and sums only, which normalise the
+    metric kernel's scores (no output, no V read). No host reads: the rows were made
+    on the host (the sink's, or the batch's decode rows, copied once per step by
+    :func:`_decode_rows`) and the launch shapes come from ``max_head_len`` (default: the
+    tables' width), so on CUDA the pass never waits for the stream, as ``torch``
+    gathers with ``nonzero`` would.
     """
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed: the Triton decode metrics are unavailable")
@@ -622,15 +626,59 @@ def decode_metrics_triton(
     flags = metrics.selected.to(device=query.device, dtype=torch.int8)
     _launch_decode(
         query, pool, batch.block_tables, batch.head_lens, batch.query_positions, (rows[0], rows[1]),
-        torch.empty_like(query), scale, max_head_len, partition_size, flags, metrics.power,
+        None, scale, max_head_len, partition_size, flags, metrics.power,
     )
+
+
+DECODE_WORKSPACE_BYTES = 128 << 20
+"""Bound of a decode launch's float32 split-softmax workspace (``[rows, Hq, parts]``
+maxima and sums, ``[rows, Hq, parts, D_pad]`` partial outputs), whatever the rows and
+the context: launches over many rows take fewer, longer partitions (the rows fill the
+GPU). It is outside vLLM's profile run (``kvcompress.vllm_glue.memory``). At 128 MiB a
+batch of 256 rows x 32 query heads x head 128 keeps up to 31 partitions (2048-key ones
+up to 62K-token heads), 1,024 rows up to 7; before, 64 at any row count (1 GiB per layer
+call at 1,023 rows)."""
+
+F32_BYTES = 4
+
+
+def _decode_partitions(
+    num_rows: int, num_q_heads: int, head_pad: int, max_head_len: int, partition_size: int,
+    block_size: int, tile_pages: int,
+) -> tuple[int, int]:
+    """``(pages per partition, partitions)`` of a decode launch over ``num_rows`` rows
+    and heads of up to ``max_head_len`` keys: ``partition_size`` keys (whole pages) or
+    longer, so that there are at most ``MAX_GRAPH_PARTITIONS`` and the workspace of
+    :func:`decode_workspace_bytes` holds (longer partitions in whole tiles of
+    ``tile_pages`` pages)."""
+    per_partition = num_rows * num_q_heads * (head_pad + 2) * F32_BYTES
+    max_parts = max(1, min(MAX_GRAPH_PARTITIONS, DECODE_WORKSPACE_BYTES // max(1, per_partition)))
+    fewest_keys = -(-max_head_len // max_parts)  # per partition, for at most max_parts
+    fewest_pages = -(-fewest_keys // block_size)
+    pages_per_part = max(
+        -(-int(partition_size) // block_size), -(-fewest_pages // tile_pages) * tile_pages, 1,
+    )
+    return pages_per_part, -(-max_head_len // (pages_per_part * block_size))
+
+
+def decode_workspace_bytes(num_rows: int, num_q_heads: int, head_dim: int) -> int:
+    """Upper bound of the bytes a decode launch over ``num_rows`` rows allocates
+    (:func:`_launch_decode`, with or without output and metrics, any context): the
+    split-softmax workspace, at most ``MAX_GRAPH_PARTITIONS`` partitions and at most
+    ``DECODE_WORKSPACE_BYTES`` over several; one partition keeps only the maxima and
+    sums of the metric kernel."""
+    head_pad = max(16, _next_pow2(head_dim))
+    several = num_rows * num_q_heads * MAX_GRAPH_PARTITIONS * (head_pad + 2) * F32_BYTES
+    one = num_rows * num_q_heads * 2 * F32_BYTES
+    return max(min(several, DECODE_WORKSPACE_BYTES), one)
 
 
 def _launch_decode(
     query, pool, block_tables, head_lens, query_positions, rows, out, scale, max_head_len, partition_size,
     metric_flags, metric_power, chunks=None,
 ) -> None:
-    """Decode, reduce and metric kernels for rows ``rows = (dec_seq, dec_tok)``.
+    """Decode, reduce and metric kernels for rows ``rows = (dec_seq, dec_tok)``;
+    ``out`` None: the metrics only (no output, no reduce, no V read).
 
     ``chunks``: the second level of two-level tables (``block_tables`` then holds chunk
     ids; :class:`kvcompress.ops.page_tables.ChunkedPageTables`), or None.
@@ -638,7 +686,8 @@ def _launch_decode(
     ``dec_seq[b]`` indexes ``block_tables`` / ``head_lens`` / ``metric_flags`` (int8, or
     None for no metrics: then ``pool.slot_metrics`` is not touched); ``dec_tok[b]``
     indexes ``query`` / ``query_positions`` / ``out``. Launch shapes depend only on the
-    row count and ``max_head_len`` (no host reads).
+    row count and ``max_head_len`` (no host reads). The float32 split-softmax workspace
+    is at most :func:`decode_workspace_bytes` (:func:`_decode_partitions`).
     """
     dec_seq, dec_tok = rows
     key_cache, slot_positions, slot_metrics = pool.key_cache, pool.slot_positions, pool.slot_metrics
@@ -652,17 +701,20 @@ def _launch_decode(
     dot_dtype, emulate, precision = _dot_config(query, key_cache)
     wide = head_pad * (4 if dot_dtype == tl.float32 else 2) > 512
     max_head_len = max(1, int(max_head_len))
-    # At most MAX_GRAPH_PARTITIONS per head whatever the context: the split-softmax
-    # workspace is [rows, Hq, parts, D] float32 (1 GB per layer call at 128K with
-    # 512-token partitions otherwise).
-    partition_size = max(int(partition_size), -(-max_head_len // MAX_GRAPH_PARTITIONS))
-    pages_per_part = max(1, -(-partition_size // block_size))
+    pages_per_part, num_parts = _decode_partitions(
+        num_decodes, num_q_heads, head_pad, max_head_len, partition_size, block_size,
+        max(1, (32 if wide else 64) // block_size),
+    )
     pages_per_tile = math.gcd(pages_per_part, max(1, (32 if wide else 64) // block_size))
     tile = block_size * pages_per_tile
     part_tokens = pages_per_part * block_size
-    num_parts = -(-max_head_len // part_tokens)
     single = num_parts == 1
     want_metrics = metric_flags is not None
+    write_out = out is not None
+    if not (write_out or want_metrics):
+        raise ValueError("a decode launch needs an output or metric flags")
+    if out is None:
+        out = query  # never written (WRITE_OUT off): its strides fill the kernels' arguments
     write_stats = want_metrics or not single
     group_pad = max(16, _next_pow2(group))
     f32 = torch.float32
@@ -671,7 +723,7 @@ def _launch_decode(
         part_sum = torch.empty(num_decodes, num_q_heads, num_parts, dtype=f32, device=device)
     else:
         part_max = part_sum = out  # unused
-    if single:
+    if single or not write_out:
         part_out = out  # unused
     else:
         part_out = torch.empty(num_decodes, num_q_heads, num_parts, head_pad, dtype=f32, device=device)
@@ -691,12 +743,12 @@ def _launch_decode(
         GROUP=group, GROUP_PAD=group_pad,
         HEAD_DIM=head_dim, HEAD_PAD=head_pad,
         BLOCK_SIZE=block_size, TILE=tile, PART_TOKENS=part_tokens,
-        SINGLE_PARTITION=single, WRITE_STATS=write_stats,
+        SINGLE_PARTITION=single, WRITE_STATS=write_stats, WRITE_OUT=write_out,
         DOT_DTYPE=dot_dtype, EMULATE=emulate, PRECISION=precision, CHUNK=chunk,
         num_warps=8 if head_pad >= 256 else 4,
     )
     part_block = min(64, max(16, _next_pow2(num_parts)))
-    if not single:
+    if write_out and not single:
         _decode_reduce_kernel[(num_decodes, num_q_heads)](
             head_lens, dec_seq, dec_tok,
             out, part_out, part_max, part_sum,

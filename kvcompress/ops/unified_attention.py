@@ -115,6 +115,14 @@ SPLIT_KV_MAX_SEQUENCES = 128
 SPLIT_KV_SEGMENTS = 16
 
 
+def split_kv_workspace_bytes(group: int, head_dim: int) -> int:
+    """Bytes of the split-KV scratch :func:`_split_kv_buffers` keeps for query groups of
+    ``group`` heads of ``head_dim``: decode calls of at most ``SPLIT_KV_MAX_SEQUENCES``
+    rows use it, so it never grows past that many."""
+    padded = 1 << max(0, (head_dim - 1).bit_length())
+    return SPLIT_KV_MAX_SEQUENCES * group * SPLIT_KV_SEGMENTS * (padded + 2) * 4
+
+
 def _split_kv_buffers(query: torch.Tensor, num_sequences: int) -> dict:
     """The split-KV keyword arguments of ``unified_attention`` for a decode call of
     ``num_sequences`` flattened sequences (none above the threshold): float32 scratch

@@ -8,6 +8,10 @@ counts its blocks, so ``--kv-cache-memory-bytes`` / ``--gpu-memory-utilization``
 everything the per-head cache holds. The formulas live next to the allocations
 (``PerHeadPagedCache.metadata_bytes``, ``DecodeBuffers.nbytes_for``); docs/ARCHITECTURE.md
 keeps the table.
+
+On a GPU whose KV memory vLLM profiled, the workspaces of one attention layer call
+(``PerHeadLayout.transient_attention_bytes``) come out of it too: vLLM's profile run
+builds no attention metadata, so it never sees them.
 """
 
 from __future__ import annotations
@@ -16,10 +20,13 @@ from dataclasses import dataclass
 
 from vllm.logger import init_logger
 
+from kvcompress.ops.flattened import flat_prompt_workspace_bytes
 from kvcompress.ops.page_tables import chunk_pages_for
-from kvcompress.page_accounting import cache_sequence_slots
 from kvcompress.ops.paged_cache import PerHeadPagedCache
-from kvcompress.vllm_glue.step import DecodeBuffers
+from kvcompress.ops.triton_attention import decode_workspace_bytes
+from kvcompress.ops.unified_attention import split_kv_workspace_bytes
+from kvcompress.page_accounting import cache_sequence_slots
+from kvcompress.vllm_glue.step import DecodeBuffers, StepTables
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -41,6 +48,10 @@ class PerHeadLayout:
         max_rows: rows of the decode buffers (max_num_seqs or the largest CUDA graph).
         prefix_caching: prefix-cache hits copy page ids of shared prefixes into each
             holder's tables (``max_shared_pages_per_head``).
+        num_q_heads: query heads (this rank; None: as many as KV heads).
+        max_num_batched_tokens: the scheduler's tokens per step (None:
+            ``max_model_len``); with ``num_q_heads`` it sizes the attention workspaces
+            (:meth:`transient_attention_bytes`).
     """
 
     num_layers: int
@@ -52,6 +63,8 @@ class PerHeadLayout:
     max_model_len: int
     max_rows: int
     prefix_caching: bool = False
+    num_q_heads: int | None = None
+    max_num_batched_tokens: int | None = None
 
     @classmethod
     def from_vllm_config(cls, vllm_config) -> "PerHeadLayout":
@@ -68,6 +81,8 @@ class PerHeadLayout:
             max_model_len=model.max_model_len,
             max_rows=max(max_num_seqs, capture),
             prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
+            num_q_heads=model.get_num_attention_heads(parallel),
+            max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
         )
 
     @property
@@ -105,6 +120,26 @@ class PerHeadLayout:
         buffers = DecodeBuffers.nbytes_for(self.num_layers, self.num_kv_heads, self.max_rows, max_seqs)
         return cache + buffers
 
+    def transient_attention_bytes(self) -> int:
+        """Upper bound of the workspaces one attention layer call allocates (and frees)
+        on the CUDA path, whatever the step: a mixed step's gathered tables
+        (``StepTables.layer``) and flattened prompt call (vLLM's unified attention), a
+        decode launch (a mixed step's metric pass or its decode rows on the project's
+        Triton, or an eager decode-only step of up to ``max_rows`` rows) with its metric
+        flags, and the split-KV scratch of vLLM's kernel. Worst case: every sequence in
+        one step of ``max_num_batched_tokens`` rows, heads of ``max_model_len``."""
+        tokens = self.max_num_batched_tokens or self.max_model_len
+        q_heads = self.num_q_heads or self.num_kv_heads
+        seqs = min(self.max_num_seqs, tokens)  # a sequence has at least one row
+        pages = self.max_pages_per_head
+        tables = StepTables.layer_nbytes(seqs, self.num_kv_heads, pages, chunk_pages_for(pages))
+        prompt = flat_prompt_workspace_bytes(
+            tokens, seqs, self.num_kv_heads, q_heads, self.head_dim, self.dtype_bytes, pages,
+        )
+        decode = decode_workspace_bytes(max(seqs, self.max_rows), q_heads, self.head_dim) + seqs
+        split_kv = split_kv_workspace_bytes(max(1, q_heads // self.num_kv_heads), self.head_dim)
+        return tables + prompt + decode + split_kv
+
     def slots_for_memory(self, available: int) -> int:
         """Sequence slots the tables are sized for in ``available`` bytes of KV memory:
         those of the most pages it could hold (the pool gets fewer once the metadata is
@@ -134,18 +169,30 @@ class PerHeadLayout:
         return room * self.page_bytes // (self.page_bytes + per_page)
 
 
+def profiled_on_gpu(vllm_config) -> bool:
+    """Whether vLLM measured the KV memory in a profile run on a GPU, rather than being
+    given it (``kv_cache_memory_bytes``: vLLM then leaves activations to the user, and
+    so does kvcompress; CPU engines are always given theirs)."""
+    return vllm_config.device_config.device_type == "cuda" and not vllm_config.cache_config.kv_cache_memory_bytes
+
+
 class PerHeadMemoryBudget:
     """Worker mixin: the KV memory vLLM counts blocks in is what is left for pages after
-    the per-head metadata (``PerHeadLayout.page_bytes_for``)."""
+    the per-head metadata (``PerHeadLayout.page_bytes_for``) and, where vLLM profiled it
+    on a GPU, the attention workspaces its profile run does not see
+    (``PerHeadLayout.transient_attention_bytes``)."""
 
     def determine_available_memory(self) -> int:
         available = super().determine_available_memory()
         layout = PerHeadLayout.from_vllm_config(self.vllm_config)
-        for_pages = layout.page_bytes_for(available)
+        workspace = layout.transient_attention_bytes() if profiled_on_gpu(self.vllm_config) else 0
+        for_pages = layout.page_bytes_for(available - workspace)
         logger.info(
             "kvcompress: %.3f GiB of the %.3f GiB KV memory hold per-head metadata (page tables "
-            "for %d sequences x %d tokens, slot positions and metrics); %.3f GiB go to pages",
-            (available - for_pages) / GIB, available / GIB, layout.slots_for_memory(available) - 1,
-            layout.max_model_len, for_pages / GIB,
+            "for %d sequences x %d tokens, slot positions and metrics), %.3f GiB are left for "
+            "attention workspaces; %.3f GiB go to pages",
+            (available - workspace - for_pages) / GIB, available / GIB,
+            layout.slots_for_memory(available - workspace) - 1, layout.max_model_len, workspace / GIB,
+            for_pages / GIB,
         )
         return for_pages

@@ -261,8 +261,17 @@ class StepTables:
         return cls(cache.tables, seq_slots, num_pages), max_head_len
 
     def layer(self, layer: int) -> torch.Tensor:
-        """``[S, H, num_pages]`` int32 page ids of layer ``layer``'s heads, batch order."""
+        """``[S, H, num_pages]`` int32 page ids of layer ``layer``'s heads, batch order
+        (it allocates :meth:`layer_nbytes`)."""
         return self.page_tables.gather(self.seq_slots, self.num_pages, layer)
+
+    @staticmethod
+    def layer_nbytes(num_seqs: int, num_kv_heads: int, num_pages: int, chunk_pages: int) -> int:
+        """Bytes :meth:`layer` allocates for ``num_seqs`` rows of ``num_pages`` pages
+        (``ChunkedPageTables.gather``: int32 chunk ids, as int64, then whole int32 chunks
+        of ``chunk_pages`` page ids)."""
+        columns = max(1, -(-num_pages // chunk_pages))
+        return num_seqs * num_kv_heads * columns * (4 + 8 + 4 * chunk_pages)
 
 
 @dataclass
