@@ -808,3 +808,24 @@ def test_kernels_compile_for_sm90_without_a_gpu():
     assert word == "compiled" and int(count) >= len(names)
     assert names == ["_decode_kernel", "_decode_metric_kernel", "_decode_reduce_kernel",
                      "_move_cache_kernel", "_varlen_kernel"]
+
+
+def test_long_decode_partitions_come_in_few_lengths():
+    """PART_TOKENS is a kernel constexpr: every partition length a long context gives
+    compiles a kernel variant, after vLLM's JIT monitor is armed. Partitions longer than
+    the base come in powers of two of it: a handful of lengths from 1 to 128K keys (the
+    lengths before: one per 64 x block_size keys past 32K), still at most
+    MAX_GRAPH_PARTITIONS partitions and within the workspace bound."""
+    triton_attention, _ = _kernels()
+    block_size, tile_pages, num_q_heads, head_pad = 16, 4, 32, 128
+    for rows in (1, 64, 1024):
+        lengths = set()
+        for max_head_len in range(1, 131073, 61):
+            pages, parts = triton_attention._decode_partitions(
+                rows, num_q_heads, head_pad, max_head_len, 512, block_size, tile_pages)
+            lengths.add(pages)
+            assert parts <= triton_attention.MAX_GRAPH_PARTITIONS and pages * block_size * parts >= max_head_len
+            if parts > 1:
+                assert rows * num_q_heads * parts * (head_pad + 2) * 4 <= triton_attention.DECODE_WORKSPACE_BYTES
+        # 512 keys times 1, 2, 4, ... up to one partition of 128K keys: at most 9.
+        assert len(lengths) <= 9 and all(n & (n - 1) == 0 for n in lengths), (rows, sorted(lengths))

@@ -648,16 +648,18 @@ def _decode_partitions(
 ) -> tuple[int, int]:
     """``(pages per partition, partitions)`` of a decode launch over ``num_rows`` rows
     and heads of up to ``max_head_len`` keys: ``partition_size`` keys (whole pages) or
-    longer, so that there are at most ``MAX_GRAPH_PARTITIONS`` and the workspace of
-    :func:`decode_workspace_bytes` holds (longer partitions in whole tiles of
-    ``tile_pages`` pages)."""
+    a power of two times longer, so that there are at most ``MAX_GRAPH_PARTITIONS`` and
+    the workspace of :func:`decode_workspace_bytes` holds (longer partitions in whole
+    tiles of ``tile_pages`` pages)."""
     per_partition = num_rows * num_q_heads * (head_pad + 2) * F32_BYTES
     max_parts = max(1, min(MAX_GRAPH_PARTITIONS, DECODE_WORKSPACE_BYTES // max(1, per_partition)))
     fewest_keys = -(-max_head_len // max_parts)  # per partition, for at most max_parts
     fewest_pages = -(-fewest_keys // block_size)
-    pages_per_part = max(
-        -(-int(partition_size) // block_size), -(-fewest_pages // tile_pages) * tile_pages, 1,
-    )
+    needed = max(-(-fewest_pages // tile_pages) * tile_pages, 1)
+    base = max(-(-int(partition_size) // block_size), 1)
+    # Longer partitions in powers of two of the base: PART_TOKENS is a kernel constexpr,
+    # so every length would compile a variant (after vLLM's JIT monitor is armed).
+    pages_per_part = base if needed <= base else base * _next_pow2(-(-needed // base))
     return pages_per_part, -(-max_head_len // (pages_per_part * block_size))
 
 
