@@ -19,7 +19,7 @@ def test_metric_queries_name_the_selected_decode_rows_on_the_host(monkeypatch):
     positions = [prompt_len + 1, 2 * stride * 4, prompt_len + 3, 3 * stride * 4]
     req_ids = [f"r{i}" for i in range(len(positions))]
     runner.requests = {r: SimpleNamespace(num_prompt_tokens=prompt_len) for r in req_ids}
-    monkeypatch.setattr(runner, "_kvc_compresses", lambda request_id: True)
+    monkeypatch.setattr(runner.kvc_requests, "request_compresses", lambda request_id: True)
     runner.kvc_deferred_metrics = None  # a metric pass per step (CUDA), not vLLM's CPU kernel's queue
     computed = np.array(positions, dtype=np.int64)
     queries = runner._kvc_metric_queries(req_ids, computed, np.ones(4, dtype=np.int64), np.arange(5),

@@ -16,107 +16,61 @@ vLLM updates its persistent batch:
    compressed sequences and the worker's page counts, which the scheduler
    adopts and cross-checks before it schedules again.
 
-The worker keeps one :class:`WorkerRequest` per live request; how a request is
-compressed arrives resolved from the scheduler (``StepCompression.admitted``).
+The worker keeps its live requests in one ``WorkerRequests`` (``worker_requests.py``);
+how a request is compressed arrives resolved from the scheduler
+(``StepCompression.admitted``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from vllm.logger import init_logger
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from kvcompress.config import KVCompressConfig
 from kvcompress.contract import (
     CompressionOrder,
     CompressionRecord,
     PrefixCacheStep,
-    RequestCompression,
     WorkerReport,
 )
-from kvcompress.ops import PerHeadPagedCache, compress_sequences
-from kvcompress.ops.paged_cache import pages_for
+from kvcompress.ops import PerHeadPagedCache
 from kvcompress.ops import cpu_attention
 from kvcompress.ops.cpu_decode_plan import DecodeBatchPlan
 from kvcompress.ops.deferred_metrics import DeferredDecodeQueries, StepDecodeQueries
-from kvcompress.ops.dispatch import resolve_ops
 from kvcompress.ops.expected_attention import RopeFrequencies, rope_frequencies
 from kvcompress.ops.flattened import flat_query_starts
 from kvcompress.ops.prefix_groups import PrefixGroups
-from kvcompress.page_accounting import cache_sequence_slots
 from kvcompress.ops.word_spans import WordEdges, span_starts
 from kvcompress.vllm_glue.step import (
-    DecodeBuffers,
     MetricQueries,
     PromptMetricRows,
     PerHeadStep,
     StepTables,
-    WorkerCacheState,
     current_step,
     get_worker_state,
     set_current_step,
     set_worker_state,
 )
 from kvcompress.vllm_glue.kv_layout import (
-    pages_in_buffer,
-    pages_in_pool,
     single_full_attention_group,
 )
-from kvcompress.vllm_glue.batch_rows import BatchRows
+from kvcompress.vllm_glue import diagnostics
+from kvcompress.worker_compression import CompressionRun, WorkerStats, run_orders
+from kvcompress.batch_rows import BatchRows
+from kvcompress.worker_requests import WorkerRequests
+from kvcompress.vllm_glue.pool_builder import BuiltPool, build_pool
 from kvcompress.vllm_glue.reconstruction import PendingReconstruction, ReconstructionPass
 from kvcompress.vllm_glue.surprisal import SurprisalRows, SurprisalScoring
 from kvcompress.vllm_glue.tokenizer_checks import word_edges
-from kvcompress.vllm_glue.warm_up import mixed_warm_up_due, page_views, warm_up_mixed_steps
+from kvcompress.vllm_glue.warm_up import mixed_warm_up_due, warm_up_mixed_steps
 from kvcompress.vllm_glue.outputs import step_compression_of, with_report
 
 logger = init_logger(f"vllm.{__name__}")
-
-
-@dataclass
-class WorkerRequest:
-    """Worker-side state of one live request.
-
-    Attributes:
-        compression: its budget and policy, as the scheduler resolved them.
-        seq_slot: its row in the cache's page tables (None until first planned); the
-            tokens its heads were grown for are ``kvc_logical_lens[seq_slot]`` (while
-            its batch composition holds: ``kvc_rows.grown``).
-    """
-
-    compression: RequestCompression
-    seq_slot: int | None = None
-    prefix_hits: tuple[int, ...] = ()
-
-
-@dataclass
-class WorkerStats:
-    """Worker-side counters (``kvcompress_pages_used``: tests, benchmarks)."""
-
-    max_pages_used: int = 0
-    compressions: int = 0
-    pages_freed: int = 0
-    kvs_evicted: int = 0
-    compress_seconds: float = 0.0
-    step_seconds: float = 0.0
-    # compressions whose freed pages differ from the pages the scheduler ordered
-    evict_mismatches: int = 0
-    # steps whose attention read the fixed-address DecodeBuffers
-    decode_only_steps: int = 0
-    pages_freed_by_policy: dict[str, int] = field(default_factory=dict)
-    # policy -> [layers]: unprotected KVs kept after its compressions.
-    kept_unprotected_by_layer: dict[str, list[int]] = field(default_factory=dict)
-
-    def add_policy_result(self, policy: str, pages_freed: int, kept_by_layer: list[int]) -> None:
-        by_policy = self.pages_freed_by_policy
-        by_policy[policy] = by_policy.get(policy, 0) + pages_freed
-        previous = self.kept_unprotected_by_layer.get(policy, [0] * len(kept_by_layer))
-        self.kept_unprotected_by_layer[policy] = [a + b for a, b in zip(previous, kept_by_layer)]
 
 
 def model_rope(model) -> RopeFrequencies | None:
@@ -192,92 +146,47 @@ class PerHeadRunnerMixin:
         super()._cleanup_profiling_kv_cache()
 
     def _kvc_build_pool(self, kv_cache_config: KVCacheConfig) -> None:
-        group = single_full_attention_group(kv_cache_config)
-        spec: FullAttentionSpec = group.kv_cache_spec
-        layer_names = list(group.layer_names)
-        num_layers, num_kv_heads = len(layer_names), spec.num_kv_heads
-        block_size, head_dim, dtype = spec.block_size, spec.head_size, spec.dtype
-        storage = self.kv_caches[0].untyped_storage()
-        flat = torch.empty(0, dtype=torch.int8, device=self.kv_caches[0].device)
-        flat.set_(storage)
-        page_bytes = 2 * block_size * head_dim * dtype.itemsize
-        buffer_pages = pages_in_buffer(kv_cache_config)
-        num_pages = pages_in_pool(kv_cache_config)[0]  # the last buffer page is scratch
-        if buffer_pages * page_bytes > flat.numel():
-            raise RuntimeError(
-                f"KV buffer of {flat.numel()} bytes cannot hold {buffer_pages} pages "
-                f"of {page_bytes} bytes"
-            )
-        # K region then V region (as vLLM's own caches): a head's pages, taken in
-        # ascending order by the allocator, are read as two forward streams.
-        pool = flat[: buffer_pages * page_bytes].view(dtype).view(
-            2, buffer_pages, block_size, head_dim
+        self.kvc_settings = KVCompressConfig.from_additional_config(self.vllm_config.additional_config)
+        # Decode queries of one batch share one kernel call: the server policy's power.
+        self.kvc_decode_metric_power = self.kvc_settings.policy_for().metric.power
+        built = build_pool(
+            self.kv_caches[0], kv_cache_config, self.vllm_config, metric_power=self.kvc_decode_metric_power,
+            # get_model(): the model itself, not a CUDA-graph wrapper forwarding to it.
+            rope=model_rope(self.get_model()),
         )
-        max_model_len = self.vllm_config.model_config.max_model_len
-        max_num_seqs = self.vllm_config.scheduler_config.max_num_seqs
-        max_pages_per_head = -(-max_model_len // block_size)
-        # Kernels chosen once for the engine's life (CUDA extension > Triton > reference).
-        ops = resolve_ops(pool.device)
-        prefix_caching = bool(self.vllm_config.cache_config.enable_prefix_caching)
-        shared_pages = 0
-        if prefix_caching:  # within what PerHeadLayout reserved for the tables
-            shared_pages = min(max_pages_per_head, num_pages // (num_layers * num_kv_heads))
-        cache = PerHeadPagedCache(
-            num_pages=num_pages,
-            num_layers=num_layers,
-            num_kv_heads=num_kv_heads,
-            block_size=block_size,
-            # The scheduler admits no more; the budget's tables were sized for these.
-            max_seqs=cache_sequence_slots(num_pages, num_layers * num_kv_heads, max_num_seqs),
-            max_pages_per_head=max_pages_per_head,
-            device=pool.device,
-            ops=ops,
-            max_shared_pages_per_head=shared_pages,
-        )
-        pad_slot = cache.new_sequence()
+        cache, state = built.cache, built.state
+        self.kvc_cache = cache
+        set_worker_state(state)
+        self._kvc_reset_requests(cache)
         # Page groups of the blocks vLLM's prefix cache holds (None: prefix caching off).
-        self.kvc_prefix_groups = PrefixGroups(cache) if prefix_caching else None
+        self.kvc_prefix_groups = PrefixGroups(cache) if self.vllm_config.cache_config.enable_prefix_caching else None
         self.kvc_prefix_step: PrefixCacheStep | None = None
         # Hit requests of this step: (sequence slot, hit block ids), filled after appends.
         self.kvc_prefix_fills: list[tuple[int, tuple[int, ...]]] = []
-        self.kvc_cache = cache
-        self.kvc_settings = KVCompressConfig.from_additional_config(
-            self.vllm_config.additional_config
-        )
         # This worker's TP rank: it frees the pages the scheduler credited to its pool.
         self.kvc_tp_rank = _tp_rank()
         self.kvc_tp_size = self.vllm_config.parallel_config.tensor_parallel_size
-        self.kvc_requests: dict[str, WorkerRequest] = {}
-        # Per sequence slot: tokens its heads were grown for (prompt and outputs so far;
-        # kvc_rows.grown holds its rows' while their composition holds), its request's
-        # prompt tokens and whether it is compressed (set at admission).
-        self.kvc_logical_lens = np.zeros(cache.max_seqs, dtype=np.int64)
-        self.kvc_slot_prompt_lens = np.zeros(cache.max_seqs, dtype=np.int64)
-        self.kvc_slot_compresses = np.zeros(cache.max_seqs, dtype=bool)
-        # Leading pages per head of each slot that are prefix-cache page groups.
-        self.kvc_slot_shared_pages = np.zeros(cache.max_seqs, dtype=np.int64)
-        # The running batch's rows while its composition holds (None: rebuild).
-        self.kvc_rows: BatchRows | None = None
-        # request id -> sequence slot of every request holding pages (the report's keys).
-        self.kvc_live_slots: dict[str, int] = {}
-        self.kvc_report: WorkerReport | None = None
         self.kvc_stats = WorkerStats()
-        # Decode queries of one batch share one kernel call: the server policy's power.
-        self.kvc_decode_metric_power = self.kvc_settings.policy_for().metric.power
-        capture_sizes = self.vllm_config.compilation_config.max_cudagraph_capture_size or 0
-        decode_buffers = DecodeBuffers.allocate(
-            num_layers=num_layers,
-            num_kv_heads=num_kv_heads,
-            max_rows=max(max_num_seqs, capture_sizes),
-            num_slots=cache.max_seqs,
-            pad_slot=pad_slot,
-            scratch_page=buffer_pages - 1,
-            max_head_len=max_pages_per_head * block_size,
-            block_size=block_size,
-            metric_power=self.kvc_decode_metric_power,
-            device=pool.device,
-        )
         self.kvc_generator: torch.Generator | None = None
+        self._kvc_init_scoring(built.shape.layer_names)
+        self._kvc_init_cpu_kernel_plans(built)
+        logger.info(
+            "kvcompress: %d pages of %d tokens x 1 (layer, KV head) "
+            "(%d layers x %d KV heads, %d bytes per page); kernels: %s",
+            cache.num_pages, cache.block_size, cache.num_layers, cache.num_kv_heads, built.shape.page_bytes,
+            state.ops,
+        )
+        if mixed_warm_up_due(state.ops, self.vllm_config):
+            self._kvc_warm_up_mixed_steps()
+
+    def _kvc_reset_requests(self, cache: PerHeadPagedCache) -> None:
+        """No live request: the per-request and per-slot state of a new pool."""
+        self.kvc_requests = WorkerRequests(cache.max_seqs, cache.device)
+        self.kvc_report: WorkerReport | None = None
+
+    def _kvc_init_scoring(self, layer_names) -> None:
+        """The scoring passes some policies add to a step (word pooling, kvzip's
+        reconstruction, surprisal) and the tests' recorder."""
         # The vocabulary's word edges (False: no tokenizer, pooling over tokens only; None:
         # not loaded yet). Loaded now when the server's policy pools over words (~0.3 s
         # for 49K ids), else at the first request whose policy does.
@@ -286,47 +195,33 @@ class PerHeadRunnerMixin:
             self.kvc_word_edges = word_edges(self.vllm_config.model_config) or False
         # Requests whose prompt finishes prefilling this step and whose policy scores
         # KVs by a reconstruction pass (kvzip): run after the step's forward.
-        self.kvc_reconstruction = ReconstructionPass(self, layer_names)
+        self.kvc_reconstruction = ReconstructionPass(self, list(layer_names))
         self.kvc_reconstructions: list[PendingReconstruction] = []
         # Prompt positions of surprisal-scored requests in this step: scored from the
         # forward's hidden states after it.
         self.kvc_surprisal = SurprisalScoring(self)
         # request id -> a compression's inputs, while tests record them (None: off).
         self.kvc_recorded: dict[str, dict] | None = None
-        state = WorkerCacheState(
-            cache=cache,
-            pool=cache.kv_pool(*page_views(pool, ops)),
-            ops=ops,
-            layer_index={name: i for i, name in enumerate(layer_names)},
-            decode_buffers=decode_buffers,
-            # get_model(): the model itself, not a CUDA-graph wrapper forwarding to it.
-            rope=None if (rope := model_rope(self.get_model())) is None else rope.to(pool.device),
-        )
-        set_worker_state(state)
-        # Decode steps on vLLM's CPU kernel get their tables in its terms once per step.
+
+    def _kvc_init_cpu_kernel_plans(self, built: BuiltPool) -> None:
+        """Decode steps on vLLM's CPU kernel: their tables in its terms once per step, the
+        plan kept while the same rows decode, and the queue their metric queries wait in."""
+        state = built.state
         self.kvc_num_q_heads = self.vllm_config.model_config.get_num_attention_heads(
             self.vllm_config.parallel_config
         )
-        self.kvc_plan_kernel_decode = ops.kernel_page_layout and cpu_attention.supports_pool(
-            dtype, state.pool
+        self.kvc_plan_kernel_decode = state.ops.kernel_page_layout and cpu_attention.supports_pool(
+            built.shape.dtype, state.pool
         )
         # Their metric queries wait per sequence to be scored several at once.
         self.kvc_deferred_metrics = DeferredDecodeQueries() if self.kvc_plan_kernel_decode else None
         # A step with prompt rows: its decode rows' metric queries, for that queue after the forward.
         self.kvc_step_decode_queries = None
-        # ... and keep that plan between steps while the same rows decode.
         self.kvc_decode_plan: DecodeBatchPlan | None = None
-        if self.kvc_plan_kernel_decode and cache.host is not None:
-            self.kvc_decode_plan = DecodeBatchPlan(cache, state.pool, self.kvc_num_q_heads)
+        if self.kvc_plan_kernel_decode and built.cache.host is not None:
+            self.kvc_decode_plan = DecodeBatchPlan(built.cache, state.pool, self.kvc_num_q_heads)
         # num_reqs -> (ones, arange(num_reqs + 1), its list): a one-token step's shape.
         self.kvc_one_token_shapes: dict[int, tuple[np.ndarray, np.ndarray, list[int]]] = {}
-        logger.info(
-            "kvcompress: %d pages of %d tokens x 1 (layer, KV head) "
-            "(%d layers x %d KV heads, %d bytes per page); kernels: %s",
-            num_pages, block_size, num_layers, num_kv_heads, page_bytes, ops,
-        )
-        if mixed_warm_up_due(ops, self.vllm_config):
-            self._kvc_warm_up_mixed_steps()
 
     def _kvc_warm_up_mixed_steps(self) -> int:
         """Compile the kernels of steps with prompt rows now, before vLLM arms its JIT
@@ -341,14 +236,10 @@ class PerHeadRunnerMixin:
         return steps
 
     def _kvc_release(self, request_ids) -> None:
-        gone = [r for r in request_ids if r in self.kvc_requests]
-        slots = [self.kvc_requests.pop(r).seq_slot for r in gone]
-        slots = [slot for slot in slots if slot is not None]
+        gone, slots = self.kvc_requests.release(request_ids)
         for request_id in gone:
-            self.kvc_live_slots.pop(request_id, None)
             self.kvc_surprisal.release(request_id)
         if slots:
-            self.kvc_slot_shared_pages[slots] = 0
             self.kvc_cache.release(torch.tensor(slots, dtype=torch.int64))
             if self.kvc_deferred_metrics is not None:
                 self.kvc_deferred_metrics.drop(slots)
@@ -369,9 +260,9 @@ class PerHeadRunnerMixin:
                 self.kvc_prefix_groups.drop(prefix_step.uncached)
             for request_id, compression in step.admitted.items():
                 hits = () if prefix_step is None else prefix_step.hits.get(request_id, ())
-                self.kvc_requests[request_id] = WorkerRequest(compression, prefix_hits=hits)
+                self.kvc_requests.admit(request_id, compression, hits)
             if gone or step.admitted:
-                self._kvc_drop_rows()  # slots changed hands
+                self.kvc_requests.drop_rows()  # slots changed hands
             self.kvc_report = None
             self._kvc_step_started = time.perf_counter()
             compressed = self._kvc_compress(step.orders)
@@ -383,73 +274,24 @@ class PerHeadRunnerMixin:
         return result
 
     def _kvc_compress(self, orders: dict[str, CompressionOrder]) -> list[str]:
-        """Compress the sequences the scheduler ordered; returns their request ids."""
+        """Compress the sequences the scheduler ordered (``worker_compression.py``);
+        returns their request ids. The step's report carries the records."""
+        slots = self.kvc_requests.placed(orders)
+        run = CompressionRun(
+            cache=self.kvc_cache, pool=get_worker_state().pool, ops=get_worker_state().ops, rank=self.kvc_tp_rank,
+            block_cost=self.kvc_settings.block_cost, generator=self._kvc_random,
+            flush=self._kvc_flush_deferred_metrics,
+            record=None if self.kvc_recorded is None else lambda group, orders: diagnostics.record_inputs(self, group, orders),
+        )
+        outcome = run_orders(run, orders, slots, self.kvc_stats)
         # This step's part of the report (metrics): one record per batched compression.
-        self.kvc_step_compressions: list[CompressionRecord] = []
-        self.kvc_step_evict_mismatches = 0
-        request_ids = [
-            r for r in orders if r in self.kvc_requests and self.kvc_requests[r].seq_slot is not None
-        ]
-        if not request_ids:
-            return []
-        started = time.perf_counter()
-        cache = self.kvc_cache
-        stats = self.kvc_stats
-        rank = self.kvc_tp_rank
-        ordered = sum(orders[r].evict_pages_on(rank) for r in request_ids)
-        self._kvc_flush_deferred_metrics([self.kvc_requests[r].seq_slot for r in request_ids])
-        pages_freed = kvs_evicted = 0
-        # One batched compression per policy present in this step's orders.
-        state = get_worker_state()
-        by_policy: dict[str, list[str]] = {}
-        for request_id in request_ids:
-            by_policy.setdefault(orders[request_id].compression.policy.name, []).append(request_id)
-        for group in by_policy.values():
-            policy = orders[group[0]].compression.policy
-            if self.kvc_recorded is not None:
-                self._kvc_record_inputs(group, orders)
-            group_started = time.perf_counter()
-            result = compress_sequences(
-                cache,
-                state.pool,
-                self._kvc_column([self.kvc_requests[r].seq_slot for r in group]),
-                self._kvc_column([orders[r].evict_pages_on(rank) for r in group]),
-                self._kvc_column([orders[r].context_len for r in group]),
-                self._kvc_column([orders[r].compression.budget.protected_window for r in group]),
-                self._kvc_column([orders[r].compression.budget.protected_prefix for r in group]),
-                block_cost=self.kvc_settings.block_cost,
-                policy=policy,
-                generator=self._kvc_random(),
-                ops=state.ops,
-            )
-            seconds = time.perf_counter() - group_started
-            kvs_kept = int(result.new_head_lens.sum().item())
-            self.kvc_step_compressions.append(CompressionRecord(
-                policy=policy.name,
-                requests=len(group),
-                pages_freed=int(result.pages_freed),
-                kvs_before=kvs_kept + int(result.kvs_evicted),
-                kvs_evicted=int(result.kvs_evicted),
-                seconds=seconds,
-            ))
-            pages_freed += int(result.pages_freed)
-            kvs_evicted += int(result.kvs_evicted)
-            stats.add_policy_result(
-                policy.name, int(result.pages_freed), result.kept_unprotected_by_layer.tolist()
-            )
-        stats.compressions += len(request_ids)
-        stats.pages_freed += pages_freed
-        stats.kvs_evicted += kvs_evicted
-        if pages_freed != ordered:
-            # The scheduler credited `ordered` pages; the report corrects it.
-            stats.evict_mismatches += 1
-            self.kvc_step_evict_mismatches = 1
-            logger.error(
-                "kvcompress: scheduler ordered %d pages evicted, the schedule freed %d",
-                ordered, pages_freed,
-            )
-        stats.compress_seconds += time.perf_counter() - started
-        return request_ids
+        self.kvc_step_compressions: list[CompressionRecord] = outcome.records
+        self.kvc_step_evict_mismatches = int(outcome.mismatch)
+        if outcome.mismatch:
+            # The scheduler credited the pages it ordered; the report corrects it.
+            logger.error("kvcompress: scheduler ordered %d pages evicted, the schedule freed %d",
+                         outcome.pages_ordered, outcome.pages_freed)
+        return outcome.request_ids
 
     def _kvc_flush_deferred_metrics(self, slots: list[int]) -> None:
         """Score the decode queries still pending for ``slots`` (before their metrics
@@ -467,64 +309,6 @@ class PerHeadRunnerMixin:
             torch.from_numpy(tables).view(num_layers, len(slots), lens.shape[2], -1), torch.from_numpy(lens),
         )
 
-    def _kvc_record_inputs(self, request_ids: list[str], orders: dict[str, CompressionOrder]) -> None:
-        """What a compression of ``request_ids`` is about to read (tests' oracles):
-        per head the (position, metric) of every KV it holds, and the order."""
-        cache = self.kvc_cache
-        for request_id in request_ids:
-            slot = self.kvc_requests[request_id].seq_slot
-            order = orders[request_id]
-            heads = [
-                list(zip(positions, metrics))
-                for positions, metrics in zip(
-                    self._kvc_head_slots(slot, cache.slot_positions),
-                    self._kvc_head_slots(slot, cache.slot_metrics),
-                )
-            ]
-            budget = order.compression.budget
-            self.kvc_recorded[request_id] = {
-                "policy": order.compression.policy.name,
-                "evict_pages": order.evict_pages_on(self.kvc_tp_rank),
-                "context_len": order.context_len,
-                "protected_window": budget.protected_window,
-                "protected_prefix": budget.protected_prefix,
-                "block_cost": self.kvc_settings.block_cost,
-                "heads": heads,
-            }
-            scores = (self.kvc_reconstruction.recorded or {}).pop(request_id, None)
-            if scores is not None:  # kvzip: the reconstruction pass's raw scores, [L][H][KV]
-                self.kvc_recorded[request_id]["reconstruction_scores"] = scores.tolist()
-            nats = (self.kvc_surprisal.recorded or {}).pop(request_id, None)
-            if nats is not None:  # surprisal: each prompt token's -log p (NaN: not computed)
-                self.kvc_recorded[request_id]["surprisal_nats"] = nats.tolist()
-
-    def kvcompress_record_compressions(self, on: bool) -> dict[str, dict]:
-        """Start (``on``) or stop recording each compression's inputs
-        (``_kvc_record_inputs``; off by default: it copies every KV's metric); returns
-        and forgets what was recorded so far."""
-        recorded = self.kvc_recorded or {}
-        self.kvc_recorded = {} if on else None
-        if not on or self.kvc_reconstruction.recorded is None:  # kept until its compression reads it
-            self.kvc_reconstruction.recorded = {} if on else None
-        if not on or self.kvc_surprisal.recorded is None:
-            self.kvc_surprisal.recorded = {} if on else None
-        return recorded
-
-    def kvcompress_defer_decode_metrics(self, batch: int) -> int:
-        """Score decode metric queries ``batch`` at a time from now on (1: every step,
-        through the queue; 0: no queue, each step's own pass, as on other backends); for
-        tests, between requests (queries still pending are dropped). Returns the metric
-        passes the previous queue ran (0 after no queue); -1 where the metric pass is
-        never deferred (not on vLLM's CPU kernel)."""
-        if not self.kvc_plan_kernel_decode:
-            return -1
-        deferred = self.kvc_deferred_metrics
-        self.kvc_deferred_metrics = DeferredDecodeQueries(batch) if batch > 0 else None
-        return 0 if deferred is None else deferred.passes
-
-    def _kvc_column(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.kvc_cache.device)
-
     def _kvc_random(self) -> torch.Generator:
         """The random policy's generator, seeded once from the model's seed."""
         if self.kvc_generator is None:
@@ -536,13 +320,13 @@ class PerHeadRunnerMixin:
         """Worker-side truth for the scheduler after this step's appends (every live
         request's pages only when the scheduler asked for them)."""
         cache = self.kvc_cache
-        live = self.kvc_live_slots
+        live = self.kvc_requests.live_slots
         held = None
         if with_pages_held and live:
             slots = list(live.values())
             pages = np.asarray(cache.pages_held_per_sequence(slots), np.int64)
             # Pages of prefix-cache groups are the cache's, not the request's.
-            pages -= self.kvc_slot_shared_pages[slots] * cache.num_layers * cache.num_kv_heads
+            pages -= self.kvc_requests.shared_pages[slots] * cache.num_layers * cache.num_kv_heads
             held = dict(zip(live, pages.tolist()))
         elif with_pages_held:
             held = {}
@@ -596,7 +380,7 @@ class PerHeadRunnerMixin:
         if not recorded.complete or self.kvc_deferred_metrics is None:
             return  # no forward ran (nothing written, nothing to score)
         if recorded.hand_to(self.kvc_deferred_metrics, self.kvc_decode_metric_power).size:
-            self._kvc_flush_deferred_metrics(self.kvc_rows.slots.tolist())
+            self._kvc_flush_deferred_metrics(self.kvc_requests.rows.slots.tolist())
 
     def sample_tokens(self, *args, **kwargs):
         return self._kvc_attach_report(super().sample_tokens(*args, **kwargs))
@@ -611,7 +395,7 @@ class PerHeadRunnerMixin:
             # One token per row (every row of the batch is scheduled): a decode step's
             # shape, read without a dict lookup per row; each token sits at `computed`.
             num_new, query_start, query_start_list = self._kvc_one_token_shape(num_reqs)
-            rows = self._kvc_batch_rows(req_ids, computed, num_new)
+            rows = self.kvc_requests.batch_rows(req_ids, computed, num_new, self._kvc_slot_for)
             positions_t = torch.from_numpy(computed).to(device)
             if self.kvc_decode_plan is not None and not self.kvc_prefix_fills and rows.past_prompts(computed):
                 self._kvc_decode_on_kernel(rows, computed, positions_t, query_start_list)
@@ -620,7 +404,7 @@ class PerHeadRunnerMixin:
         else:
             scheduled = scheduler_output.num_scheduled_tokens
             num_new = np.fromiter((scheduled[r] for r in req_ids), np.int64, num_reqs)
-            rows = self._kvc_batch_rows(req_ids, computed, num_new)
+            rows = self.kvc_requests.batch_rows(req_ids, computed, num_new, self._kvc_slot_for)
             query_start = np.zeros(num_reqs + 1, dtype=np.int64)
             np.cumsum(num_new, out=query_start[1:])
             positions = np.repeat(computed - query_start[:-1], num_new) + np.arange(query_start[-1])
@@ -688,7 +472,7 @@ class PerHeadRunnerMixin:
         pages exist now), then this step's hits point at their groups (one may be a
         group just taken)."""
         groups, requests = self.kvc_prefix_groups, self.kvc_requests
-        shared = self.kvc_slot_shared_pages
+        shared = requests.shared_pages
         for record in step.cached:
             slot = requests[record.request_id].seq_slot
             groups.register(slot, record.first_column, list(record.block_ids))
@@ -697,44 +481,6 @@ class PerHeadRunnerMixin:
             self.kvc_cache.fill_prefix(slot, groups.pages_of(list(hits)))
         self.kvc_prefix_fills = []
         self.kvc_prefix_step = None
-
-    def _kvc_batch_rows(self, req_ids, computed: np.ndarray, num_new: np.ndarray) -> BatchRows:
-        """This step's rows (rebuilt when the batch's requests or their order changed),
-        after checking each row's heads were grown for exactly its ``computed`` tokens;
-        their heads are then grown for ``computed + num_new``."""
-        rows = self.kvc_rows
-        if rows is None or not rows.matches(req_ids):
-            self._kvc_drop_rows()
-            requests, slots = self.kvc_requests, []
-            for request_id, done in zip(req_ids, computed.tolist()):
-                request = requests.get(request_id)
-                slot = None if request is None else request.seq_slot
-                slots.append(self._kvc_slot_for(request_id, done) if slot is None else slot)
-            slots_np = np.asarray(slots, dtype=np.int64)
-            rows = self.kvc_rows = BatchRows(
-                req_ids=tuple(req_ids),
-                slots=slots_np,
-                seq_slots=torch.from_numpy(slots_np).to(self.kvc_cache.device),
-                prompt_lens=self.kvc_slot_prompt_lens[slots_np],
-                compresses=self.kvc_slot_compresses[slots_np],
-                grown=self.kvc_logical_lens[slots_np],
-            )
-        if not np.array_equal(rows.grown, computed):
-            row = int(np.flatnonzero(rows.grown != computed)[0])
-            raise RuntimeError(
-                f"kvcompress: request {req_ids[row]} has {int(computed[row])} computed tokens "
-                f"but its heads were grown for {int(rows.grown[row])}"
-            )
-        rows.grown = computed + num_new
-        return rows
-
-    def _kvc_drop_rows(self) -> None:
-        """End the batch composition: its rows' grown token counts go back to the
-        per-slot array (kept in the rows while it held)."""
-        rows = self.kvc_rows
-        if rows is not None:
-            self.kvc_logical_lens[rows.slots] = rows.grown
-            self.kvc_rows = None
 
     def _kvc_slot_for(self, request_id: str, computed: int) -> int:
         """The request's sequence slot (a new, empty one at its first step)."""
@@ -751,21 +497,13 @@ class PerHeadRunnerMixin:
                     f"kvcompress: request {request_id} starts with {computed} computed "
                     f"tokens but {hit_tokens} tokens of prefix-cache hits"
                 )
-            slot = request.seq_slot = self.kvc_cache.new_sequence()
+            slot = self.kvc_cache.new_sequence()
             if request.prefix_hits:
                 # Reserved now (appends go after them), filled after the appends.
                 self.kvc_cache.reserve_prefix(slot, len(request.prefix_hits))
                 self.kvc_prefix_fills.append((slot, request.prefix_hits))
-                self.kvc_slot_shared_pages[slot] = len(request.prefix_hits)
-            self.kvc_logical_lens[slot] = computed
-            self.kvc_slot_prompt_lens[slot] = self.requests[request_id].num_prompt_tokens
-            self.kvc_slot_compresses[slot] = request.compression.compresses
-            self.kvc_live_slots[request_id] = slot
+            self.kvc_requests.place(request_id, slot, computed, self.requests[request_id].num_prompt_tokens)
         return request.seq_slot
-
-    def _kvc_compresses(self, request_id: str) -> bool:
-        request = self.kvc_requests.get(request_id)
-        return request is not None and request.compression.compresses
 
     def _kvc_plan_decode_step(self, rows: BatchRows, computed, positions_t, plan, query_start) -> None:
         """Publish a decode-only step: on vLLM's CPU kernel with every layer's kernel
@@ -851,14 +589,12 @@ class PerHeadRunnerMixin:
         queued in ``kvc_reconstructions`` instead (scored after the step's forward).
         """
         settings = self.kvc_settings
-        if not settings.compresses and not any(
-            request.compression.compresses for request in self.kvc_requests.values()
-        ):
+        if not settings.compresses and not self.kvc_requests.any_compresses():
             return None
         prompt_rows = []
         decode_seqs = np.zeros(len(req_ids), dtype=bool)
         for index, request_id in enumerate(req_ids):
-            if not self._kvc_compresses(request_id):
+            if not self.kvc_requests.request_compresses(request_id):
                 continue
             prompt_len = self.requests[request_id].num_prompt_tokens
             first, count = int(computed[index]), int(num_new[index])
@@ -963,83 +699,3 @@ class PerHeadRunnerMixin:
         if self.kvc_cache is not None and state is not None and state.decode_buffers is not None:
             state.decode_buffers.fill(0)
         return super()._dummy_run(*args, **kwargs)
-
-    def kvcompress_head_lens(self) -> dict[str, list]:
-        """``[layers, this rank's KV heads]`` KVs per head of every live request (tests)."""
-        if self.kvc_cache is None:
-            return {}
-        lens = self.kvc_cache.head_lens
-        return {r: lens[slot].tolist() for r, slot in self.kvc_live_slots.items()}
-
-    def _kvc_head_pages(self, slot: int) -> list[list[int]]:
-        """``[L*H]`` lists of the page ids each head of ``slot`` holds, in column order."""
-        cache = self.kvc_cache
-        held = pages_for(cache.head_lens[slot], cache.block_size).reshape(-1)
-        table = cache.tables.gather(torch.tensor([slot]), cache.max_pages_per_head)[0]
-        table = table.reshape(held.numel(), -1)
-        return [table[head, : int(held[head])].tolist() for head in range(held.numel())]
-
-    def _kvc_head_slots(self, slot: int, per_slot: torch.Tensor) -> list[list]:
-        """``per_slot`` (``[num_pages, block_size]``: slot positions or metrics) of the
-        KVs each head of ``slot`` holds, in slot order: ``[L*H]`` lists."""
-        lens = self.kvc_cache.head_lens[slot].reshape(-1).tolist()
-        return [
-            per_slot[torch.tensor(pages, dtype=torch.int64)].reshape(-1)[:count].tolist()
-            for pages, count in zip(self._kvc_head_pages(slot), lens)
-        ]
-
-    def kvcompress_kept_positions(self) -> dict[str, list[list[int]]]:
-        """Token positions of the KVs every head of every live request holds, in slot
-        order: request id -> ``[L*H]`` lists (tests: which KVs survived a compression)."""
-        cache = self.kvc_cache
-        if cache is None:
-            return {}
-        return {
-            request_id: self._kvc_head_slots(slot, cache.slot_positions)
-            for request_id, slot in self.kvc_live_slots.items()
-        }
-
-    def kvcompress_page_dump(self) -> dict:
-        """Every page reference the worker holds, for tests' brute-force recounts:
-        ``slots`` (request id -> ``[L*H]`` lists of the page ids its heads hold),
-        ``groups`` (cached block id -> ``[L*H]`` page ids), ``page_shares``, the
-        ``free`` page ids, and ``group_checksums`` (block id -> float64 sum of its
-        pages' K, V and slot positions)."""
-        cache = self.kvc_cache
-        if cache is None:
-            return {}
-        slots = {request_id: self._kvc_head_pages(slot) for request_id, slot in self.kvc_live_slots.items()}
-        groups, checksums = {}, {}
-        pool = get_worker_state().pool
-        for block_id, pages in (self.kvc_prefix_groups.pages if self.kvc_prefix_groups else {}).items():
-            ids = pages.reshape(-1).to(torch.int64)
-            groups[block_id] = ids.tolist()
-            checksums[block_id] = float(
-                pool.key_cache[ids].double().sum() + pool.value_cache[ids].double().sum()
-                + cache.slot_positions[ids].double().sum()
-            )
-        allocator = cache.allocator
-        return {
-            "num_pages": cache.num_pages,
-            "slots": slots,
-            "groups": groups,
-            "group_checksums": checksums,
-            "page_shares": cache.page_shares.tolist(),
-            "free": allocator.free_stack[: allocator.num_free].tolist(),
-        }
-
-    def kvcompress_pages_used(self) -> dict[str, int]:
-        """Worker-side page counts (for tests and the consistency check)."""
-        if self.kvc_cache is None:
-            return {}
-        held = self.kvc_cache.pages_held()
-        return {
-            "num_pages": self.kvc_cache.num_pages,
-            "block_size": self.kvc_cache.block_size,
-            "num_free": self.kvc_cache.allocator.num_free,
-            "held_by_live_requests": int(held.sum().item()),
-            "live_requests": len(self.kvc_requests),
-            "sequence_slots": self.kvc_cache.max_seqs,  # the padding rows' slot included
-            "attention_backend": get_worker_state().ops.backends["paged_attention"],
-            **dataclasses.asdict(self.kvc_stats),
-        }

@@ -1,27 +1,29 @@
 """The worker RPCs of a kvcompress engine (``LLM.collective_rpc`` / ``/collective_rpc``),
-shared by the CPU and CUDA workers: each forwards to the per-head model runner
-(``runner.PerHeadRunnerMixin``), where they are documented."""
+shared by the CPU and CUDA workers: each reads or switches the per-head model runner
+through ``diagnostics.py``, where they are documented."""
 
 from __future__ import annotations
+
+from kvcompress.vllm_glue import diagnostics
 
 
 class PerHeadWorkerRPCs:
     """Mixed into a vLLM worker whose ``model_runner`` is a per-head runner."""
 
     def kvcompress_pages_used(self) -> dict[str, int]:
-        return self.model_runner.kvcompress_pages_used()
+        return diagnostics.pages_used(self.model_runner)
 
     def kvcompress_head_lens(self) -> dict[str, list]:
-        return self.model_runner.kvcompress_head_lens()
+        return diagnostics.head_lens(self.model_runner)
 
     def kvcompress_page_dump(self) -> dict:
-        return self.model_runner.kvcompress_page_dump()
+        return diagnostics.page_dump(self.model_runner)
 
     def kvcompress_kept_positions(self) -> dict[str, list[list[int]]]:
-        return self.model_runner.kvcompress_kept_positions()
+        return diagnostics.kept_positions(self.model_runner)
 
     def kvcompress_record_compressions(self, on: bool) -> dict[str, dict]:
-        return self.model_runner.kvcompress_record_compressions(on)
+        return diagnostics.record_compressions(self.model_runner, on)
 
     def kvcompress_defer_decode_metrics(self, batch: int) -> int:
-        return self.model_runner.kvcompress_defer_decode_metrics(batch)
+        return diagnostics.defer_decode_metrics(self.model_runner, batch)

@@ -1,0 +1,155 @@
+"""What the worker RPCs read or switch for tests, benchmarks and consistency checks
+(``worker_rpcs.py``): page counts, per-head lengths and kept positions, a dump of every
+page reference, the opt-in record of each compression's inputs, the decode-metric queue.
+
+Functions of a per-head runner (``runner.PerHeadRunnerMixin``), kept out of it: none of
+this runs in a step unless a test switched recording on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kvcompress.contract import CompressionOrder
+from kvcompress.ops.deferred_metrics import DeferredDecodeQueries
+from kvcompress.ops.paged_cache import pages_for
+from kvcompress.vllm_glue.step import get_worker_state
+
+
+def pages_used(runner) -> dict[str, int]:
+    """Worker-side page counts and the worker's counters (``WorkerStats``)."""
+    cache = runner.kvc_cache
+    if cache is None:
+        return {}
+    return {
+        "num_pages": cache.num_pages,
+        "block_size": cache.block_size,
+        "num_free": cache.allocator.num_free,
+        "held_by_live_requests": int(cache.pages_held().sum().item()),
+        "live_requests": len(runner.kvc_requests),
+        "sequence_slots": cache.max_seqs,  # the padding rows' slot included
+        "attention_backend": get_worker_state().ops.backends["paged_attention"],
+        **dataclasses.asdict(runner.kvc_stats),
+    }
+
+
+def head_lens(runner) -> dict[str, list]:
+    """``[layers, this rank's KV heads]`` KVs per head of every live request."""
+    if runner.kvc_cache is None:
+        return {}
+    lens = runner.kvc_cache.head_lens
+    return {r: lens[slot].tolist() for r, slot in runner.kvc_requests.live_slots.items()}
+
+
+def head_pages(cache, slot: int) -> list[list[int]]:
+    """``[L*H]`` lists of the page ids each head of ``slot`` holds, in column order."""
+    held = pages_for(cache.head_lens[slot], cache.block_size).reshape(-1)
+    table = cache.tables.gather(torch.tensor([slot]), cache.max_pages_per_head)[0]
+    table = table.reshape(held.numel(), -1)
+    return [table[head, : int(held[head])].tolist() for head in range(held.numel())]
+
+
+def head_slots(cache, slot: int, per_slot: torch.Tensor) -> list[list]:
+    """``per_slot`` (``[num_pages, block_size]``: slot positions or metrics) of the KVs
+    each head of ``slot`` holds, in slot order: ``[L*H]`` lists."""
+    lens = cache.head_lens[slot].reshape(-1).tolist()
+    return [
+        per_slot[torch.tensor(pages, dtype=torch.int64)].reshape(-1)[:count].tolist()
+        for pages, count in zip(head_pages(cache, slot), lens)
+    ]
+
+
+def kept_positions(runner) -> dict[str, list[list[int]]]:
+    """Token positions of the KVs every head of every live request holds, in slot order:
+    request id -> ``[L*H]`` lists (which KVs survived a compression)."""
+    cache = runner.kvc_cache
+    if cache is None:
+        return {}
+    return {request_id: head_slots(cache, slot, cache.slot_positions) for request_id, slot in runner.kvc_requests.live_slots.items()}
+
+
+def page_dump(runner) -> dict:
+    """Every page reference the worker holds, for brute-force recounts: ``slots``
+    (request id -> ``[L*H]`` lists of the page ids its heads hold), ``groups`` (cached
+    block id -> ``[L*H]`` page ids), ``page_shares``, the ``free`` page ids, and
+    ``group_checksums`` (block id -> float64 sum of its pages' K, V and slot positions)."""
+    cache = runner.kvc_cache
+    if cache is None:
+        return {}
+    slots = {request_id: head_pages(cache, slot) for request_id, slot in runner.kvc_requests.live_slots.items()}
+    groups, checksums = {}, {}
+    pool = get_worker_state().pool
+    for block_id, pages in (runner.kvc_prefix_groups.pages if runner.kvc_prefix_groups else {}).items():
+        ids = pages.reshape(-1).to(torch.int64)
+        groups[block_id] = ids.tolist()
+        checksums[block_id] = float(
+            pool.key_cache[ids].double().sum() + pool.value_cache[ids].double().sum()
+            + cache.slot_positions[ids].double().sum()
+        )
+    allocator = cache.allocator
+    return {
+        "num_pages": cache.num_pages,
+        "slots": slots,
+        "groups": groups,
+        "group_checksums": checksums,
+        "page_shares": cache.page_shares.tolist(),
+        "free": allocator.free_stack[: allocator.num_free].tolist(),
+    }
+
+
+def record_compressions(runner, on: bool) -> dict[str, dict]:
+    """Start (``on``) or stop recording each compression's inputs (:func:`record_inputs`;
+    off by default: it copies every KV's metric); returns and forgets what was recorded."""
+    recorded = runner.kvc_recorded or {}
+    runner.kvc_recorded = {} if on else None
+    if not on or runner.kvc_reconstruction.recorded is None:  # kept until its compression reads it
+        runner.kvc_reconstruction.recorded = {} if on else None
+    if not on or runner.kvc_surprisal.recorded is None:
+        runner.kvc_surprisal.recorded = {} if on else None
+    return recorded
+
+
+def record_inputs(runner, request_ids: list[str], orders: dict[str, CompressionOrder]) -> None:
+    """What a compression of ``request_ids`` is about to read (tests' oracles): per head
+    the (position, metric) of every KV it holds, and the order."""
+    cache = runner.kvc_cache
+    for request_id in request_ids:
+        slot = runner.kvc_requests[request_id].seq_slot
+        order = orders[request_id]
+        heads = [
+            list(zip(positions, metrics))
+            for positions, metrics in zip(
+                head_slots(cache, slot, cache.slot_positions), head_slots(cache, slot, cache.slot_metrics),
+            )
+        ]
+        budget = order.compression.budget
+        record = runner.kvc_recorded[request_id] = {
+            "policy": order.compression.policy.name,
+            "evict_pages": order.evict_pages_on(runner.kvc_tp_rank),
+            "context_len": order.context_len,
+            "protected_window": budget.protected_window,
+            "protected_prefix": budget.protected_prefix,
+            "block_cost": runner.kvc_settings.block_cost,
+            "heads": heads,
+        }
+        scores = (runner.kvc_reconstruction.recorded or {}).pop(request_id, None)
+        if scores is not None:  # kvzip: the reconstruction pass's raw scores, [L][H][KV]
+            record["reconstruction_scores"] = scores.tolist()
+        nats = (runner.kvc_surprisal.recorded or {}).pop(request_id, None)
+        if nats is not None:  # surprisal: each prompt token's -log p (NaN: not computed)
+            record["surprisal_nats"] = nats.tolist()
+
+
+def defer_decode_metrics(runner, batch: int) -> int:
+    """Score decode metric queries ``batch`` at a time from now on (1: every step, through
+    the queue; 0: no queue, each step's own pass, as on other backends); between requests
+    (queries still pending are dropped). Returns the metric passes the previous queue ran
+    (0 after no queue); -1 where the metric pass is never deferred (not on vLLM's CPU
+    kernel)."""
+    if not runner.kvc_plan_kernel_decode:
+        return -1
+    deferred = runner.kvc_deferred_metrics
+    runner.kvc_deferred_metrics = DeferredDecodeQueries(batch) if batch > 0 else None
+    return 0 if deferred is None else deferred.passes

@@ -1,0 +1,144 @@
+"""The per-(layer, KV head) pool built over vLLM's KV buffer (``initialize_kv_cache``).
+
+vLLM allocates one backing buffer for the KV cache; the worker views it as
+``[2, buffer_pages, block_size, head_dim]`` pages (K region, then V region), the last page
+being scratch for padding rows. Over those pages: the page cache (tables, allocator,
+positions, metrics), the fixed-address decode buffers CUDA graphs replay, and the kernels
+(``KernelOps``), chosen once for the engine's life. :func:`build_pool` returns them as one
+:class:`BuiltPool`; the runner publishes its ``state`` for the attention backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+
+from kvcompress.ops import PerHeadPagedCache
+from kvcompress.ops.dispatch import resolve_ops
+from kvcompress.ops.expected_attention import RopeFrequencies
+from kvcompress.page_accounting import cache_sequence_slots
+from kvcompress.vllm_glue.kv_layout import pages_in_buffer, pages_in_pool, single_full_attention_group
+from kvcompress.vllm_glue.step import DecodeBuffers, WorkerCacheState
+from kvcompress.vllm_glue.warm_up import page_views
+
+
+@dataclass(frozen=True)
+class PoolShape:
+    """What vLLM's KV-cache configuration says about the pool: its layers (by vLLM's
+    layer names), KV heads, page size (``block_size`` tokens of ``head_dim``), dtype,
+    bytes per page (K and V), pages in the buffer and allocatable pages (the buffer's
+    less the scratch page)."""
+
+    layer_names: tuple[str, ...]
+    num_kv_heads: int
+    block_size: int
+    head_dim: int
+    dtype: torch.dtype
+    page_bytes: int
+    buffer_pages: int
+    num_pages: int
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_names)
+
+    @property
+    def scratch_page(self) -> int:
+        return self.buffer_pages - 1
+
+    @classmethod
+    def of(cls, kv_cache_config: KVCacheConfig) -> "PoolShape":
+        group = single_full_attention_group(kv_cache_config)
+        spec: FullAttentionSpec = group.kv_cache_spec
+        return cls(
+            layer_names=tuple(group.layer_names), num_kv_heads=spec.num_kv_heads, block_size=spec.block_size,
+            head_dim=spec.head_size, dtype=spec.dtype, page_bytes=2 * spec.block_size * spec.head_size * spec.dtype.itemsize,
+            buffer_pages=pages_in_buffer(kv_cache_config), num_pages=pages_in_pool(kv_cache_config)[0],
+        )
+
+
+@dataclass(frozen=True)
+class BuiltPool:
+    """The pool of one ``initialize_kv_cache``: its shape, the worker state the attention
+    backend reads (cache, pool views, kernels, decode buffers, RoPE), and the padding
+    rows' sequence slot."""
+
+    shape: PoolShape
+    state: WorkerCacheState
+    pad_slot: int
+
+    @property
+    def cache(self) -> PerHeadPagedCache:
+        return self.state.cache
+
+
+def kv_pages(kv_cache: torch.Tensor, shape: PoolShape) -> torch.Tensor:
+    """vLLM's KV buffer (any view of its backing storage) as ``[2, buffer_pages,
+    block_size, head_dim]``: K region then V region, as vLLM's own caches (a head's
+    pages, taken in ascending order by the allocator, read as two forward streams)."""
+    flat = torch.empty(0, dtype=torch.int8, device=kv_cache.device)
+    flat.set_(kv_cache.untyped_storage())
+    needed = shape.buffer_pages * shape.page_bytes
+    if needed > flat.numel():
+        raise RuntimeError(
+            f"KV buffer of {flat.numel()} bytes cannot hold {shape.buffer_pages} pages of {shape.page_bytes} bytes"
+        )
+    return flat[:needed].view(shape.dtype).view(2, shape.buffer_pages, shape.block_size, shape.head_dim)
+
+
+def build_cache(shape: PoolShape, vllm_config, ops, device: torch.device) -> PerHeadPagedCache:
+    """The page cache: as many sequence slots as the scheduler admits (the budget's
+    tables were sized for them), heads of up to ``max_model_len`` tokens, and, with
+    prefix caching, room for shared pages within what ``PerHeadLayout`` reserved."""
+    max_pages_per_head = -(-vllm_config.model_config.max_model_len // shape.block_size)
+    heads = shape.num_layers * shape.num_kv_heads
+    shared_pages = 0
+    if vllm_config.cache_config.enable_prefix_caching:
+        shared_pages = min(max_pages_per_head, shape.num_pages // heads)
+    return PerHeadPagedCache(
+        num_pages=shape.num_pages,
+        num_layers=shape.num_layers,
+        num_kv_heads=shape.num_kv_heads,
+        block_size=shape.block_size,
+        max_seqs=cache_sequence_slots(shape.num_pages, heads, vllm_config.scheduler_config.max_num_seqs),
+        max_pages_per_head=max_pages_per_head,
+        device=device,
+        ops=ops,
+        max_shared_pages_per_head=shared_pages,
+    )
+
+
+def build_pool(kv_cache: torch.Tensor, kv_cache_config: KVCacheConfig, vllm_config, *,
+               metric_power: int, rope: RopeFrequencies | None) -> BuiltPool:
+    """Pages over ``kv_cache``'s storage, the cache over them, the decode buffers (rows
+    for the larger of ``max_num_seqs`` and the largest CUDA-graph batch) and the worker
+    state; ``metric_power``: the decode metric power of the server's policy."""
+    shape = PoolShape.of(kv_cache_config)
+    pages = kv_pages(kv_cache, shape)
+    ops = resolve_ops(pages.device)  # CUDA extension > Triton > reference, for the engine's life
+    cache = build_cache(shape, vllm_config, ops, pages.device)
+    pad_slot = cache.new_sequence()
+    capture_sizes = vllm_config.compilation_config.max_cudagraph_capture_size or 0
+    decode_buffers = DecodeBuffers.allocate(
+        num_layers=shape.num_layers,
+        num_kv_heads=shape.num_kv_heads,
+        max_rows=max(vllm_config.scheduler_config.max_num_seqs, capture_sizes),
+        num_slots=cache.max_seqs,
+        pad_slot=pad_slot,
+        scratch_page=shape.scratch_page,
+        max_head_len=cache.max_pages_per_head * shape.block_size,
+        block_size=shape.block_size,
+        metric_power=metric_power,
+        device=pages.device,
+    )
+    state = WorkerCacheState(
+        cache=cache,
+        pool=cache.kv_pool(*page_views(pages, ops)),
+        ops=ops,
+        layer_index={name: i for i, name in enumerate(shape.layer_names)},
+        decode_buffers=decode_buffers,
+        rope=None if rope is None else rope.to(pages.device),
+    )
+    return BuiltPool(shape=shape, state=state, pad_slot=pad_slot)
