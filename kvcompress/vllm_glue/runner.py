@@ -23,6 +23,7 @@ how a request is compressed arrives resolved from the scheduler
 
 from __future__ import annotations
 
+import functools
 import time
 
 import numpy as np
@@ -276,16 +277,20 @@ class PerHeadRunnerMixin:
     def _kvc_compress(self, orders: dict[str, CompressionOrder]) -> list[str]:
         """Compress the sequences the scheduler ordered (``worker_compression.py``);
         returns their request ids. The step's report carries the records."""
-        slots = self.kvc_requests.placed(orders)
+        slots = self.kvc_requests.placed(orders) if orders else {}
+        # This step's part of the report (metrics): one record per batched compression.
+        self.kvc_step_compressions: list[CompressionRecord] = []
+        self.kvc_step_evict_mismatches = 0
+        if not slots:
+            return []
         run = CompressionRun(
             cache=self.kvc_cache, pool=get_worker_state().pool, ops=get_worker_state().ops, rank=self.kvc_tp_rank,
             block_cost=self.kvc_settings.block_cost, generator=self._kvc_random,
             flush=self._kvc_flush_deferred_metrics,
-            record=None if self.kvc_recorded is None else lambda group, orders: diagnostics.record_inputs(self, group, orders),
+            record=None if self.kvc_recorded is None else functools.partial(diagnostics.record_inputs, self),
         )
         outcome = run_orders(run, orders, slots, self.kvc_stats)
-        # This step's part of the report (metrics): one record per batched compression.
-        self.kvc_step_compressions: list[CompressionRecord] = outcome.records
+        self.kvc_step_compressions = outcome.records
         self.kvc_step_evict_mismatches = int(outcome.mismatch)
         if outcome.mismatch:
             # The scheduler credited the pages it ordered; the report corrects it.
