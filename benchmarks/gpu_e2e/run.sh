@@ -32,7 +32,10 @@ export VLLM_USE_V2_MODEL_RUNNER=0 KVCOMPRESS_NO_CUDA=1 KVCOMPRESS_CACHE=$SCRATCH
 # 1. vLLM's Python and the missing dependencies.
 site_xz=$(ls "$KIT"/call*/site.tar.xz 2>/dev/null | head -1)
 if [ -z "$site_xz" ]; then say "no site.tar.xz under $KIT/call*/: carry the kit (make gpu-kit)"; exit 2; fi
-rm -rf "$SITE" && mkdir -p "$SITE" && tar -xJf "$site_xz" -C "$SITE" || { say "unpacking $site_xz failed"; exit 2; }
+# tar and xz, else Python's own tarfile / lzma (whichever the image has).
+untar_xz() { tar -xJf "$1" -C "$2" 2>/dev/null || python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="data")' "$1" "$2"; }
+unxz_to() { xz -dc "$1" > "$2" 2>/dev/null || python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' "$1" "$2"; }
+rm -rf "$SITE" && mkdir -p "$SITE" && untar_xz "$site_xz" "$SITE" || { say "unpacking $site_xz failed"; exit 2; }
 say "unpacked $site_xz ($(du -sh "$SITE" | cut -f1))"
 
 # 2. vLLM's compiled ops: the Hopper-only .so (layout one), the whole one from two parts
@@ -40,9 +43,9 @@ say "unpacked $site_xz ($(du -sh "$SITE" | cut -f1))"
 SO=$SITE/vllm/_C_stable_libtorch.abi3.so
 VARIANT=stub
 if [ -f "$KIT"/call1/vllm_C_sm90.so.xz ]; then
-  xz -dc "$KIT"/call1/vllm_C_sm90.so.xz > "$SO" && VARIANT=real
+  unxz_to "$KIT"/call1/vllm_C_sm90.so.xz "$SO" && VARIANT=real
 elif [ -f "$SCRATCH"/so.xz.part-a ] && [ -f "$KIT"/call2/so.xz.part-b ]; then
-  cat "$SCRATCH"/so.xz.part-a "$KIT"/call2/so.xz.part-b | xz -dc > "$SO" && VARIANT=real
+  cat "$SCRATCH"/so.xz.part-a "$KIT"/call2/so.xz.part-b > "$SCRATCH"/so.xz && unxz_to "$SCRATCH"/so.xz "$SO" && VARIANT=real
 fi
 use_stub() { rm -f "$SO"; echo "# kvcompress GPU kit: no compiled ops (stub)" > "$SITE"/vllm/_C_stable_libtorch.py; VARIANT=stub; }
 [ "$VARIANT" = real ] || use_stub
