@@ -370,3 +370,22 @@ def test_rehearsal_on_vllm_cpu(tmp_path):
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=1800)
     results = json.loads((tmp_path / "results.json").read_text())
     assert proc.returncode == 0 and results["passed"], json.dumps(results["cases"], indent=1)[:4000]
+
+
+def test_the_trees_commit_reaches_a_device_without_git(tmp_path, monkeypatch):
+    repo, device = tmp_path / "repo", tmp_path / "device"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    (repo / "f.txt").write_text("1")
+    _git(repo, "add", "f.txt")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    (repo / ".gpu-kit" / "call1").mkdir(parents=True)
+    assert kit.write_tree_commit(repo / ".gpu-kit", repo) == head
+    (repo / "f.txt").write_text("2")
+    assert kit.write_tree_commit(repo / ".gpu-kit", repo) == head + "+dirty"
+    # The device's copy: the tree and the kit, no .git.
+    (device / ".gpu-kit" / "call1").mkdir(parents=True)
+    (device / ".gpu-kit" / "call1" / "tree-commit.txt").write_text((repo / ".gpu-kit" / "call1" / "tree-commit.txt").read_text())
+    monkeypatch.setattr(e2e, "REPO", device)
+    assert e2e.tree_commit() == head + "+dirty (recorded by kit.py)"

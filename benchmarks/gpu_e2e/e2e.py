@@ -513,12 +513,22 @@ def environment(variant: str) -> dict[str, Any]:
                                               timeout=120).stdout.strip().splitlines()[-1]))
     except Exception as error:
         info["versions_error"] = str(error)
-    try:
-        info["kvcompress_commit"] = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"],
-                                                   capture_output=True, text=True).stdout.strip() or None
-    except OSError:
-        info["kvcompress_commit"] = None
+    info["kvcompress_commit"] = tree_commit()
     return info
+
+
+def tree_commit() -> str | None:
+    """This checkout's commit; on the GPU machine (no ``.git``) the one ``kit.py``
+    recorded when it last built or checked the kit."""
+    try:
+        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
+                                text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    recorded = sorted(REPO.glob(".gpu-kit/call*/tree-commit.txt"))
+    if not commit and recorded:
+        commit = recorded[0].read_text().strip() + " (recorded by kit.py)"
+    return commit or None
 
 
 def run_all(out_dir: Path, profile: Profile, plan, budget_s: float, child=None) -> dict[str, Any]:

@@ -335,6 +335,22 @@ def build(kit: Path = KIT_DIR, layout: str = "one") -> dict:
     return manifest
 
 
+TREE_COMMIT = "tree-commit.txt"
+
+
+def write_tree_commit(kit: Path, repo: Path = REPO) -> str:
+    """This checkout's commit (``+dirty`` with uncommitted changes) into the first call
+    folder: the device gets the tree without ``.git``, and ``e2e.py`` reads it there."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True).stdout.strip()
+
+    commit = git("rev-parse", "HEAD") + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    calls = sorted(p for p in kit.glob("call*") if p.is_dir())
+    if calls:
+        (calls[0] / TREE_COMMIT).write_text(commit + "\n")
+    return commit
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kit", type=Path, default=KIT_DIR)
@@ -348,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
             p = manifest["pruning"]
             print(f"Hopper-only .so: {p['fat_binaries']} fat binaries, {p['bytes_zeroed'] / MiB:.1f} MiB of "
                   f"other generations' code zeroed, {p['bytes_kept'] / MiB:.1f} MiB kept")
+    write_tree_commit(args.kit)
     try:
         lines = check_calls(args.kit, tree_bytes())
     except ValueError as error:
