@@ -237,6 +237,8 @@ def test_profiles_give_vllm_arguments_it_accepts():
         assert profile.stock_args()["attention_backend"] == "TRITON_ATTN"
         assert profile.graph_args()["compilation_config"]["cudagraph_mode"] == "FULL_DECODE_ONLY"
         assert ("custom_ops" in profile.graph_args()["compilation_config"]) == (variant == "stub")
+        assert profile.graph_args(16)["compilation_config"]["cudagraph_capture_sizes"] == [1, 2, 4, 8, 16]
+        assert profile.graph_args()["compilation_config"]["cudagraph_capture_sizes"][-1] == 128
     assert e2e.Profile(gpu=False, variant="cpu").stock_args() == {"enforce_eager": True}
     # Throughput: the backend goes to stock alone (kvcompress refuses any but its own).
     both, eager, stock_only = e2e.throughput_engine_args(e2e.Profile(gpu=True, variant="real"))

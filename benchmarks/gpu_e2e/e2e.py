@@ -53,6 +53,7 @@ REPO = BENCHMARKS.parent
 
 TINY = dict(num_layers=4, num_q_heads=8, num_kv_heads=2, head_dim=64)
 TINY_KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 4  # layers x (K, V) x KV heads x head dim x fp32
+TINY_MAX_SEQS = 16
 # Llama-3.1-8B and Llama-3.2-1B shapes (random weights: throughput is fair, quality is not).
 SHAPES = {
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -199,13 +200,15 @@ class Profile:
     gpu: bool
     variant: str  # "real" (vLLM's compiled ops), "stub" (PyTorch ops only), "cpu"
 
-    def graph_args(self) -> dict[str, Any]:
+    def graph_args(self, max_num_seqs: int = 128) -> dict[str, Any]:
         """Full CUDA graphs for decode-only steps, no torch.compile (torch 2.11 on the
-        H200 against vLLM's 2.13 pin: Dynamo is the riskiest part)."""
+        H200 against vLLM's 2.13 pin: Dynamo is the riskiest part); batches of powers of
+        two up to ``max_num_seqs`` rows (a decode step has no more)."""
         if not self.gpu:
             return {"enforce_eager": True}
+        sizes = [1 << k for k in range(8) if 1 << k <= max_num_seqs]
         compilation: dict[str, Any] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
-                                       "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64, 128]}
+                                       "cudagraph_capture_sizes": sizes}
         args: dict[str, Any] = {"enforce_eager": False, "compilation_config": compilation}
         if self.variant == "stub":
             # No vllm._C: vLLM's own norms, activation and RoPE in PyTorch.
@@ -213,16 +216,16 @@ class Profile:
             args["kernel_config"] = {"ir_op_priority": {"rms_norm": ["native"], "fused_add_rms_norm": ["native"]}}
         return args
 
-    def eager_args(self) -> dict[str, Any]:
-        args = self.graph_args()
+    def eager_args(self, max_num_seqs: int = 128) -> dict[str, Any]:
+        args = self.graph_args(max_num_seqs)
         args["enforce_eager"] = True
         args.pop("compilation_config", None)
         if self.variant == "stub":
             args["compilation_config"] = {"mode": 0, "custom_ops": ["none"]}
         return args
 
-    def stock_args(self) -> dict[str, Any]:
-        args = self.graph_args()
+    def stock_args(self, max_num_seqs: int = 128) -> dict[str, Any]:
+        args = self.graph_args(max_num_seqs)
         if self.gpu:
             args["attention_backend"] = "TRITON_ATTN"
         return args
@@ -236,7 +239,7 @@ def tiny_model() -> str:
 
 
 def tiny_args(kv_tokens: int) -> dict[str, Any]:
-    return dict(skip_tokenizer_init=True, dtype="float32", max_model_len=1024, max_num_seqs=16,
+    return dict(skip_tokenizer_init=True, dtype="float32", max_model_len=1024, max_num_seqs=TINY_MAX_SEQS,
                 max_num_batched_tokens=256, enable_prefix_caching=False, seed=0,
                 kv_cache_memory_bytes=kv_tokens * TINY_KV_BYTES_PER_TOKEN)
 
@@ -311,10 +314,10 @@ def case_rate1(profile: Profile, out: CaseOutput) -> None:
 
     model, prompts = tiny_model(), tiny_prompts(16)
     args = tiny_args(kv_tokens=16 * 720)
-    stock = vllm.LLM(model=model, **args, **profile.stock_args())
+    stock = vllm.LLM(model=model, **args, **profile.stock_args(TINY_MAX_SEQS))
     stock_tokens, stock_logprobs = _generate(stock, prompts, _greedy(96))
     shutdown(stock)
-    kvc = kvcompress.LLM(model, kv_compress_rate=1, **args, **profile.graph_args())
+    kvc = kvcompress.LLM(model, kv_compress_rate=1, **args, **profile.graph_args(TINY_MAX_SEQS))
     kvc_tokens, kvc_logprobs = _generate(kvc, prompts, _greedy(96))
     out["backend"] = kvc.collective_rpc("kvcompress_pages_used")[0].get("attention_backend")
     shutdown(kvc)
@@ -355,8 +358,8 @@ def _idle_pages(run: dict[str, Any]) -> dict[str, Any]:
 
 def case_graphs(profile: Profile, out: CaseOutput) -> None:
     model, prompts = tiny_model(), tiny_prompts(16, seed=1)
-    graph = _rate8_run(model, prompts, profile.graph_args(), profile)
-    eager = _rate8_run(model, prompts, profile.eager_args(), profile)
+    graph = _rate8_run(model, prompts, profile.graph_args(TINY_MAX_SEQS), profile)
+    eager = _rate8_run(model, prompts, profile.eager_args(TINY_MAX_SEQS), profile)
     agreement = token_agreement(eager["tokens"], graph["tokens"])
     out.update(
         tokens_equal=graph["tokens"] == eager["tokens"],
