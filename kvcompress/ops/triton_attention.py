@@ -40,7 +40,7 @@ import os
 import torch
 
 from kvcompress.ops.decode_by_slot import MAX_GRAPH_PARTITIONS
-from kvcompress.ops.kv_pool import KVPool, MetricSink, PagedBatch, SlotBatch
+from kvcompress.ops.kv_pool import KVPool, MetricSink, PagedBatch, SlotBatch, host_to_device
 
 try:  # pragma: no cover - exercised where triton exists
     import triton
@@ -450,7 +450,7 @@ def _batch_plan(query_start_loc: list[int], block_q: int, device: torch.device):
                 blk_end.append(end)
     decode = _decode_rows(query_start_loc, device)
     blocks = (
-        _host_to_device(torch.tensor([blk_seq, blk_start, blk_end], dtype=torch.int64), device)
+        host_to_device(torch.tensor([blk_seq, blk_start, blk_end], dtype=torch.int64), device)
         if blk_seq
         else None
     )
@@ -470,7 +470,7 @@ def _decode_rows(query_start_loc: list[int], device: torch.device) -> torch.Tens
         if len(_PLAN_CACHE) >= _PLAN_CACHE_SIZE:
             _PLAN_CACHE.pop(next(iter(_PLAN_CACHE)))
         _PLAN_CACHE[key] = (
-            _host_to_device(torch.tensor(rows, dtype=torch.int32).t().contiguous(), device) if rows else None
+            host_to_device(torch.tensor(rows, dtype=torch.int32).t().contiguous(), device) if rows else None
         )
     return _PLAN_CACHE[key]
 
@@ -481,15 +481,6 @@ def _plan_device(device: torch.device) -> torch.device:
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
-
-
-def _host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A plan tensor built on the host, on ``device``. On CUDA through pinned memory
-    and a non-blocking copy: a copy from pageable memory waits for the stream (measured
-    on an H200 with ``torch.cuda.set_sync_debug_mode``), here at a step's first layer."""
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
 
 
 def _dot_config(query: torch.Tensor, key_cache: torch.Tensor):

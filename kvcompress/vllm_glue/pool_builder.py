@@ -15,13 +15,12 @@ from dataclasses import dataclass
 import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 
-from kvcompress.ops import PerHeadPagedCache
+from kvcompress.ops import KernelOps, PerHeadPagedCache
 from kvcompress.ops.dispatch import resolve_ops
 from kvcompress.ops.expected_attention import RopeFrequencies
 from kvcompress.page_accounting import cache_sequence_slots
 from kvcompress.vllm_glue.kv_layout import pages_in_buffer, pages_in_pool, single_full_attention_group
 from kvcompress.vllm_glue.step import DecodeBuffers, WorkerCacheState
-from kvcompress.vllm_glue.warm_up import page_views
 
 
 @dataclass(frozen=True)
@@ -86,6 +85,16 @@ def kv_pages(kv_cache: torch.Tensor, shape: PoolShape) -> torch.Tensor:
             f"KV buffer of {flat.numel()} bytes cannot hold {shape.buffer_pages} pages of {shape.page_bytes} bytes"
         )
     return flat[:needed].view(shape.dtype).view(2, shape.buffer_pages, shape.block_size, shape.head_dim)
+
+
+def page_views(buffer: torch.Tensor, ops: KernelOps) -> tuple[torch.Tensor, torch.Tensor]:
+    """K / V ``[num_pages, block_size, head_dim]`` views of ``buffer [2, N, b, D]``: in
+    vLLM's CPU kernel layout when the attention runs on it, else row-major."""
+    if ops.kernel_page_layout:
+        from kvcompress.ops import cpu_attention
+
+        return cpu_attention.pool_views(buffer)
+    return buffer[0], buffer[1]
 
 
 def build_cache(shape: PoolShape, vllm_config, ops, device: torch.device) -> PerHeadPagedCache:

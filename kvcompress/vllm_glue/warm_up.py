@@ -28,6 +28,7 @@ import torch
 from kvcompress.ops import KernelOps, PerHeadPagedCache, pages_for
 from kvcompress.ops.flattened import flat_query_starts
 from kvcompress.vllm_glue import step as step_state
+from kvcompress.vllm_glue.pool_builder import page_views
 from kvcompress.vllm_glue.step import MetricQueries, PerHeadStep, StepTables, WorkerCacheState
 
 # The name the warm-up's attention layer goes by in its scratch pool.
@@ -58,16 +59,6 @@ def warm_up_plans() -> tuple[tuple[WarmUpRow, ...], ...]:
 
 
 METRIC_ROW = 2  # the first decode row of every plan
-
-
-def page_views(buffer: torch.Tensor, ops: KernelOps) -> tuple[torch.Tensor, torch.Tensor]:
-    """K / V ``[num_pages, block_size, head_dim]`` views of ``buffer [2, N, b, D]``: in
-    vLLM's CPU kernel layout when the attention runs on it, else row-major."""
-    if ops.kernel_page_layout:
-        from kvcompress.ops import cpu_attention
-
-        return cpu_attention.pool_views(buffer)
-    return buffer[0], buffer[1]
 
 
 def mixed_warm_up_due(ops: KernelOps, vllm_config) -> bool:
