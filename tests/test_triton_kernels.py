@@ -665,8 +665,10 @@ def test_dispatch_cuda_branch_with_stand_in_ops(monkeypatch):
     decode-only batches (with metrics) reach the op with the right arguments, mixed
     batches and unsupported shapes go to Triton, move_cache reaches its op."""
     ops = _fake_cuda_ops()
-    monkeypatch.setattr(dispatch, "_cuda_unavailable_reason", lambda device, op: None)
-    monkeypatch.setattr(dispatch, "_cuda_op", lambda op: ops[op])
+    from kvcompress.ops import backend_cuda
+
+    monkeypatch.setattr(backend_cuda.BACKEND, "unavailable_reason", lambda device, op: None)
+    monkeypatch.setattr(backend_cuda.BACKEND, "op", lambda op: ops[op])
     monkeypatch.setenv(dispatch.ENV_VAR, "cuda")
     _fake_calls.clear()
     query, pool, batch, scale = _small_decode_case()
