@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -98,6 +99,34 @@ if HAS_TRITON:
         return page.to(tl.int64)
 
     @triton.jit
+    def _load_group_query(q_ptr, tok, qh, row_ok, d, d_ok, stride_qt, stride_qh, stride_qd):
+        """Query token ``tok``'s heads ``qh`` (the group of one KV head) ``[GROUP_PAD, HEAD_PAD]``."""
+        return tl.load(
+            q_ptr + tok * stride_qt + qh[:, None] * stride_qh + d[None, :] * stride_qd,
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+
+    @triton.jit
+    def _key_tile(
+        k_ptr, pos_ptr, bt_base, chunk_ptr, slot, part_end, qpos, d, d_ok,
+        stride_kn, stride_kb, stride_kd, stride_pn, stride_pb, stride_bp,
+        BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr,
+    ):
+        """One tile of a head's logical slots ``slot`` (those below ``part_end`` held):
+        ``(page, offset, held, visible to a query at qpos, keys [TILE, HEAD_PAD])``."""
+        held = slot < part_end
+        page = _page_ids(bt_base, chunk_ptr, slot, held, stride_bp, BLOCK_SIZE, CHUNK)
+        off = slot % BLOCK_SIZE
+        kpos = tl.load(pos_ptr + page * stride_pn + off * stride_pb, mask=held, other=0)
+        visible = held & (kpos <= qpos)
+        k = tl.load(
+            k_ptr + page[:, None] * stride_kn + off[:, None] * stride_kb + d[None, :] * stride_kd,
+            mask=held[:, None] & d_ok[None, :], other=0.0,
+        )
+        return page, off, held, visible, k
+
+    @triton.jit
     def _decode_kernel(
         q_ptr, k_ptr, v_ptr, pos_ptr, bt_ptr, chunk_ptr, lens_ptr, qpos_ptr,
         dec_seq_ptr, dec_tok_ptr,
@@ -134,11 +163,7 @@ if HAS_TRITON:
         qh = h * GROUP + rows
         d = tl.arange(0, HEAD_PAD)
         d_ok = d < HEAD_DIM
-        q = tl.load(
-            q_ptr + tok * stride_qt + qh[:, None] * stride_qh + d[None, :] * stride_qd,
-            mask=row_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
+        q = _load_group_query(q_ptr, tok, qh, row_ok, d, d_ok, stride_qt, stride_qh, stride_qd)
         qpos = tl.load(qpos_ptr + tok)
 
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -147,17 +172,11 @@ if HAS_TRITON:
         cols = tl.arange(0, TILE)
         bt_base = bt_ptr + seq * stride_bs + h * stride_bh
         for start in range(part_start, part_end, TILE):
-            slot = start + cols
-            held = slot < part_end
-            page = _page_ids(bt_base, chunk_ptr, slot, held, stride_bp, BLOCK_SIZE, CHUNK)
-            off = slot % BLOCK_SIZE
-            kpos = tl.load(pos_ptr + page * stride_pn + off * stride_pb, mask=held, other=0)
-            visible = held & (kpos <= qpos)
-            kv_mask = held[:, None] & d_ok[None, :]
-            k = tl.load(
-                k_ptr + page[:, None] * stride_kn + off[:, None] * stride_kb + d[None, :] * stride_kd,
-                mask=kv_mask, other=0.0,
+            page, off, held, visible, k = _key_tile(
+                k_ptr, pos_ptr, bt_base, chunk_ptr, start + cols, part_end, qpos, d, d_ok,
+                stride_kn, stride_kb, stride_kd, stride_pn, stride_pb, stride_bp, BLOCK_SIZE, CHUNK,
             )
+            kv_mask = held[:, None] & d_ok[None, :]
             s = _dot(q, tl.trans(k), DOT_DTYPE, EMULATE, PRECISION) * scale
             s = tl.where(visible[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -304,24 +323,14 @@ if HAS_TRITON:
 
         d = tl.arange(0, HEAD_PAD)
         d_ok = d < HEAD_DIM
-        q = tl.load(
-            q_ptr + tok * stride_qt + qh[:, None] * stride_qh + d[None, :] * stride_qd,
-            mask=row_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
+        q = _load_group_query(q_ptr, tok, qh, row_ok, d, d_ok, stride_qt, stride_qh, stride_qd)
         qpos = tl.load(qpos_ptr + tok)
         cols = tl.arange(0, TILE)
         bt_base = bt_ptr + seq * stride_bs + h * stride_bh
         for start in range(part_start, part_end, TILE):
-            slot = start + cols
-            held = slot < part_end
-            page = _page_ids(bt_base, chunk_ptr, slot, held, stride_bp, BLOCK_SIZE, CHUNK)
-            off = slot % BLOCK_SIZE
-            kpos = tl.load(pos_ptr + page * stride_pn + off * stride_pb, mask=held, other=0)
-            visible = held & (kpos <= qpos)
-            k = tl.load(
-                k_ptr + page[:, None] * stride_kn + off[:, None] * stride_kb + d[None, :] * stride_kd,
-                mask=held[:, None] & d_ok[None, :], other=0.0,
+            page, off, held, visible, k = _key_tile(
+                k_ptr, pos_ptr, bt_base, chunk_ptr, start + cols, part_end, qpos, d, d_ok,
+                stride_kn, stride_kb, stride_kd, stride_pn, stride_pb, stride_bp, BLOCK_SIZE, CHUNK,
             )
             s = _dot(q, tl.trans(k), DOT_DTYPE, EMULATE, PRECISION) * scale
             prob = tl.exp(s - m_safe[:, None]) * inv_norm[:, None]
@@ -666,6 +675,70 @@ def decode_workspace_bytes(num_rows: int, num_q_heads: int, head_dim: int) -> in
     return max(min(several, DECODE_WORKSPACE_BYTES), one)
 
 
+@dataclass(frozen=True)
+class _DecodeShape:
+    """Sizes and kernel constants of one decode launch (:func:`_decode_shape`).
+
+    Attributes:
+        num_rows: decode rows ``B``; num_q_heads / num_kv_heads: ``Hq`` / ``H``;
+            group: ``G = Hq / H``; group_pad: ``G`` padded for ``tl.dot`` (>= 16).
+        head_dim: ``D``; head_pad: ``D`` padded to a power of two (>= 16).
+        block_size: slots per page; tile: keys per loop step; part_tokens: keys per
+            partition; num_parts: partitions of the longest head.
+        dot: ``(operand dtype, emulate bf16, input precision)`` (:func:`_dot_config`).
+        chunk: pages per chunk of two-level tables (0: one level).
+    """
+
+    num_rows: int
+    num_q_heads: int
+    num_kv_heads: int
+    group: int
+    group_pad: int
+    head_dim: int
+    head_pad: int
+    block_size: int
+    tile: int
+    part_tokens: int
+    num_parts: int
+    dot: tuple
+    chunk: int
+
+    @property
+    def single(self) -> bool:
+        """One partition: the decode kernel writes the output itself (no reduce)."""
+        return self.num_parts == 1
+
+    @property
+    def part_block(self) -> int:
+        """Partitions the reduce and metric kernels read per step."""
+        return min(64, max(16, _next_pow2(self.num_parts)))
+
+
+def _decode_shape(
+    query: torch.Tensor, pool: KVPool, block_tables: torch.Tensor, num_rows: int, max_head_len: int,
+    partition_size: int, chunks: torch.Tensor | None,
+) -> _DecodeShape:
+    """The :class:`_DecodeShape` of a decode launch over ``num_rows`` rows and heads of
+    up to ``max_head_len`` keys (partitions from :func:`_decode_partitions`)."""
+    num_q_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = block_tables.shape[1]
+    block_size = pool.key_cache.shape[1]
+    head_pad = max(16, _next_pow2(head_dim))
+    dot = _dot_config(query, pool.key_cache)
+    wide = head_pad * (4 if dot[0] == tl.float32 else 2) > 512
+    tile_pages = max(1, (32 if wide else 64) // block_size)
+    pages_per_part, num_parts = _decode_partitions(
+        num_rows, num_q_heads, head_pad, max(1, int(max_head_len)), partition_size, block_size, tile_pages,
+    )
+    return _DecodeShape(
+        num_rows=num_rows, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+        group=num_q_heads // num_kv_heads, group_pad=max(16, _next_pow2(num_q_heads // num_kv_heads)),
+        head_dim=head_dim, head_pad=head_pad, block_size=block_size,
+        tile=block_size * math.gcd(pages_per_part, tile_pages), part_tokens=pages_per_part * block_size,
+        num_parts=num_parts, dot=dot, chunk=0 if chunks is None else chunks.shape[1],
+    )
+
+
 def _launch_decode(
     query, pool, block_tables, head_lens, query_positions, rows, out, scale, max_head_len, partition_size,
     metric_flags, metric_power, chunks=None,
@@ -683,101 +756,98 @@ def _launch_decode(
     is at most :func:`decode_workspace_bytes` (:func:`_decode_partitions`).
     """
     dec_seq, dec_tok = rows
-    key_cache, slot_positions, slot_metrics = pool.key_cache, pool.slot_positions, pool.slot_metrics
-    num_decodes = dec_seq.shape[0]
-    num_q_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads = block_tables.shape[1]
-    group = num_q_heads // num_kv_heads
-    block_size = key_cache.shape[1]
-    device = query.device
-    head_pad = max(16, _next_pow2(head_dim))
-    dot_dtype, emulate, precision = _dot_config(query, key_cache)
-    wide = head_pad * (4 if dot_dtype == tl.float32 else 2) > 512
-    max_head_len = max(1, int(max_head_len))
-    pages_per_part, num_parts = _decode_partitions(
-        num_decodes, num_q_heads, head_pad, max_head_len, partition_size, block_size,
-        max(1, (32 if wide else 64) // block_size),
-    )
-    pages_per_tile = math.gcd(pages_per_part, max(1, (32 if wide else 64) // block_size))
-    tile = block_size * pages_per_tile
-    part_tokens = pages_per_part * block_size
-    single = num_parts == 1
     want_metrics = metric_flags is not None
     write_out = out is not None
     if not (write_out or want_metrics):
         raise ValueError("a decode launch needs an output or metric flags")
-    if out is None:
-        out = query  # never written (WRITE_OUT off): its strides fill the kernels' arguments
-    write_stats = want_metrics or not single
-    group_pad = max(16, _next_pow2(group))
-    f32 = torch.float32
-    if write_stats:
-        part_max = torch.empty(num_decodes, num_q_heads, num_parts, dtype=f32, device=device)
-        part_sum = torch.empty(num_decodes, num_q_heads, num_parts, dtype=f32, device=device)
-    else:
-        part_max = part_sum = out  # unused
-    if single or not write_out:
-        part_out = out  # unused
-    else:
-        part_out = torch.empty(num_decodes, num_q_heads, num_parts, head_pad, dtype=f32, device=device)
-
     if chunks is not None and not chunks.is_contiguous():
         raise ValueError("the page-table chunks must be contiguous")
-    chunk = 0 if chunks is None else chunks.shape[1]
+    shape = _decode_shape(query, pool, block_tables, dec_seq.shape[0], max_head_len, partition_size, chunks)
+    if out is None:
+        out = query  # never written (WRITE_OUT off): its strides fill the kernels' arguments
+    write_stats = want_metrics or not shape.single
+    f32, device = torch.float32, query.device
+    stats_shape = (shape.num_rows, shape.num_q_heads, shape.num_parts)
+    if write_stats:
+        part_max = torch.empty(stats_shape, dtype=f32, device=device)
+        part_sum = torch.empty(stats_shape, dtype=f32, device=device)
+    else:
+        part_max = part_sum = out  # unused
+    if shape.single or not write_out:
+        part_out = out  # unused
+    else:
+        part_out = torch.empty((*stats_shape, shape.head_pad), dtype=f32, device=device)
+
     chunk_ptr = block_tables if chunks is None else chunks
-    _decode_kernel[(num_decodes, num_kv_heads, num_parts)](
-        query, key_cache, pool.value_cache, slot_positions, block_tables, chunk_ptr, head_lens, query_positions,
-        dec_seq, dec_tok,
+    dot_dtype, emulate, precision = shape.dot
+    _decode_kernel[(shape.num_rows, shape.num_kv_heads, shape.num_parts)](
+        query, pool.key_cache, pool.value_cache, pool.slot_positions, block_tables, chunk_ptr, head_lens,
+        query_positions, dec_seq, dec_tok,
         out, part_out, part_max, part_sum,
         float(scale),
         *query.stride(),
         *_common_strides(pool, block_tables, head_lens, out),
-        num_q_heads, num_parts,
-        GROUP=group, GROUP_PAD=group_pad,
-        HEAD_DIM=head_dim, HEAD_PAD=head_pad,
-        BLOCK_SIZE=block_size, TILE=tile, PART_TOKENS=part_tokens,
-        SINGLE_PARTITION=single, WRITE_STATS=write_stats, WRITE_OUT=write_out,
-        DOT_DTYPE=dot_dtype, EMULATE=emulate, PRECISION=precision, CHUNK=chunk,
-        num_warps=8 if head_pad >= 256 else 4,
+        shape.num_q_heads, shape.num_parts,
+        GROUP=shape.group, GROUP_PAD=shape.group_pad,
+        HEAD_DIM=shape.head_dim, HEAD_PAD=shape.head_pad,
+        BLOCK_SIZE=shape.block_size, TILE=shape.tile, PART_TOKENS=shape.part_tokens,
+        SINGLE_PARTITION=shape.single, WRITE_STATS=write_stats, WRITE_OUT=write_out,
+        DOT_DTYPE=dot_dtype, EMULATE=emulate, PRECISION=precision, CHUNK=shape.chunk,
+        num_warps=8 if shape.head_pad >= 256 else 4,
     )
-    part_block = min(64, max(16, _next_pow2(num_parts)))
-    if write_out and not single:
-        _decode_reduce_kernel[(num_decodes, num_q_heads)](
+    if write_out and not shape.single:
+        _decode_reduce_kernel[(shape.num_rows, shape.num_q_heads)](
             head_lens, dec_seq, dec_tok,
             out, part_out, part_max, part_sum,
             *head_lens.stride(),
             *out.stride(),
-            num_q_heads, num_parts,
-            GROUP=group, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
-            PART_TOKENS=part_tokens, PART_BLOCK=part_block,
+            shape.num_q_heads, shape.num_parts,
+            GROUP=shape.group, HEAD_DIM=shape.head_dim, HEAD_PAD=shape.head_pad,
+            PART_TOKENS=shape.part_tokens, PART_BLOCK=shape.part_block,
+        )
+    if want_metrics:
+        _launch_decode_metrics(
+            query, pool, block_tables, chunk_ptr, head_lens, query_positions, rows, metric_flags,
+            (part_max, part_sum), scale, metric_power, shape,
         )
 
-    if want_metrics:
-        if slot_metrics.dtype != torch.float32:
-            raise TypeError("slot_metrics must be float32")
-        power = float(metric_power)
-        if power <= 0:
-            raise ValueError(f"metric_power must be positive, got {metric_power}")
-        int_power = int(power) if power.is_integer() and power <= 8 else 0
-        _decode_metric_kernel[(num_decodes, num_kv_heads, num_parts)](
-            query, key_cache, slot_positions, block_tables, chunk_ptr, head_lens, query_positions,
-            dec_seq, dec_tok, metric_flags,
-            part_max, part_sum, slot_metrics,
-            float(scale), power,
-            *query.stride(),
-            *key_cache.stride(),
-            *slot_positions.stride(),
-            *block_tables.stride(),
-            *head_lens.stride(),
-            *slot_metrics.stride(),
-            num_q_heads, num_parts,
-            GROUP=group, GROUP_PAD=group_pad,
-            HEAD_DIM=head_dim, HEAD_PAD=head_pad,
-            BLOCK_SIZE=block_size, TILE=tile, PART_TOKENS=part_tokens,
-            PART_BLOCK=part_block, INT_POWER=int_power,
-            DOT_DTYPE=dot_dtype, EMULATE=emulate, PRECISION=precision, CHUNK=chunk,
-            num_warps=4,
-        )
+
+def _launch_decode_metrics(
+    query, pool, block_tables, chunk_ptr, head_lens, query_positions, rows, metric_flags, stats,
+    scale, metric_power, shape: _DecodeShape,
+) -> None:
+    """The metric kernel of a decode launch (:func:`_launch_decode`): the flagged rows
+    add ``sum_over_group(prob ** metric_power)`` to ``pool.slot_metrics``, normalised by
+    the decode kernel's per-partition maxima and sums ``stats = (part_max, part_sum)``
+    ``[B, Hq, parts]``."""
+    slot_metrics, slot_positions = pool.slot_metrics, pool.slot_positions
+    if slot_metrics.dtype != torch.float32:
+        raise TypeError("slot_metrics must be float32")
+    power = float(metric_power)
+    if power <= 0:
+        raise ValueError(f"metric_power must be positive, got {metric_power}")
+    int_power = int(power) if power.is_integer() and power <= 8 else 0
+    dec_seq, dec_tok = rows
+    dot_dtype, emulate, precision = shape.dot
+    _decode_metric_kernel[(shape.num_rows, shape.num_kv_heads, shape.num_parts)](
+        query, pool.key_cache, slot_positions, block_tables, chunk_ptr, head_lens, query_positions,
+        dec_seq, dec_tok, metric_flags,
+        *stats, slot_metrics,
+        float(scale), power,
+        *query.stride(),
+        *pool.key_cache.stride(),
+        *slot_positions.stride(),
+        *block_tables.stride(),
+        *head_lens.stride(),
+        *slot_metrics.stride(),
+        shape.num_q_heads, shape.num_parts,
+        GROUP=shape.group, GROUP_PAD=shape.group_pad,
+        HEAD_DIM=shape.head_dim, HEAD_PAD=shape.head_pad,
+        BLOCK_SIZE=shape.block_size, TILE=shape.tile, PART_TOKENS=shape.part_tokens,
+        PART_BLOCK=shape.part_block, INT_POWER=int_power,
+        DOT_DTYPE=dot_dtype, EMULATE=emulate, PRECISION=precision, CHUNK=shape.chunk,
+        num_warps=4,
+    )
 
 
 def paged_decode_by_slot_triton(

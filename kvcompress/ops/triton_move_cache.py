@@ -32,6 +32,15 @@ __all__ = ["HAS_TRITON", "move_cache_triton"]
 if HAS_TRITON:
 
     @triton.jit
+    def _copy_rows(ptr, src_page, src_off, dst_page, dst_off, d, row_mask, stride_n, stride_b, stride_d):
+        """Copy the ``[MOVES, HEAD_PAD]`` rows at (src_page, src_off) of one cache to
+        (dst_page, dst_off), in the storage dtype."""
+        rows = tl.load(ptr + src_page[:, None] * stride_n + src_off[:, None] * stride_b + d[None, :] * stride_d,
+                       mask=row_mask)
+        tl.store(ptr + dst_page[:, None] * stride_n + dst_off[:, None] * stride_b + d[None, :] * stride_d,
+                 rows, mask=row_mask)
+
+    @triton.jit
     def _move_cache_kernel(
         k_ptr, v_ptr, metric_ptr, pos_ptr,
         src_page_ptr, src_off_ptr, dst_page_ptr, dst_off_ptr,
@@ -51,24 +60,8 @@ if HAS_TRITON:
         d = tl.arange(0, HEAD_PAD)
         row_mask = ok[:, None] & (d < HEAD_DIM)[None, :]
 
-        k = tl.load(
-            k_ptr + src_page[:, None] * stride_kn + src_off[:, None] * stride_kb + d[None, :] * stride_kd,
-            mask=row_mask,
-        )
-        tl.store(
-            k_ptr + dst_page[:, None] * stride_kn + dst_off[:, None] * stride_kb + d[None, :] * stride_kd,
-            k,
-            mask=row_mask,
-        )
-        v = tl.load(
-            v_ptr + src_page[:, None] * stride_vn + src_off[:, None] * stride_vb + d[None, :] * stride_vd,
-            mask=row_mask,
-        )
-        tl.store(
-            v_ptr + dst_page[:, None] * stride_vn + dst_off[:, None] * stride_vb + d[None, :] * stride_vd,
-            v,
-            mask=row_mask,
-        )
+        _copy_rows(k_ptr, src_page, src_off, dst_page, dst_off, d, row_mask, stride_kn, stride_kb, stride_kd)
+        _copy_rows(v_ptr, src_page, src_off, dst_page, dst_off, d, row_mask, stride_vn, stride_vb, stride_vd)
         metric = tl.load(metric_ptr + src_page * stride_mn + src_off * stride_mb, mask=ok)
         tl.store(metric_ptr + dst_page * stride_mn + dst_off * stride_mb, metric, mask=ok)
         position = tl.load(pos_ptr + src_page * stride_pn + src_off * stride_pb, mask=ok)
