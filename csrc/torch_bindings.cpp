@@ -74,6 +74,29 @@ int num_sms(int device) {
   return count;
 }
 
+// The pool's tensors as both kernels' parameter structs name them (PagedDecodeParams,
+// MoveCacheParams): data pointers and page / slot strides.
+template <typename Params>
+void set_pool_caches(Params& p, const Tensor& key_cache, const Tensor& value_cache,
+                     const Tensor& slot_positions) {
+  p.key_cache = key_cache.data_ptr();
+  p.k_stride_page = key_cache.stride(0);
+  p.k_stride_slot = key_cache.stride(1);
+  p.value_cache = value_cache.data_ptr();
+  p.v_stride_page = value_cache.stride(0);
+  p.v_stride_slot = value_cache.stride(1);
+  p.slot_positions = slot_positions.data_ptr<int32_t>();
+  p.pos_stride_page = slot_positions.stride(0);
+  p.pos_stride_slot = slot_positions.stride(1);
+}
+
+template <typename Params>
+void set_slot_metrics(Params& p, const Tensor& slot_metrics) {
+  p.slot_metrics = slot_metrics.data_ptr<float>();
+  p.metric_stride_page = slot_metrics.stride(0);
+  p.metric_stride_slot = slot_metrics.stride(1);
+}
+
 // Schema in TORCH_LIBRARY below. partition_size 0 picks one
 // (paged_decode_default_partition_size); max_head_len, when given, must be >= every
 // head_lens entry and narrows the partition grid to ceil(max_head_len / block_size)
@@ -178,15 +201,7 @@ void paged_decode_attention(Tensor& out, const Tensor& query, const Tensor& key_
   p.query = query.data_ptr();
   p.q_stride_seq = query.stride(0);
   p.q_stride_head = query.stride(1);
-  p.key_cache = key_cache.data_ptr();
-  p.k_stride_page = key_cache.stride(0);
-  p.k_stride_slot = key_cache.stride(1);
-  p.value_cache = value_cache.data_ptr();
-  p.v_stride_page = value_cache.stride(0);
-  p.v_stride_slot = value_cache.stride(1);
-  p.slot_positions = slot_positions.data_ptr<int32_t>();
-  p.pos_stride_page = slot_positions.stride(0);
-  p.pos_stride_slot = slot_positions.stride(1);
+  set_pool_caches(p, key_cache, value_cache, slot_positions);
   p.block_tables = block_tables.data_ptr<int64_t>();
   p.bt_stride_seq = block_tables.stride(0);
   p.bt_stride_head = block_tables.stride(1);
@@ -209,9 +224,7 @@ void paged_decode_attention(Tensor& out, const Tensor& query, const Tensor& key_
   p.tmp_out = workspace.tmp_out ? tmp_out.data_ptr<float>() : nullptr;
   if (metrics) {
     p.logits = logits.data_ptr<float>();
-    p.slot_metrics = slot_metrics->data_ptr<float>();
-    p.metric_stride_page = slot_metrics->stride(0);
-    p.metric_stride_slot = slot_metrics->stride(1);
+    set_slot_metrics(p, *slot_metrics);
     p.metric_seqs = reinterpret_cast<const uint8_t*>(metric_seqs.data_ptr<bool>());
     p.metric_power = static_cast<int>(metric_power);
   }
@@ -252,20 +265,10 @@ void move_cache(Tensor& key_cache, Tensor& value_cache, Tensor& slot_metrics, Te
   const Tensor dof = as_int64(dst_offsets).reshape({-1}).contiguous();
 
   kvcompress::MoveCacheParams p;
-  p.key_cache = key_cache.data_ptr();
-  p.k_stride_page = key_cache.stride(0);
-  p.k_stride_slot = key_cache.stride(1);
-  p.value_cache = value_cache.data_ptr();
-  p.v_stride_page = value_cache.stride(0);
-  p.v_stride_slot = value_cache.stride(1);
+  set_pool_caches(p, key_cache, value_cache, slot_positions);
+  set_slot_metrics(p, slot_metrics);
   p.element_size = static_cast<int>(key_cache.element_size());
   p.head_size = static_cast<int>(key_cache.size(2));
-  p.slot_metrics = slot_metrics.data_ptr<float>();
-  p.metric_stride_page = slot_metrics.stride(0);
-  p.metric_stride_slot = slot_metrics.stride(1);
-  p.slot_positions = slot_positions.data_ptr<int32_t>();
-  p.pos_stride_page = slot_positions.stride(0);
-  p.pos_stride_slot = slot_positions.stride(1);
   p.src_pages = sp.data_ptr<int64_t>();
   p.src_offsets = so.data_ptr<int64_t>();
   p.dst_pages = dp.data_ptr<int64_t>();

@@ -30,15 +30,19 @@ struct VecTraits<float> {
   }
 };
 
-template <>
-struct VecTraits<__half> {
+__device__ __forceinline__ float2 pair_to_float2(const __half2& h) { return __half22float2(h); }
+__device__ __forceinline__ float2 pair_to_float2(const __nv_bfloat162& h) { return __bfloat1622float2(h); }
+
+// Eight 16-bit elements (``Pair``: two of them) per vector: fp16 and bf16 alike.
+template <typename Pair>
+struct PairVecTraits {
   using Vec = uint4;
   static constexpr int kSize = 8;
   __device__ __forceinline__ static void to_float(const Vec& v, float* out) {
-    const __half2* h = reinterpret_cast<const __half2*>(&v);
+    const Pair* h = reinterpret_cast<const Pair*>(&v);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const float2 f = __half22float2(h[i]);
+      const float2 f = pair_to_float2(h[i]);
       out[2 * i] = f.x;
       out[2 * i + 1] = f.y;
     }
@@ -46,19 +50,10 @@ struct VecTraits<__half> {
 };
 
 template <>
-struct VecTraits<__nv_bfloat16> {
-  using Vec = uint4;
-  static constexpr int kSize = 8;
-  __device__ __forceinline__ static void to_float(const Vec& v, float* out) {
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = __bfloat1622float2(h[i]);
-      out[2 * i] = f.x;
-      out[2 * i + 1] = f.y;
-    }
-  }
-};
+struct VecTraits<__half> : PairVecTraits<__half2> {};
+
+template <>
+struct VecTraits<__nv_bfloat16> : PairVecTraits<__nv_bfloat162> {};
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
