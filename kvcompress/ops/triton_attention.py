@@ -99,6 +99,17 @@ if HAS_TRITON:
         return page.to(tl.int64)
 
     @triton.jit
+    def _online_softmax(s, m_i, l_i):
+        """One tile of online softmax over masked scores ``s [rows, TILE]`` (-inf: not
+        visible), given the running row maxima ``m_i`` and exp-sums ``l_i``: ``(p, alpha,
+        l_i, m_new)`` with ``p = exp(s - m_new)`` and ``alpha`` rescaling the old state."""
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
+
+    @triton.jit
     def _load_group_query(q_ptr, tok, qh, row_ok, d, d_ok, stride_qt, stride_qh, stride_qd):
         """Query token ``tok``'s heads ``qh`` (the group of one KV head) ``[GROUP_PAD, HEAD_PAD]``."""
         return tl.load(
@@ -178,12 +189,7 @@ if HAS_TRITON:
             )
             kv_mask = held[:, None] & d_ok[None, :]
             s = _dot(q, tl.trans(k), DOT_DTYPE, EMULATE, PRECISION) * scale
-            s = tl.where(visible[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
+            p, alpha, l_i, m_new = _online_softmax(tl.where(visible[None, :], s, float("-inf")), m_i, l_i)
             if WRITE_OUT:  # a metric pass needs only the maxima and sums: no V read
                 v = tl.load(
                     v_ptr + page[:, None] * stride_vn + off[:, None] * stride_vb + d[None, :] * stride_vd,
@@ -403,12 +409,7 @@ if HAS_TRITON:
                 mask=kv_mask, other=0.0,
             )
             s = _dot(q, tl.trans(k), DOT_DTYPE, EMULATE, PRECISION) * scale
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
+            p, alpha, l_i, m_new = _online_softmax(tl.where(visible, s, float("-inf")), m_i, l_i)
             v = tl.load(
                 v_ptr + page[:, None] * stride_vn + off[:, None] * stride_vb + d[None, :] * stride_vd,
                 mask=kv_mask, other=0.0,
