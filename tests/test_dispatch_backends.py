@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcompress.ops import backend_cuda, backend_triton, backend_vllm_cpu, backend_vllm_triton, dispatch
+from kvcompress.ops import backend_cuda, backend_triton, backend_vllm_triton, cpu_attention, dispatch
 from kvcompress.ops.backend import KernelBackend
 from kvcompress.ops.paged_attention import paged_attention as reference_attention
 
@@ -20,7 +20,7 @@ CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 
 def _stub_availability(monkeypatch, available: dict) -> None:
     """Backend name -> {(device type, op) it can run}; every other pair is unavailable."""
-    for module in (backend_cuda, backend_triton, backend_vllm_triton, backend_vllm_cpu):
+    for module in (backend_cuda, backend_triton, backend_vllm_triton, cpu_attention):
         pairs = available.get(module.BACKEND.name, set())
 
         def reason(device, op, pairs=pairs, name=module.BACKEND.name):
@@ -166,7 +166,7 @@ def test_dummy_backend_is_picked_for_what_it_supports(dummy):
     # It lacks the slot decode and the pool ops: the rest of the chain runs them.
     assert ops.backends["paged_attention"] == "dummy"
     assert ops.backends["paged_decode_by_slot"] == (
-        "vllm_cpu" if backend_vllm_cpu.BACKEND.unavailable_reason(CPU, "paged_attention") is None else "reference"
+        "vllm_cpu" if cpu_attention.BACKEND.unavailable_reason(CPU, "paged_attention") is None else "reference"
     )
     assert ops.backends["move_cache"] == ops.backends["fill_page_tables"] == "reference"
 

@@ -1,7 +1,7 @@
 """What a kernel backend is: the :class:`KernelBackend` every backend module implements.
 
 A backend is one object (one module each: ``backend_reference``, ``backend_cuda``,
-``backend_triton``, ``backend_vllm_triton``, ``backend_vllm_cpu``) that says whether it
+``backend_triton``, ``backend_vllm_triton``, ``cpu_attention``) that says whether it
 can run an op on a device (:meth:`~KernelBackend.unavailable_reason`, asked once when
 the ops are resolved), whether it takes one call's tensors
 (:meth:`~KernelBackend.supports`, asked at each call) and runs the ops it implements.

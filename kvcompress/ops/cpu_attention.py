@@ -37,6 +37,10 @@ The kernel returns no attention probabilities: decode rows that add to the evict
 metrics get them from :func:`kvcompress.ops.metrics.decode_metrics` (a separate pass
 over the selected rows only).
 
+This module is the ``vllm_cpu`` backend of :mod:`kvcompress.ops.dispatch`
+(:class:`VllmCpuBackend`, whose object owns the kernel's caches); its functions are
+what the engine's glue calls.
+
 Importable without vLLM; :func:`unavailable_reason` loads vLLM's kernels on first use.
 """
 
@@ -50,6 +54,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvcompress.ops.backend import ATTENTION_OPS, KernelBackend
 from kvcompress.ops.deferred_metrics import DeferredDecodeQueries
 from kvcompress.ops.flattened import decode_by_slot_flat, paged_attention_flat
 from kvcompress.ops.kv_pool import KVPool, MetricSink, PagedBatch, SlotBatch
@@ -59,14 +64,10 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # vLLM 0.32's CPU attention head sizes (``CPUAttentionBackend.get_supported_head_sizes``).
 KERNEL_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 
-_state: dict[str, str | None] = {}
-
-
 def unavailable_reason() -> str | None:
-    """None when vLLM's CPU attention kernel can run here, else why not (once per process)."""
-    if "reason" not in _state:
-        _state["reason"] = _probe_kernel()
-    return _state["reason"]
+    """None when vLLM's CPU attention kernel can run here, else why not (probed once,
+    by the backend object)."""
+    return BACKEND.kernel_unavailable_reason()
 
 
 def _probe_kernel() -> str | None:
@@ -135,10 +136,6 @@ def in_kernel_layout(pool: KVPool) -> bool:
     )
 
 
-# pool -> {dtype: supports_pool's answer}, dropped with the pool.
-_SUPPORTED: "weakref.WeakKeyDictionary[KVPool, dict[torch.dtype, bool]]" = weakref.WeakKeyDictionary()
-
-
 def supports(query: torch.Tensor, pool: KVPool) -> bool:
     """Whether the kernel takes this query and pool (else the reference runs)."""
     return query.device.type == "cpu" and supports_pool(query.dtype, pool)
@@ -147,37 +144,14 @@ def supports(query: torch.Tensor, pool: KVPool) -> bool:
 def supports_pool(dtype: torch.dtype, pool: KVPool) -> bool:
     """Whether the kernel takes queries of ``dtype`` over ``pool`` (the pool's head size,
     dtype, device and page layout; vLLM's kernels loadable). Decided once per pool and
-    dtype: a pool's tensors never change, and this is asked at every layer's call."""
-    decided = _SUPPORTED.get(pool)
-    if decided is None:
-        decided = _SUPPORTED[pool] = {}
-    answer = decided.get(dtype)
-    if answer is None:
-        answer = decided[dtype] = (
-            pool.device.type == "cpu"
-            and dtype == pool.key_cache.dtype
-            and dtype in KERNEL_DTYPES
-            and pool.key_cache.shape[-1] in KERNEL_HEAD_SIZES
-            and in_kernel_layout(pool)
-            and unavailable_reason() is None
-        )
-    return answer
-
-
-# pool -> its kernel (K, V) views, dropped with the pool (a strong reference here would
-# keep a shut-down engine's KV memory alive).
-_KERNEL_CACHES: "weakref.WeakKeyDictionary[KVPool, tuple[torch.Tensor, torch.Tensor]]" = (
-    weakref.WeakKeyDictionary()
-)
+    dtype (:meth:`VllmCpuBackend.supports_pool`)."""
+    return BACKEND.supports_pool(dtype, pool)
 
 
 def _kernel_caches(pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's ``[N, 1, b, D]`` K and V caches over the pool's storage (it reads
-    ``stride(0)`` and the ``[D, b]`` / ``[b, D]`` page interiors), built once per pool."""
-    views = _KERNEL_CACHES.get(pool)
-    if views is None:
-        views = _KERNEL_CACHES[pool] = kernel_cache_views(pool.key_cache, pool.value_cache)
-    return views
+    """The kernel's ``[N, 1, b, D]`` K and V caches over the pool's storage, built once
+    per pool (:meth:`VllmCpuBackend.kernel_caches`)."""
+    return BACKEND.kernel_caches(pool)
 
 
 def kernel_cache_views(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,24 +224,9 @@ def write_kv_planned(layer: "KernelDecodeLayer", key: torch.Tensor, value: torch
     )
 
 
-_KV_ROWS: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-
-
 def _kv_rows(shape: torch.Size, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A ``[2, B, H, D]`` buffer for the new K and V of a decode step's ``[B, H, D]``
-    write and its ``[B * H, 1, D]`` K / V row views (kept per shape, as
-    :func:`_query_starts`: a decode batch writes the same shape in every layer for many
-    steps; each write reads the buffer before the next fills it, and a model's layers
-    run one at a time). Decode batches only: a few KB each."""
-    key = (*shape, dtype)
-    views = _KV_ROWS.get(key)
-    if views is None:
-        if len(_KV_ROWS) >= 64:
-            _KV_ROWS.clear()
-        num_tokens, num_kv_heads, head_dim = shape
-        both = torch.empty((2, num_tokens, num_kv_heads, head_dim), dtype=dtype)
-        views = _KV_ROWS[key] = (both, *both.view(2, num_tokens * num_kv_heads, 1, head_dim).unbind(0))
-    return views
+    """A decode write's row buffer and its K / V row views (:meth:`VllmCpuBackend.kv_rows`)."""
+    return BACKEND.kv_rows(shape, dtype)
 
 
 def _scheduler_metadata(
@@ -557,18 +516,9 @@ def set_decode_work(
         layer.metrics = metrics
 
 
-_QUERY_STARTS: dict[int, torch.Tensor] = {}
-
-
 def _query_starts(num_seqs: int) -> torch.Tensor:
-    """``[num_seqs + 1]`` int32 ``arange``: one query row per kernel sequence (kept per
-    size: a decode batch keeps its size for many steps; the kernel only reads it)."""
-    starts = _QUERY_STARTS.get(num_seqs)
-    if starts is None:
-        if len(_QUERY_STARTS) >= 64:
-            _QUERY_STARTS.clear()
-        starts = _QUERY_STARTS[num_seqs] = torch.arange(num_seqs + 1, dtype=torch.int32)
-    return starts
+    """``[num_seqs + 1]`` int32 ``arange`` (:meth:`VllmCpuBackend.query_starts`)."""
+    return BACKEND.query_starts(num_seqs)
 
 
 def decode_planned(
@@ -610,3 +560,131 @@ def paged_decode_by_slot_cpu(
     CPU kernel: the rows' tables are gathered from the slot tables (only the pages some
     row holds), then one flattened call."""
     return decode_by_slot_flat(_attend, query, pool, batch, scale, out, metrics)
+
+
+class VllmCpuBackend(KernelBackend):
+    """vLLM's CPU attention kernel as a kvcompress backend (attention and KV writes only;
+    the CPU default), owning the kernel's caches: the probe of vLLM's kernels, per pool
+    the :func:`supports_pool` answers and the kernel's K / V views (dropped with the
+    pool: a strong reference would keep a shut-down engine's KV memory alive), per shape
+    the decode write's row buffers and the kernel's query starts.
+
+    Runs through head-as-sequence flattening on CPU tensors on x86 with vllm-cpu's
+    kernels. It reads pages in the kernel's layout (:attr:`kernel_page_layout`: the
+    engine builds its pool with :func:`pool_views`); a pool in another layout, or a
+    dtype / head size the kernel lacks, runs on the reference. Decode steps may run on
+    a plan built once per step (:meth:`decode_planned`, :func:`plan_decode_step`).
+    """
+
+    name = "vllm_cpu"
+    ops = frozenset(ATTENTION_OPS)
+    fallbacks = ("reference",)
+    kernel_page_layout = True
+    plans_decode_steps = True
+    # Per-shape caches keep at most this many entries (decode batches change size rarely).
+    MAX_SHAPES = 64
+
+    def __init__(self) -> None:
+        self._probe: list[str | None] = []  # [] until probed, then [reason or None]
+        self._supported: "weakref.WeakKeyDictionary[KVPool, dict[torch.dtype, bool]]" = weakref.WeakKeyDictionary()
+        self._kernel_views: "weakref.WeakKeyDictionary[KVPool, tuple[torch.Tensor, torch.Tensor]]" = (
+            weakref.WeakKeyDictionary()
+        )
+        self._kv_rows: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._query_starts: dict[int, torch.Tensor] = {}
+
+    # -- the kernel's caches ---------------------------------------------------------
+
+    def kernel_unavailable_reason(self) -> str | None:
+        """None when vLLM's CPU attention kernel can run here, else why not (probed once)."""
+        if not self._probe:
+            self._probe.append(_probe_kernel())
+        return self._probe[0]
+
+    def supports_pool(self, dtype: torch.dtype, pool: KVPool) -> bool:
+        """:func:`supports_pool`, decided once per pool and dtype: a pool's tensors never
+        change, and this is asked at every layer's call."""
+        decided = self._supported.get(pool)
+        if decided is None:
+            decided = self._supported[pool] = {}
+        answer = decided.get(dtype)
+        if answer is None:
+            answer = decided[dtype] = (
+                pool.device.type == "cpu"
+                and dtype == pool.key_cache.dtype
+                and dtype in KERNEL_DTYPES
+                and pool.key_cache.shape[-1] in KERNEL_HEAD_SIZES
+                and in_kernel_layout(pool)
+                and self.kernel_unavailable_reason() is None
+            )
+        return answer
+
+    def kernel_caches(self, pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel's ``[N, 1, b, D]`` K and V caches over the pool's storage (it reads
+        ``stride(0)`` and the ``[D, b]`` / ``[b, D]`` page interiors), built once per pool."""
+        views = self._kernel_views.get(pool)
+        if views is None:
+            views = self._kernel_views[pool] = kernel_cache_views(pool.key_cache, pool.value_cache)
+        return views
+
+    def kv_rows(self, shape: torch.Size, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A ``[2, B, H, D]`` buffer for the new K and V of a decode step's ``[B, H, D]``
+        write and its ``[B * H, 1, D]`` K / V row views (kept per shape: a decode batch
+        writes the same shape in every layer for many steps; each write reads the buffer
+        before the next fills it, and a model's layers run one at a time). Decode
+        batches only: a few KB each."""
+        key = (*shape, dtype)
+        views = self._kv_rows.get(key)
+        if views is None:
+            if len(self._kv_rows) >= self.MAX_SHAPES:
+                self._kv_rows.clear()
+            num_tokens, num_kv_heads, head_dim = shape
+            both = torch.empty((2, num_tokens, num_kv_heads, head_dim), dtype=dtype)
+            views = self._kv_rows[key] = (both, *both.view(2, num_tokens * num_kv_heads, 1, head_dim).unbind(0))
+        return views
+
+    def query_starts(self, num_seqs: int) -> torch.Tensor:
+        """``[num_seqs + 1]`` int32 ``arange``: one query row per kernel sequence (kept per
+        size: a decode batch keeps its size for many steps; the kernel only reads it)."""
+        starts = self._query_starts.get(num_seqs)
+        if starts is None:
+            if len(self._query_starts) >= self.MAX_SHAPES:
+                self._query_starts.clear()
+            starts = self._query_starts[num_seqs] = torch.arange(num_seqs + 1, dtype=torch.int32)
+        return starts
+
+    # -- the backend protocol ----------------------------------------------------------
+
+    def unavailable_reason(self, device: torch.device, op: str) -> str | None:
+        if op != "paged_attention":
+            return f"vLLM's CPU kernel is attention only, not {op}"
+        if device.type != "cpu":
+            return f"tensors are on {device}, vLLM's CPU attention kernel needs CPU tensors"
+        return self.kernel_unavailable_reason()
+
+    def supports(self, query, pool, batch=None, out=None) -> bool:
+        return supports(query, pool)
+
+    def paged_attention(self, query, pool, batch, scale, out, metrics, *, max_query_chunk, partition_size):
+        return paged_attention_cpu(query, pool, batch, scale, out, metrics)
+
+    def decode_by_slot(self, query, pool, batch, scale, out, metrics, *, partition_size):
+        return paged_decode_by_slot_cpu(query, pool, batch, scale, out, metrics)
+
+    def write_kv(self, pool, key, value, write_pages, write_offsets) -> None:
+        """Prompt-sized batches by vLLM's own ``cpu_attn_reshape_and_cache`` (half the
+        indexed copy's time at 2048 tokens); a few rows take the indexed copy (building
+        the op's flat slots costs more than they do; decode steps on the kernel's plan
+        keep them: :meth:`decode_planned`)."""
+        rows = key.shape[0] * key.shape[1]
+        if rows >= KERNEL_WRITE_MIN_ROWS and supports(key, pool):
+            write_kv_cpu(pool, key, value, write_pages, write_offsets)
+            return
+        super().write_kv(pool, key, value, write_pages, write_offsets)
+
+    def decode_planned(self, query, pool, tables, scale, out, metric_power=None, key=None, value=None):
+        """:func:`decode_planned` (the step's plan: :func:`plan_decode_step`)."""
+        return decode_planned(query, pool, tables, scale, out, metric_power, key, value)
+
+
+BACKEND = VllmCpuBackend()

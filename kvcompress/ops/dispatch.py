@@ -63,7 +63,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from kvcompress.ops import backend_cuda, backend_reference, backend_triton, backend_vllm_cpu, backend_vllm_triton
+from kvcompress.ops import backend_cuda, backend_reference, backend_triton, backend_vllm_triton, cpu_attention
 from kvcompress.ops.backend import ALL_OPS, ATTENTION_OPS, POOL_OPS, KernelBackend
 from kvcompress.ops.backend_cuda import CUDA_OPS, cuda_decode_supports
 from kvcompress.ops.kv_pool import KVPool, MetricSink, PagedBatch, SlotBatch
@@ -94,7 +94,7 @@ CHAIN: list[KernelBackend] = [
     backend_vllm_triton.BACKEND,
     backend_cuda.BACKEND,
     backend_triton.BACKEND,
-    backend_vllm_cpu.BACKEND,
+    cpu_attention.BACKEND,
     backend_reference.BACKEND,
 ]
 BACKENDS = ("auto", *(backend.name for backend in CHAIN))
