@@ -4,7 +4,7 @@ objects and the rule that picks one per op and device.
 :func:`resolve_ops` picks the backends for a device once and returns a :class:`KernelOps`
 whose methods run them (an engine resolves once; its attention and compression use that
 object). The ops, their arguments and what each backend is: :mod:`kvcompress.ops.backend`
-and the ``backend_*`` modules. The module-level functions of the ops' names resolve at
+and the backends' modules (``backend_*``; ``vllm_cpu`` is :mod:`kvcompress.ops.cpu_attention`). The module-level functions of the ops' names resolve at
 each call (tests, scripts).
 
 **The chain** (:data:`CHAIN`, in preference order): ``vllm_triton``, ``cuda``,
