@@ -12,6 +12,9 @@ runner's queue of decode queries. Reads vLLM's per-request state (``CachedReques
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -30,33 +33,33 @@ from kvcompress.worker_requests import WorkerRequests
 logger = init_logger(f"vllm.{__name__}")
 
 
+@dataclass
 class MetricQuerySelector:
     """Chooses a step's metric queries and queues its post-forward scoring.
 
     ``requests``: the worker's live requests; ``model_config``: vLLM's (the tokenizer's
     word edges are loaded from it); ``device``: the pool's; ``num_layers``: the pool's
     layers; ``metric_power``: the server policy's decode metric power (1 or 2);
-    ``surprisal``: the surprisal pass whose pending rows this selector fills."""
+    ``surprisal``: the surprisal pass whose pending rows this selector fills;
+    ``reconstructions``: requests whose prompt finishes prefilling this step and whose
+    policy scores KVs by a reconstruction pass (kvzip), run after the step's forward;
+    ``word_edges``: the vocabulary's word edges (False: no tokenizer, pooling over tokens
+    only; None: not loaded yet), loaded at once when the server's policy pools over
+    words (~0.3 s for 49K ids), else at the first request whose policy does."""
 
-    def __init__(self, settings: KVCompressConfig, requests: WorkerRequests, model_config,
-                 device: torch.device, num_layers: int, metric_power: int,
-                 surprisal: SurprisalScoring) -> None:
-        self.settings = settings
-        self.requests = requests
-        self.model_config = model_config
-        self.device = device
-        self.num_layers = num_layers
-        self.metric_power = metric_power
-        self.surprisal = surprisal
-        # Requests whose prompt finishes prefilling this step and whose policy scores KVs
-        # by a reconstruction pass (kvzip): run after the step's forward.
-        self.reconstructions: list[PendingReconstruction] = []
-        # The vocabulary's word edges (False: no tokenizer, pooling over tokens only; None:
-        # not loaded yet). Loaded now when the server's policy pools over words (~0.3 s
-        # for 49K ids), else at the first request whose policy does.
-        self.word_edges: WordEdges | bool | None = None
-        if settings.policy_for().metric.pool_words:
-            self.word_edges = word_edges(model_config) or False
+    settings: KVCompressConfig
+    requests: WorkerRequests
+    model_config: Any
+    device: torch.device
+    num_layers: int
+    metric_power: int
+    surprisal: SurprisalScoring
+    reconstructions: list[PendingReconstruction] = field(default_factory=list)
+    word_edges: WordEdges | bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.word_edges is None and self.settings.policy_for().metric.pool_words:
+            self.word_edges = word_edges(self.model_config) or False
 
     def select(self, vllm_requests, req_ids, computed: np.ndarray, num_new: np.ndarray,
                query_start: np.ndarray, slots: np.ndarray, queue_decode: bool) -> MetricQueries | None:

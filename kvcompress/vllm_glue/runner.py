@@ -1,24 +1,21 @@
-"""Model-runner side of kvcompress: owns the page pool and plans each step.
+"""Model-runner side of kvcompress: vLLM's model-runner overrides, each delegating.
 
-Mixed into vLLM's V1 model runner (``CPUModelRunner`` on CPU). Per step, after
-vLLM updates its persistent batch:
+Mixed into vLLM's V1 model runner (``CPUModelRunner`` on CPU, ``GPUModelRunner`` on
+CUDA). Per step:
 
-1. pages of finished / preempted / resumed requests go back to the allocator;
-2. the sequences the scheduler ordered compressed (``StepCompression.orders``:
-   pages to evict, context length, the request's resolved budget and policy) are
-   compressed: block-eviction schedule over their metrics, MoveCache, trailing
-   pages freed;
-3. every scheduled request's heads grow by its scheduled tokens (pages come from
-   the free-page stack, batched over requests x layers x heads);
-4. the plan (tables, lengths, write slots, positions, which queries add to the
-   eviction metrics) is published for the attention backend;
-5. the step's output carries a ``WorkerReport``: the per-head lengths of the
-   compressed sequences and the worker's page counts, which the scheduler
-   adopts and cross-checks before it schedules again.
+1. before vLLM updates its persistent batch, pages of finished / preempted / resumed
+   requests go back to the allocator and the scheduler's new requests are admitted
+   (``StepPlanner.release`` / ``admit``); the sequences the scheduler ordered
+   compressed (``StepCompression.orders``) are compressed (``worker_compression.py``);
+2. after it, every scheduled request's heads grow by its scheduled tokens and the
+   step's plan is published for the attention backend (``step_planner.py``, its metric
+   queries from ``metric_queries.py``);
+3. after the forward, the scoring passes some policies add run (the decode metric
+   queue, kvzip's reconstruction, surprisal), and the step's output carries a
+   ``WorkerReport`` (``worker_compression.step_report``), gathered over TP ranks
+   (``tensor_parallel.py``), which the scheduler adopts and cross-checks.
 
-The worker keeps its live requests in one ``WorkerRequests`` (``worker_requests.py``);
-how a request is compressed arrives resolved from the scheduler
-(``StepCompression.admitted``).
+The pool is built over vLLM's KV buffer in ``initialize_kv_cache`` (``pool_builder.py``).
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ be scored several at once; this planner owns that queue.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 import torch
 
@@ -33,46 +35,59 @@ from kvcompress.worker_requests import WorkerRequests
 _MAX_ONE_TOKEN_SHAPES = 64
 
 
+@dataclass
 class StepPlanner:
     """The step plans of one page pool.
 
     ``state``: the worker's pool (``cache`` is ``state.cache``); ``kv_dtype``: the KV
-    cache's dtype (vLLM's KV-cache spec); ``requests``: its live requests; ``stats``: the worker's counters (decode-only steps); ``num_q_heads``:
-    query heads of this rank (vLLM's CPU kernel's plan); ``prefix_groups``: the page
-    groups of vLLM's cached blocks (None: prefix caching off); ``metric_queries``:
-    chooses the metric queries of steps with prompt rows."""
+    cache's dtype (vLLM's KV-cache spec); ``requests``: its live requests; ``stats``: the
+    worker's counters (decode-only steps); ``num_q_heads``: query heads of this rank
+    (vLLM's CPU kernel's plan); ``prefix_groups``: the page groups of vLLM's cached
+    blocks (None: prefix caching off); ``metric_queries``: chooses the metric queries of
+    steps with prompt rows.
 
-    def __init__(self, state: WorkerCacheState, kv_dtype: torch.dtype, requests: WorkerRequests, settings: KVCompressConfig,
-                 stats: WorkerStats, num_q_heads: int, prefix_groups: PrefixGroups | None,
-                 metric_queries: MetricQuerySelector) -> None:
-        self.state = state
-        self.cache: PerHeadPagedCache = state.cache
-        self.requests = requests
-        self.settings = settings
-        self.stats = stats
-        self.num_q_heads = num_q_heads
-        self.prefix_groups = prefix_groups
-        self.metric_queries = metric_queries
-        self.metric_power = metric_queries.metric_power
-        # Decode steps on vLLM's CPU kernel: their tables in its terms once per step, the
-        # plan kept while the same rows decode.
+    On vLLM's CPU kernel (``plan_kernel_decode``) decode steps get their tables in its
+    terms once per step, the plan kept while the same rows decode (``decode_plan``), and
+    their metric queries wait per sequence in ``deferred`` to be scored several at once
+    (None: each step's own pass; ``diagnostics.defer_decode_metrics`` may swap it)."""
+
+    state: WorkerCacheState
+    kv_dtype: torch.dtype
+    requests: WorkerRequests
+    settings: KVCompressConfig
+    stats: WorkerStats
+    num_q_heads: int
+    prefix_groups: PrefixGroups | None
+    metric_queries: MetricQuerySelector
+    plan_kernel_decode: bool = field(init=False)
+    deferred: DeferredDecodeQueries | None = field(init=False)
+    decode_plan: DecodeBatchPlan | None = field(init=False, default=None)
+    # A step with prompt rows: its decode rows' metric queries, for the queue after the forward.
+    step_decode_queries: StepDecodeQueries | None = field(init=False, default=None)
+    prefix_step: PrefixCacheStep | None = field(init=False, default=None)
+    # Hit requests of this step: (sequence slot, hit block ids), filled after appends.
+    prefix_fills: list[tuple[int, tuple[int, ...]]] = field(init=False, default_factory=list)
+    # num_reqs -> (ones, arange(num_reqs + 1), its list): a one-token step's shape.
+    one_token_shapes: dict[int, tuple[np.ndarray, np.ndarray, list[int]]] = field(init=False, default_factory=dict)
+    # The step published last (None: none, or a dummy run's).
+    current: PerHeadStep | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        state = self.state
         self.plan_kernel_decode = bool(state.ops.kernel_page_layout) and cpu_attention.supports_pool(
-            kv_dtype, state.pool)
-        # Their metric queries wait per sequence to be scored several at once (None: each
-        # step's own pass; ``diagnostics.defer_decode_metrics`` may swap it).
-        self.deferred: DeferredDecodeQueries | None = DeferredDecodeQueries() if self.plan_kernel_decode else None
-        self.decode_plan: DecodeBatchPlan | None = None
+            self.kv_dtype, state.pool)
+        self.deferred = DeferredDecodeQueries() if self.plan_kernel_decode else None
         if self.plan_kernel_decode and self.cache.host is not None:
-            self.decode_plan = DecodeBatchPlan(self.cache, state.pool, num_q_heads)
-        # A step with prompt rows: its decode rows' metric queries, for the queue after the forward.
-        self.step_decode_queries: StepDecodeQueries | None = None
-        self.prefix_step: PrefixCacheStep | None = None
-        # Hit requests of this step: (sequence slot, hit block ids), filled after appends.
-        self.prefix_fills: list[tuple[int, tuple[int, ...]]] = []
-        # num_reqs -> (ones, arange(num_reqs + 1), its list): a one-token step's shape.
-        self.one_token_shapes: dict[int, tuple[np.ndarray, np.ndarray, list[int]]] = {}
-        # The step published last (None: none, or a dummy run's).
-        self.current: PerHeadStep | None = None
+            self.decode_plan = DecodeBatchPlan(self.cache, state.pool, self.num_q_heads)
+
+    @property
+    def cache(self) -> PerHeadPagedCache:
+        return self.state.cache
+
+    @property
+    def metric_power(self) -> int:
+        """The server policy's decode metric power (1 or 2)."""
+        return self.metric_queries.metric_power
 
     def publish(self, step: PerHeadStep | None) -> None:
         """The step the attention backend reads from now on."""
