@@ -30,3 +30,24 @@ def test_metric_queries_name_the_selected_decode_rows_on_the_host(monkeypatch):
     assert queries.decode_seqs.tolist() == [i in due for i in range(4)]
     assert queries.decode_seq_ids is not None and queries.decode_seq_ids.tolist() == due
     assert queries.decode_queries is None
+
+
+def test_queued_decode_queries_name_the_due_rows_tokens_slots_and_positions(monkeypatch):
+    """On vLLM's CPU kernel (``queue_decode``) the due decode rows are recorded for the
+    queue instead: their query tokens (``query_start``), slots and positions, no metric
+    pass of the step."""
+    runner = pool_runner()
+    selector = runner.kvc_planner.metric_queries
+    stride = runner.kvc_settings.decode_metric_stride
+    positions = [41, 2 * stride * 4, 43, 3 * stride * 4]
+    req_ids = [f"r{i}" for i in range(len(positions))]
+    vllm_requests = {r: SimpleNamespace(num_prompt_tokens=40) for r in req_ids}
+    monkeypatch.setattr(runner.kvc_requests, "request_compresses", lambda request_id: True)
+    slots = np.array([5, 6, 7, 8])
+    queries = selector.select(vllm_requests, req_ids, np.array(positions, dtype=np.int64), np.ones(4, dtype=np.int64),
+                              np.arange(5), slots, queue_decode=True)
+    assert queries.decode_seqs is None and queries.decode_seq_ids is None and queries.prompt_rows == []
+    queued = queries.decode_queries
+    assert queued.token_rows.tolist() == [1, 3] and queued.slots.tolist() == [6, 8]
+    assert queued.positions.tolist() == [positions[1], positions[3]]
+    assert queued.num_layers == runner.kvc_cache.num_layers
