@@ -12,6 +12,7 @@ be scored several at once; this planner owns that queue.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -126,7 +127,7 @@ class StepPlanner:
         req_ids = input_batch.req_ids[:num_reqs]
         computed = input_batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
         device = cache.device
-        slot_for = lambda request_id, done: self._slot_for(vllm_requests, request_id, done)  # noqa: E731
+        slot_for = functools.partial(self._slot_for, vllm_requests)  # places a request at its first step
         if scheduler_output.total_num_scheduled_tokens == num_reqs:
             # One token per row (every row of the batch is scheduled): a decode step's
             # shape, read without a dict lookup per row; each token sits at `computed`.
