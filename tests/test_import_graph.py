@@ -151,7 +151,7 @@ print(len(names))
 
 
 def test_kernel_layer_imports_without_vllm_or_pydantic():
-    """A GPU machine with torch alone runs benchmarks/bench_kernels.py (the H200 run of
+    """A GPU machine with torch alone runs benchmarks/kernels/bench_kernels.py (the H200 run of
     2026-11-26 first failed on ``import kvcompress`` pulling in pydantic): every module of
     ``kvcompress.ops`` imports with vLLM and pydantic refused."""
     import subprocess

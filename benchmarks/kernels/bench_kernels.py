@@ -2,14 +2,14 @@
 
 The one script to run on a GPU machine (H100 / H200; torch + triton + nvcc, no vLLM):
 
-    python benchmarks/bench_kernels.py                 # build, check, full benchmark
-    python benchmarks/bench_kernels.py --quick         # fewer shapes
-    python benchmarks/bench_kernels.py --checks-only   # build + correctness only
-    python benchmarks/bench_kernels.py --dry-run-cpu   # CPU smoke test of this script
+    python benchmarks/kernels/bench_kernels.py                 # build, check, full benchmark
+    python benchmarks/kernels/bench_kernels.py --quick         # fewer shapes
+    python benchmarks/kernels/bench_kernels.py --checks-only   # build + correctness only
+    python benchmarks/kernels/bench_kernels.py --dry-run-cpu   # CPU smoke test of this script
                                                        # (reference path, tiny shapes)
     # vLLM's own Triton attention too (the machine has no vLLM): stage its Python
     # sources here (bash scripts/stage_vllm_sources.sh .venv .gpu_vllm), carry them, then
-    python benchmarks/bench_kernels.py --vllm-path .gpu_vllm --skip move alloc evict
+    python benchmarks/kernels/bench_kernels.py --vllm-path .gpu_vllm --skip move alloc evict
 
 Steps (each section records its errors and the run goes on):
 
@@ -66,7 +66,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository: csrc/, kvcompress/, benchmarks/results/
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -364,7 +364,7 @@ def build_extension(mode: str, verbose: bool = True) -> str:
         # kvcompress.ops.dispatch detects the extension by importing kvcompress._C: make
         # that import succeed in this process (the ops are registered already).
         stub = types.ModuleType("kvcompress._C")
-        stub.__doc__ = "JIT-built by benchmarks/bench_kernels.py (torch.ops.kvcompress registered)"
+        stub.__doc__ = "JIT-built by benchmarks/kernels/bench_kernels.py (torch.ops.kvcompress registered)"
         sys.modules["kvcompress._C"] = stub
         return "torch.utils.cpp_extension.load (JIT)"
     env = dict(os.environ)

