@@ -123,6 +123,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:  # run as a file: `benchmarks` imports from the repository root
     sys.path.append(str(REPO_ROOT))  # last: the installed kvcompress still wins
 
+from benchmarks.common.engine_args import eager_float32_engine_args  # noqa: E402
+from benchmarks.common.engine_requests import add_token_requests  # noqa: E402
 from benchmarks.common.offline_assets import essay_text, sentence_starts  # noqa: E402
 from benchmarks.common.plots import pyplot  # noqa: E402  (matplotlib imported when a plot is drawn)
 from kvcompress.vllm_glue.llm import page_stats, shutdown  # noqa: E402  (vLLM imported lazily)
@@ -139,14 +141,10 @@ MAX_TOKENS = {"niah_single": 16, "niah_multikey": 16, "niah_multivalue": 48, "vt
 """Greedy output tokens per task (digits are single tokens for SmolLM2's tokenizer); the
 multi-turn task's are its second answer's, after the forced first answer and question."""
 
-ENGINE_ARGS = dict(
-    dtype="float32",  # the bf16 checkpoint upcast: bf16 matmuls are slow on CPUs without AMX
-    enforce_eager=True,
+ENGINE_ARGS = eager_float32_engine_args(
     max_num_batched_tokens=1024,  # chunked prefill of every prompt
     max_num_seqs=12,
     kv_cache_memory_bytes=3 << 30,  # 12 x 4.4K tokens x 45 KB/token (fp32): no preemption
-    enable_prefix_caching=False,
-    seed=0,
 )
 TEACHER_KEY = "eval_quality_teacher_tokens"
 TEACHER_FQCN = "eval_quality:TeacherForcing"
@@ -583,6 +581,27 @@ def build_ppl_samples(tokenizer, count, context, forced, seed=0) -> list[dict]:
 # Engines
 
 
+def _sampling_params(sample: dict, rate: float | None, policy: str | None):
+    """Greedy ``SamplingParams`` for one sample: perplexity windows teacher-forced with
+    logprobs, multi-turn prompts forced through the first answer, others free; the
+    kvcompress fields (``rate`` None: none, stock) in ``extra_args``."""
+    from vllm import SamplingParams
+
+    extra: dict[str, Any] = {} if rate is None else {"kv_compress_rate": rate}
+    if policy is not None:
+        extra["kv_compress_policy"] = policy
+    if sample["task"] == "ppl":
+        extra[TEACHER_KEY] = sample["forced"]
+        return SamplingParams(
+            temperature=0.0, max_tokens=sample["max_tokens"], logprobs=0,
+            ignore_eos=True, extra_args=extra,
+        )  # fmt: skip
+    if "forced" in sample:  # multi-turn: forced first answer + question, then free
+        extra[TEACHER_KEY] = sample["forced"]
+        return SamplingParams(temperature=0.0, max_tokens=sample["max_tokens"], extra_args=extra)
+    return SamplingParams(temperature=0.0, max_tokens=sample["max_tokens"], extra_args=extra or None)
+
+
 def _generate(llm, samples, rate: float | None, kvc: bool, policy: str | None = None,
               desc: str | None = None) -> dict[str, Any]:
     """Every sample in one batch (added, then stepped to completion; with ``desc``, a
@@ -592,31 +611,12 @@ def _generate(llm, samples, rate: float | None, kvc: bool, policy: str | None = 
     step after each request's prefill: the fraction of its KVs held just after its prompt
     was compressed (``kv_kept``)."""
     from tqdm import tqdm
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
     engine = llm.llm_engine
-    tag = f"q{time.monotonic_ns()}"
-    internal: dict[str, int] = {}
-    for index, sample in enumerate(samples):
-        extra: dict[str, Any] = {} if rate is None else {"kv_compress_rate": rate}
-        if policy is not None:
-            extra["kv_compress_policy"] = policy
-        if sample["task"] == "ppl":
-            extra[TEACHER_KEY] = sample["forced"]
-            params = SamplingParams(
-                temperature=0.0, max_tokens=sample["max_tokens"], logprobs=0,
-                ignore_eos=True, extra_args=extra,
-            )  # fmt: skip
-        elif "forced" in sample:  # multi-turn: forced first answer + question, then free
-            extra[TEACHER_KEY] = sample["forced"]
-            params = SamplingParams(temperature=0.0, max_tokens=sample["max_tokens"], extra_args=extra)
-        else:
-            params = SamplingParams(temperature=0.0, max_tokens=sample["max_tokens"], extra_args=extra or None)
-        rid = engine.add_request(
-            f"{tag}-{index}", TokensPrompt(prompt_token_ids=sample["prompt_token_ids"]), params
-        )
-        internal[rid] = index
+    internal = add_token_requests(
+        engine, f"q{time.monotonic_ns()}", [s["prompt_token_ids"] for s in samples],
+        [_sampling_params(s, rate, policy) for s in samples],
+    )
     outputs: list[Any] = [None] * len(samples)
     kept: dict[int, float] = {}
     before = page_stats(llm) if kvc else None

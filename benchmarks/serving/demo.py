@@ -42,16 +42,12 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:  # run as a file: `benchmarks` imports from the repository root
     sys.path.append(str(REPO_ROOT))  # last: the installed kvcompress still wins
 
+from benchmarks.common.engine_args import eager_float32_engine_args  # noqa: E402
+
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the tables are the point; VLLM_LOGGING_LEVEL=INFO for more
 
 DEFAULT_OUT = "demo-smollm2"
-ENGINE_ARGS = dict(
-    dtype="float32",  # SmolLM2's bf16 upcast: bf16 matmuls are slow on CPUs without AMX
-    enforce_eager=True,
-    max_num_batched_tokens=1024,  # chunked prefill
-    enable_prefix_caching=False,  # every document is computed, the same for both engines
-    seed=0,
-)
+ENGINE_ARGS = eager_float32_engine_args(max_num_batched_tokens=1024)  # chunked prefill
 
 
 @dataclass

@@ -943,7 +943,13 @@ def write_plots(results: dict[str, Any], prefix: Path) -> list[Path]:
         ax.set_xticks(rates, [f"{rate:g}" for rate in rates])
         ax.minorticks_off()
 
-    def save(fig, name):
+    def finish(fig, ax, name, xlabel, ylabel, title, **legend):
+        """Labels, the title over the run's subtitle, legend, grid; then <prefix>-<name>.png."""
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{title}\n{subtitle}", fontsize=9)
+        ax.legend(**{"fontsize": 8, **legend})
+        ax.grid(alpha=0.3)
         path = prefix.with_name(f"{prefix.name}-{name}.png")
         fig.tight_layout()
         fig.savefig(path, dpi=120)
@@ -957,12 +963,8 @@ def write_plots(results: dict[str, Any], prefix: Path) -> list[Path]:
             ax.plot([r["rate"] for r in series], [r["throughput_multiplier"] for r in series], "o-", label=f"L={n}")
         ax.axhline(1.0, color="gray", linestyle="--", linewidth=1, label="stock vLLM")
         rate_axis(ax)
-        ax.set_xlabel("compression rate")
-        ax.set_ylabel("throughput multiplier (x stock vLLM)")
-        ax.set_title(f"Throughput vs rate (cf. paper fig. 1b)\n{subtitle}", fontsize=9)
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-        save(fig, "throughput-multiplier")
+        finish(fig, ax, "throughput-multiplier", "compression rate", "throughput multiplier (x stock vLLM)",
+               "Throughput vs rate (cf. paper fig. 1b)")
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for index, n in enumerate(lens):
@@ -972,12 +974,7 @@ def write_plots(results: dict[str, Any], prefix: Path) -> list[Path]:
         if n in stock:
             ax.axhline(stock[n]["max_decode_batch"], color=color, linestyle="--", linewidth=1, label=f"stock L={n}")
     rate_axis(ax)
-    ax.set_xlabel("compression rate")
-    ax.set_ylabel("max decode batch")
-    ax.set_title(f"Max decoding batch vs rate (cf. paper fig. 7)\n{subtitle}", fontsize=9)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    save(fig, "max-batch")
+    finish(fig, ax, "max-batch", "compression rate", "max decode batch", "Max decoding batch vs rate (cf. paper fig. 7)")
 
     fig, ax = plt.subplots(figsize=(6, 4))
     if stock:
@@ -985,12 +982,8 @@ def write_plots(results: dict[str, Any], prefix: Path) -> list[Path]:
     for rate in rates:
         series = sorted((row for row in kvc if row["rate"] == rate), key=lambda row: row["input_len"])
         ax.plot([r["input_len"] for r in series], [r["total_tokens_per_s"] for r in series], "o-", label=f"rate {rate:g}")
-    ax.set_xlabel("input length (tokens)")
-    ax.set_ylabel("total throughput (tokens/s)")
-    ax.set_title(f"Throughput by input length (cf. paper fig. 8)\n{subtitle}", fontsize=9)
-    ax.legend(fontsize=7, ncol=2)
-    ax.grid(alpha=0.3)
-    save(fig, "throughput-by-input")
+    finish(fig, ax, "throughput-by-input", "input length (tokens)", "total throughput (tokens/s)",
+           "Throughput by input length (cf. paper fig. 8)", fontsize=7, ncol=2)
     return written
 
 
