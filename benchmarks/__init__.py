@@ -1,8 +1,9 @@
 """Benchmarks and evaluation scripts, grouped by what they measure (not installed).
 
 - ``common/``: helpers every group shares — offline models and texts (``offline_assets``),
-  the host description (``machine``), plots, and the engine-argument / argparse pieces
-  the scripts repeat (``cli``).
+  the host description (``machine``), plots (``plots``), the engine arguments of the
+  SmolLM2 runs (``engine_args``) and adding token prompts to an engine (``engine_requests``).
+  The tests import ``offline_assets`` and ``machine`` from here too.
 - ``throughput/``: stock vLLM vs kvcompress at one KV memory (tokens/s, max batch,
   ``vllm bench serve``, prefix caching, a decode step, profiles, prefill cost per policy).
 - ``quality/``: answers and perplexity under eviction (RULER-style eval, passkey, rankings,

@@ -1075,7 +1075,8 @@ def _number(value: float | None) -> str:
 WORKER_COUNTERS = ("compressions", "pages_freed", "kvs_evicted", "evict_mismatches", "decode_only_steps")
 
 
-def render_markdown(report: dict[str, Any]) -> str:
+def _md_load(report: dict[str, Any]) -> list[str]:
+    """Verdict, command, server, machine, load and outcome counts."""
     summary = report["summary"]
     lines = [
         f"# Soak: {report['config']['model_label']}, "
@@ -1105,6 +1106,13 @@ def render_markdown(report: dict[str, Any]) -> str:
     ]
     for name, count in summary["outcomes"].items():
         lines.append(f"| {name} | {count} |")
+    return lines
+
+
+def _md_measures(report: dict[str, Any]) -> list[str]:
+    """Latency, throughput, pages at idle, RSS, log lines and the stop."""
+    summary = report["summary"]
+    lines: list[str] = []
     lines += [
         "",
         "| measure | value |",
@@ -1145,6 +1153,12 @@ def render_markdown(report: dict[str, Any]) -> str:
     stop = report["stop"]
     lines.append(f"| stop (SIGTERM to the group) | {stop.get('sigterm_seconds')} s, left after SIGTERM: "
                  f"{len(stop.get('left_after_sigterm', []))}, after SIGKILL: {len(stop.get('left_after_sigkill', []))} |")
+    return lines
+
+
+def _md_metrics(report: dict[str, Any]) -> list[str]:
+    """``/metrics`` before and after the load."""
+    lines: list[str] = []
     lines += ["", "Metrics (`/metrics`; counters: change during the load, gauges: at idle after it):", "",
               "| metric | before | after | delta | by label (delta for counters, else after) |",
               "| --- | --- | --- | --- | --- |"]
@@ -1163,6 +1177,13 @@ def render_markdown(report: dict[str, Any]) -> str:
                      f"{_number(row['delta'])} | {by_label} |")
     if not any(name.startswith("kvcompress") for name in metrics):
         lines += ["", "No `kvcompress*` metric on `/metrics`."]
+    return lines
+
+
+def _md_kinds_and_failures(report: dict[str, Any]) -> list[str]:
+    """Outcomes by request kind, the server's ERROR events, the failed requests."""
+    summary, log = report["summary"], report["log"]
+    lines: list[str] = []
     lines += ["", "Outcomes by request kind:", "", "| kind | " + " | ".join(OUTCOMES) + " |",
               "| --- |" + " --- |" * len(OUTCOMES)]
     for tag, counts in summary["by_tag"].items():
@@ -1175,6 +1196,12 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += ["", "Failed requests (first 50):", ""]
         for failure in summary["failures"]:
             lines.append(f"- #{failure['index']} {failure['outcome']} {failure['tags']}: {failure['detail'][:300]}")
+    return lines
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """The soak report as markdown (what ``--markdown`` writes)."""
+    lines = _md_load(report) + _md_measures(report) + _md_metrics(report) + _md_kinds_and_failures(report)
     return "\n".join(lines) + "\n"
 
 
