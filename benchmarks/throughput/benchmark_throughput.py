@@ -389,6 +389,39 @@ def measure(**kwargs) -> dict[str, Any]:
         return _measure(**kwargs)
 
 
+def _prompts_for(dataset: str, model_path: str, shape: dict[str, Any], input_lens: list[int], num_prompts: int,
+                 seed: int) -> tuple[dict[int, list[list[int]]], str]:
+    """``num_prompts`` token-id prompts per input length (the same for both engines and
+    every rate), and the dataset's description for the report."""
+    if dataset == "synthetic":
+        prompts = {n: synthetic_prompts(n, num_prompts, shape["vocab_size"], seed) for n in input_lens}
+        return prompts, "synthetic: uniform random token ids"
+    if dataset == "essays":
+        has_tokenizer = (Path(model_path) / "tokenizer_config.json").exists() or not Path(model_path).exists()
+        tokenizer_dir = model_path if has_tokenizer else str(resolve_model("smollm2")[0])
+        tokens = essay_tokens(tokenizer_dir)
+        prompts = {n: essay_prompts(tokens, n, num_prompts, shape["vocab_size"]) for n in input_lens}
+        dataset_text = f"essays: Paul Graham essay slices ({len(tokens)} tokens"
+        dataset_text += ")" if has_tokenizer else ", SmolLM2 tokenizer, ids folded into the model's vocab)"
+        return prompts, dataset_text
+    raise ValueError(f"unknown dataset {dataset!r}")
+
+
+def _alternating_runs(phases: list[str], repeats: int, run_phase, results: dict[str, Any]
+                      ) -> dict[tuple[int, str, float], list[dict[str, Any]]]:
+    """Every phase ``repeats`` times, alternating which goes first (so drift of the
+    machine's speed over the run favours neither); rows grouped by (input length, engine,
+    rate). Stops at a kvcompress error (``results["kvcompress_error"]``)."""
+    runs: dict[tuple[int, str, float], list[dict[str, Any]]] = {}
+    for repeat in range(repeats):
+        for phase in phases if repeat % 2 == 0 else phases[::-1]:
+            for row in run_phase(phase):
+                runs.setdefault((row["input_len"], row["engine"], row["rate"]), []).append(row)
+            if results.get("kvcompress_error"):
+                return runs
+    return runs
+
+
 def _measure(
     *,
     model: str = "tiny",
@@ -445,20 +478,7 @@ def _measure(
     input_lens = sorted(int(n) for n in input_lens)
     rates = [float(r) for r in rates]
 
-    # Prompts: the same token ids for both engines and every rate.
-    if dataset == "synthetic":
-        prompts = {n: synthetic_prompts(n, num_prompts, shape["vocab_size"], seed) for n in input_lens}
-        dataset_text = "synthetic: uniform random token ids"
-    elif dataset == "essays":
-        has_tokenizer = (Path(model_path) / "tokenizer_config.json").exists() or not Path(model_path).exists()
-        tokenizer_dir = model_path if has_tokenizer else str(resolve_model("smollm2")[0])
-        tokens = essay_tokens(tokenizer_dir)
-        prompts = {n: essay_prompts(tokens, n, num_prompts, shape["vocab_size"]) for n in input_lens}
-        dataset_text = f"essays: Paul Graham essay slices ({len(tokens)} tokens"
-        dataset_text += ")" if has_tokenizer else ", SmolLM2 tokenizer, ids folded into the model's vocab)"
-    else:
-        raise ValueError(f"unknown dataset {dataset!r}")
-
+    prompts, dataset_text = _prompts_for(dataset, model_path, shape, input_lens, num_prompts, seed)
     args: dict[str, Any] = dict(
         skip_tokenizer_init=True,
         dtype=dtype,
@@ -519,26 +539,18 @@ def _measure(
     phases = [phase for phase in (STOCK, KVC) if phase in engines]
     if STOCK not in engines and "kv_cache_memory_bytes" not in args:
         raise ValueError("kvcompress alone needs a fixed KV budget (kv_tokens or kv_cache_memory_bytes)")
-    runs: dict[tuple[int, str, float], list[dict[str, Any]]] = {}
-    for repeat in range(repeats):
-        # Alternate which engine goes first, so drift of the machine's speed over the run
-        # does not favour one of them.
-        for phase in phases if repeat % 2 == 0 else phases[::-1]:
-            if phase == STOCK:
-                phase_rows = _stock_phase(LLM, model_path, args, bytes_per_token, prompts, params, results, progress,
-                                          stock_engine_args or {})
-            else:
-                phase_rows = _kvcompress_phase(
-                    kvcompress.LLM, model_path, args, rates, prompts, params, results, progress,
-                    protected_window=protected_window, min_cache_tokens=min_cache_tokens, block_size=block_size,
-                    interval=interval,
-                )
-            for row in phase_rows:
-                runs.setdefault((row["input_len"], row["engine"], row["rate"]), []).append(row)
-            if results.get("kvcompress_error"):
-                break
-        if results.get("kvcompress_error"):
-            break
+
+    def run_phase(phase: str) -> list[dict[str, Any]]:
+        if phase == STOCK:
+            return _stock_phase(LLM, model_path, args, bytes_per_token, prompts, params, results, progress,
+                                stock_engine_args or {})
+        return _kvcompress_phase(
+            kvcompress.LLM, model_path, args, rates, prompts, params, results, progress,
+            protected_window=protected_window, min_cache_tokens=min_cache_tokens, block_size=block_size,
+            interval=interval,
+        )
+
+    runs = _alternating_runs(phases, repeats, run_phase, results)
     for n in input_lens:
         for key in [(n, STOCK, 1.0)] + [(n, KVC, rate) for rate in rates]:
             if key in runs:
