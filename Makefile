@@ -17,7 +17,7 @@ test: setup
 # Stock vLLM vs kvcompress at rates 1/4/8 on SmolLM2 long-document questions, same KV memory
 # (~2 min after setup): KV per request, concurrent requests, tokens/s, answers; demo-smollm2.{md,json,png}.
 demo: setup
-	$(PY) benchmarks/demo.py
+	$(PY) benchmarks/serving/demo.py
 
 # The OpenAI-compatible server on SmolLM2 with compression (prints curl / openai examples).
 serve: setup
@@ -25,11 +25,11 @@ serve: setup
 
 # Throughput + max decode batch vs stock vLLM (tiny model, ~8 min on 2 CPU cores).
 bench: setup
-	$(PY) benchmarks/benchmark_throughput.py
+	$(PY) benchmarks/throughput/benchmark_throughput.py
 
 # Quality suite (SmolLM2-135M, RULER-style tasks) as % of the full cache; EVAL_ARGS=--limit 1 for a quick run.
 eval: setup
-	$(PY) benchmarks/eval_quality.py $(EVAL_ARGS)
+	$(PY) benchmarks/quality/eval_quality.py $(EVAL_ARGS)
 
 # The GPU end-to-end kit (benchmarks/gpu_e2e/README.md): vLLM 0.32.0's CUDA build packed into
 # the git-ignored .gpu-kit/ for the air-gapped H200 (downloads ~360 MB once; ~3 min on 2 cores).

@@ -29,7 +29,7 @@ from typing import Annotated, Any, Literal
 import numpy as np
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from kvcompress.config import KVCompressConfig, describe_error
+from kvcompress.config import KVCompressConfig, compresses, describe_error
 from kvcompress.policies import POLICY_NAMES
 
 
@@ -111,7 +111,8 @@ class RequestBudget:
 
     @property
     def compresses(self) -> bool:
-        return self.enabled and (self.rate > 1.0 or self.max_cache_tokens is not None)
+        """Whether this request's KVs are ever evicted (``config.compresses``)."""
+        return compresses(self.enabled, self.rate, self.max_cache_tokens)
 
     @property
     def protected_prefix(self) -> int:

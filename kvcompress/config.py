@@ -51,6 +51,13 @@ SPLIT_SETTINGS = {"pyramid_beta": "pyramid_beta", "ada_floor": "ada_floor", "xkv
 """Settings read by budget splits -> the split knob each sets (``BudgetSplit.knobs``)."""
 
 
+def compresses(enabled: bool, rate: float, max_cache_tokens: int | None) -> bool:
+    """Whether settings evict any KV: kvcompress on, and a compression rate above 1 or a
+    per-request cap of cached tokens. The one definition the server settings
+    (``KVCompressConfig``) and each request's (``budget.RequestBudget``) use."""
+    return enabled and (rate > 1.0 or max_cache_tokens is not None)
+
+
 class KVCompressConfigError(ValueError):
     """A kvcompress setting is invalid; the message names the flag."""
 
@@ -71,9 +78,10 @@ class KVCompressConfig(BaseModel):
     protected_window: int = Field(64, ge=0)
     """The last N tokens of a sequence are never evicted."""
     block_size: Literal[SUPPORTED_BLOCK_SIZES] | None = None
-    """Tokens per page; each page holds one (layer, KV head). Default: 64 on CPU (vLLM's
-    CPU attention kernel reads 64-token pages as fast as stock's 128-token blocks and
-    16-token ones 1.1-1.4x slower), 16 on GPUs."""
+    """Tokens per page; each page holds one (layer, KV head). Default: 64 on CPU, 16 on
+    GPUs."""
+    # Why 64 on CPU: engine_setup.default_block_size (measured in
+    # benchmarks/results/kernel-page-size-cpu.md).
     min_cache_tokens: int = Field(128, ge=0)
     """Rate budgets never go below this many tokens per sequence."""
     sink_tokens: int | None = Field(None, ge=0)
@@ -117,11 +125,9 @@ class KVCompressConfig(BaseModel):
     decode_metric_stride: int = Field(8, ge=1)
     """A decoding sequence's query adds its attention to the eviction metrics every N
     tokens (prompt metrics are scaled by 1/N to match, so rankings estimate those of
-    every query); 1 = every decode query. The metric pass is a cost of its own on
-    kernels that return no probabilities. 8: SmolLM2 perplexity with continual
-    compression is that of stride 4 within noise (r8 31.57 vs 31.42; no decode
-    queries: 31.98), with half the queries to score
-    (``benchmarks/results/quality-metric-stride-smollm2-cpu.md``)."""
+    every query); 1 = every decode query."""
+    # The default's measurement (quality against stride, and the metric pass's cost on
+    # kernels that return no probabilities): benchmarks/results/quality-metric-stride-smollm2-cpu.md.
     shared_prefix_tokens: int = Field(0, ge=0)
     """With --enable-prefix-caching: the first N prompt tokens of a compressed request
     that misses the prefix cache (whole blocks; e.g. a system prompt's length) stay
@@ -158,8 +164,8 @@ class KVCompressConfig(BaseModel):
 
     @property
     def compresses(self) -> bool:
-        """Whether any KV is ever evicted with these settings."""
-        return self.enabled and (self.rate > 1.0 or self.max_cache_tokens is not None)
+        """Whether any KV is ever evicted with these settings (:func:`compresses`)."""
+        return compresses(self.enabled, self.rate, self.max_cache_tokens)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None) -> "KVCompressConfig":

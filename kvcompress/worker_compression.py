@@ -15,10 +15,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from kvcompress.contract import CompressionOrder, CompressionRecord
+from kvcompress.contract import CompressionOrder, CompressionRecord, WorkerReport
 from kvcompress.ops import compress_sequences
+from kvcompress.worker_requests import WorkerRequests
 
 
 @dataclass
@@ -141,3 +143,33 @@ def _compress_group(run: CompressionRun, group: list[str], orders: dict[str, Com
         kvs_evicted=int(result.kvs_evicted),
         seconds=seconds,
     )
+
+
+def step_report(cache, requests: WorkerRequests, outcome: CompressionOutcome, with_pages_held: bool,
+                stats: WorkerStats) -> WorkerReport:
+    """Worker-side truth for the scheduler after this step's appends: free pages, the
+    step's compressions and the per-head lengths of the requests they compressed, and
+    (``with_pages_held``) every live request's pages past its prefix-cache page groups.
+    Updates ``stats.max_pages_used``."""
+    live = requests.live_slots
+    held = None
+    if with_pages_held and live:
+        slots = list(live.values())
+        pages = np.asarray(cache.pages_held_per_sequence(slots), np.int64)
+        # Pages of prefix-cache groups are the cache's, not the request's.
+        pages -= requests.shared_pages[slots] * cache.num_layers * cache.num_kv_heads
+        held = dict(zip(live, pages.tolist()))
+    elif with_pages_held:
+        held = {}
+    report = WorkerReport(
+        free_pages=cache.allocator.num_free,
+        pages_held=held,
+        compressions=list(outcome.records),
+        evict_mismatches=int(outcome.mismatch),
+    )
+    if live:
+        for request_id in outcome.request_ids:
+            if request_id in live:
+                report.head_lens[request_id] = cache.head_lens[live[request_id]].cpu().numpy().copy()
+    stats.max_pages_used = max(stats.max_pages_used, cache.allocator.num_used)
+    return report

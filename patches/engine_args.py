@@ -7,8 +7,9 @@ parsed ``args`` too: the extra API-server processes of ``--api-server-count N`` 
 their engine arguments from them before the plugin patches anything there).
 ``create_engine_config`` is wrapped so that every entry point (CLI, ``LLM(...)``,
 benchmarks) validates kvcompress settings and selects the kvcompress scheduler
-and worker before the engine starts; the validated section it stores carries a
-digest, so the engine core and the workers do not validate it again.
+and worker before the engine starts (``prepare``, the glue's
+``engine_setup.prepare_engine_args``, which also writes the validated section), and
+refuses unsupported models after (``check``).
 """
 
 from __future__ import annotations
@@ -17,9 +18,13 @@ import argparse
 
 from vllm.engine.arg_utils import EngineArgs
 
+from collections.abc import Callable
+from typing import Any
+
 from kvcompress.config import (
     ADDITIONAL_CONFIG_KEY,
     FLAGS,
+    KVCompressConfig,
     flag_help,
     setting_type,
 )
@@ -69,10 +74,13 @@ def kvcompress_section(args: argparse.Namespace) -> dict:
     return section
 
 
-def apply() -> None:
+def apply(prepare: Callable[[EngineArgs], KVCompressConfig],
+          check: Callable[[Any, KVCompressConfig], None]) -> None:
+    """``prepare(engine_args)`` before vLLM builds an engine config (validates, selects
+    kvcompress's classes, writes the validated section); ``check(vllm_config,
+    settings)`` after it."""
     if not apply_once("engine_args"):
         return
-    from kvcompress.vllm_glue.engine_setup import check_model_supported, prepare_engine_args
 
     original_add_cli_args = EngineArgs.add_cli_args
     original_from_cli_args = EngineArgs.from_cli_args.__func__
@@ -99,15 +107,9 @@ def apply() -> None:
         return engine_args
 
     def create_engine_config(self, *args, **kwargs):
-        settings = prepare_engine_args(self)
-        if settings.enabled:
-            # Validated here, once: the engine core and the workers load the section
-            # without validating again (KVCompressConfig.from_additional_config).
-            additional = dict(self.additional_config or {})
-            additional[ADDITIONAL_CONFIG_KEY] = settings.to_additional_config()
-            self.additional_config = additional
+        settings = prepare(self)
         vllm_config = original_create_engine_config(self, *args, **kwargs)
-        check_model_supported(vllm_config, settings)
+        check(vllm_config, settings)
         return vllm_config
 
     EngineArgs.add_cli_args = staticmethod(add_cli_args)

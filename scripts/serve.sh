@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `make serve`: the OpenAI-compatible server on the cached SmolLM2-135M-Instruct (built
-# from PyPI packages by benchmarks/offline_assets.py, no model hub) with compression on,
+# from PyPI packages by benchmarks/common/offline_assets.py, no model hub) with compression on,
 # on 127.0.0.1. Prints a curl and an openai-client example first.
 # Environment: VENV (.venv), PORT (8000), RATE (8), KV_BYTES (KV memory, 1 GiB).
 set -euo pipefail
@@ -8,7 +8,7 @@ VENV=${VENV:-.venv}
 PORT=${PORT:-8000}
 RATE=${RATE:-8}
 KV_BYTES=${KV_BYTES:-1073741824}
-MODEL=$("$VENV/bin/python" benchmarks/offline_assets.py smollm2 | tail -1)
+MODEL=$("$VENV/bin/python" benchmarks/common/offline_assets.py smollm2 | tail -1)
 BASE="http://127.0.0.1:$PORT/v1"
 cat <<EOT
 Starting vllm serve on $BASE (SmolLM2-135M-Instruct, --kv-compress-rate $RATE). Once it

@@ -2,7 +2,7 @@
 # Copy vLLM 0.32's Python sources (no compiled parts) and its version metadata from a
 # virtual environment into DEST, for a GPU machine that has torch + triton but no vLLM:
 # vLLM's Triton unified attention (the CUDA default of kvcompress) is pure Python +
-# Triton, so benchmarks/bench_kernels.py --vllm-path DEST can check and time it there.
+# Triton, so benchmarks/kernels/bench_kernels.py --vllm-path DEST can check and time it there.
 # The version metadata says "+cpu", so vLLM's platform check stays off CUDA (its CUDA
 # platform would import the compiled vllm._C, which is not there).
 #

@@ -14,11 +14,15 @@ import pytest
 
 from kvcompress.vllm_glue.llm import page_stats, shutdown  # noqa: F401  (page_stats: for the tests)
 
-# Test and benchmark helpers (offline_assets, machine) live in benchmarks/, not in
-# the installed package.
-BENCHMARKS_DIR = str(Path(__file__).resolve().parents[1] / "benchmarks")
-if BENCHMARKS_DIR not in sys.path:
-    sys.path.insert(0, BENCHMARKS_DIR)
+# Test and benchmark helpers (offline_assets, machine) live in benchmarks/common/, not in
+# the installed package; the benchmark scripts import them as ``benchmarks.common.*`` from
+# the repository root.
+REPO_ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS_DIR = REPO_ROOT / "benchmarks"
+if str(BENCHMARKS_DIR / "common") not in sys.path:
+    sys.path.insert(0, str(BENCHMARKS_DIR / "common"))
+if str(REPO_ROOT) not in sys.path:
+    sys.path.append(str(REPO_ROOT))
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -126,8 +130,8 @@ def kvc_tiny_llm(tiny_model):
 
 
 def load_benchmark(name: str):
-    """Import ``benchmarks/<name>.py`` (a script directory, not a package)."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    """A fresh import of the script ``benchmarks/<group>/<name>.py`` (whichever group holds it)."""
+    (path,) = [p for p in BENCHMARKS_DIR.glob(f"*/{name}.py") if p.parent.name != "gpu_e2e"]
     spec = importlib.util.spec_from_file_location(f"kvcompress_bench_{name}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses resolve string annotations through it

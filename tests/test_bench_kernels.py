@@ -1,4 +1,4 @@
-"""benchmarks/bench_kernels.py is the one script a lent GPU session runs; its CPU dry run
+"""benchmarks/kernels/bench_kernels.py is the one script a lent GPU session runs; its CPU dry run
 (reference ops, tiny shapes) keeps it from rotting between such sessions."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_bench_kernels_cpu_dry_run_writes_a_clean_report(tmp_path):
     run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_kernels.py"), "--dry-run-cpu",
+        [sys.executable, str(ROOT / "benchmarks" / "kernels" / "bench_kernels.py"), "--dry-run-cpu",
          "--out-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=600,
     )
@@ -43,7 +43,7 @@ def test_staged_vllm_sources_give_the_gpu_machine_vllms_triton_kernel(tmp_path):
     size = sum(f.stat().st_size for f in staged.rglob("*") if f.is_file())
     assert size < 40 * 2**20, size  # the GPU machine takes 64 MiB with the repository
     probe = (
-        "import sys; from pathlib import Path; sys.path.insert(0, 'benchmarks');"
+        "import sys; from pathlib import Path; sys.path.insert(0, 'benchmarks/kernels');"
         "import bench_kernels as bk;"
         f"reason = bk.load_vllm_unified(Path({str(staged)!r}));"
         "import vllm; from vllm.platforms import current_platform;"
@@ -62,7 +62,7 @@ def test_stock_vs_kvcompress_sections_run_vllms_kernel_under_the_interpreter():
     1 and 4, steps with prompt rows), on tiny shapes through Triton's interpreter: every
     row timed, and the one flattened call equal to a call per KV head."""
     script = (
-        "import os, sys; os.environ['TRITON_INTERPRET'] = '1'; sys.path.insert(0, 'benchmarks');"
+        "import os, sys; os.environ['TRITON_INTERPRET'] = '1'; sys.path.insert(0, 'benchmarks/kernels');"
         "import json, torch; import bench_kernels as bk;"
         "assert bk.load_vllm_unified(None) is None;"
         "timer = bk.Timer(torch.device('cpu'), iters=1, warmup=0);"

@@ -1,4 +1,4 @@
-"""benchmarks/bench_serve.py without servers (a whole run is ~25 min: README "Benchmarks"):
+"""benchmarks/throughput/bench_serve.py without servers (a whole run is ~25 min: README "Benchmarks"):
 the dataset it hands to ``vllm bench serve`` and how it picks and prints the median runs."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Smoke tests of the throughput benchmark (benchmarks/benchmark_throughput.py) and of the
+"""Smoke tests of the throughput benchmark (benchmarks/throughput/benchmark_throughput.py) and of the
 kvcompress flags through vLLM's own ``vllm bench throughput``."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def test_benchmark_throughput_smoke(tmp_path):
     prefix = tmp_path / "throughput"
     num_prompts, output_len = 16, 16
     # Its own process: the benchmark's in-process engine cores pin the caller's threads.
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "benchmark_throughput.py"
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "throughput" / "benchmark_throughput.py"
     done = subprocess.run(
         [
             sys.executable, str(script),

@@ -22,6 +22,9 @@ pytestmark = pytest.mark.engine
 
 PROTECTED_WINDOW = 16
 BLOCK = 16  # the paper's page size (the CPU default is 64): the bounds below are exact in it
+# What every engine of this file shares: the tiny model's float32 weights, no tokenizer,
+# no CUDA graphs, a fixed seed.
+TINY_ENGINE = dict(skip_tokenizer_init=True, dtype="float32", enforce_eager=True, seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -33,15 +36,12 @@ def compress_llm(tiny_model):
         tiny_model,
         kv_compress_protected_window=PROTECTED_WINDOW,
         kv_compress_block_size=BLOCK,
-        skip_tokenizer_init=True,
-        dtype="float32",
-        enforce_eager=True,
         max_model_len=2048,
         max_num_seqs=64,
         max_num_batched_tokens=512,
         # 4096 tokens of pages, the per-head metadata on top (the bounds below need them)
         kv_cache_memory_bytes=tiny_kv_budget(4096, block_size=BLOCK, max_num_seqs=64, max_model_len=2048),
-        seed=0,
+        **TINY_ENGINE,
     )
     yield llm
     _shutdown(llm)
@@ -184,14 +184,11 @@ def test_every_option_runs_in_the_engine(tiny_model):
         kv_compress_block_cost="sum",
         kv_compress_interval=16,
         kv_compress_max_kv_per_iteration=6000,
-        skip_tokenizer_init=True,
-        dtype="float32",
-        enforce_eager=True,
         max_model_len=1024,
         max_num_seqs=8,
         max_num_batched_tokens=256,
         kv_cache_memory_bytes=4096 * TINY_BYTES_PER_TOKEN,
-        seed=0,
+        **TINY_ENGINE,
     )
     try:
         engine = llm.llm_engine

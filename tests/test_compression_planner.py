@@ -16,6 +16,7 @@ from kvcompress.compression_planner import CompressionPlanner
 from kvcompress.config import KVCompressConfig
 from kvcompress.contract import WorkerReport
 from kvcompress.page_accounting import PageAccounting
+from worker_reports import report_of_scheduler_heads
 
 LAYERS, HEADS, BLOCK = 2, 2, 16
 
@@ -60,14 +61,7 @@ def _expected_evict(prompt: int, rate: float, window: int, min_cache: int, sinks
 
 def _worker_report(planner: CompressionPlanner, shrink: dict[str, np.ndarray]) -> WorkerReport:
     """What a worker holding exactly the scheduler's heads (after ``shrink``) reports."""
-    accounting = planner.accounting
-    held = {}
-    for request_id in accounting.request_ids():
-        lens = shrink.get(request_id, accounting.head_lens_of(request_id))
-        held[request_id] = int(((lens + BLOCK - 1) // BLOCK).sum())
-    return WorkerReport(
-        free_pages=accounting.num_pages - sum(held.values()), pages_held=held, head_lens=shrink
-    )
+    return report_of_scheduler_heads(planner.accounting, shrink)
 
 
 def test_prefilled_request_is_ordered_its_budget_in_pages():

@@ -62,7 +62,7 @@ TOLERANCE = {"torch.float32": 2e-5, "torch.bfloat16": 3e-2}
 
 
 def _host_runs(build: str) -> bool:
-    from machine import cpu_flags  # benchmarks/machine.py (conftest puts it on the path)
+    from machine import cpu_flags  # benchmarks/common/machine.py (conftest puts it on the path)
 
     if build == "avx2":
         return "avx2" in cpu_flags()

@@ -8,7 +8,7 @@
   installed torch's headers (a CPU build is enough, with a stub for the one generated
   c10/cuda header it lacks) and the CUDA toolkit headers; skipped if those are missing.
 
-Nothing is linked or run: a GPU is not needed (benchmarks/bench_kernels.py runs the
+Nothing is linked or run: a GPU is not needed (benchmarks/kernels/bench_kernels.py runs the
 kernels on one).
 """
 

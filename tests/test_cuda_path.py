@@ -338,7 +338,7 @@ def test_process_memory_stays_within_the_kv_budget_at_long_context(tiny_model):
     budget = 1 << 30
     rss = {}
     for kvc in (False, True):
-        code = PROBE.format(benchmarks=str(Path(__file__).resolve().parents[1] / "benchmarks"),
+        code = PROBE.format(benchmarks=str(Path(__file__).resolve().parents[1] / "benchmarks" / "throughput"),
                             max_len=131072, seqs=512, budget=budget, model=tiny_model, kvc=kvc)
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
         line = [l for l in done.stdout.splitlines() if l.startswith("PROBE ")]

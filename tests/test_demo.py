@@ -1,4 +1,4 @@
-"""``make demo`` (benchmarks/demo.py), small: 4 SmolLM2 documents of ~768 tokens, stock
+"""``make demo`` (benchmarks/serving/demo.py), small: 4 SmolLM2 documents of ~768 tokens, stock
 vLLM vs kvcompress at rates 1 and 8 under the same KV memory (room for 2.2 documents).
 
 Checked against stock vLLM in the same run: rate 1 is token-identical to stock; rate 8
@@ -18,7 +18,7 @@ import pytest
 
 pytestmark = [pytest.mark.engine, pytest.mark.assets]
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "demo.py"
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "serving" / "demo.py"
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""`vllm serve` past one device (benchmarks/distributed_check.py): TP=2 on one node and on
+"""`vllm serve` past one device (benchmarks/serving/distributed_check.py): TP=2 on one node and on
 two "nodes" on 127.0.0.1 (vLLM's multi-node mp launch), TP=2 on vLLM's Ray executor,
 DP=2. Minutes of server starts,
 so not in the default run: ``pytest -m slow tests``."""

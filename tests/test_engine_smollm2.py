@@ -6,18 +6,16 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks.common.engine_args import eager_float32_engine_args
+
 pytestmark = [pytest.mark.engine, pytest.mark.assets]
 
 PROMPT_TOKENS = [1024, 1100, 1300]
 OUTPUT_TOKENS = 16
-ENGINE = dict(
-    dtype="float32",
-    enforce_eager=True,
+ENGINE = eager_float32_engine_args(
     max_model_len=2048,
     max_num_batched_tokens=512,  # chunked prefill of every prompt
     kv_cache_memory_bytes=256 << 20,
-    enable_prefix_caching=False,
-    seed=0,
 )
 
 

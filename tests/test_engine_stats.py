@@ -14,6 +14,7 @@ from kvcompress.config import KVCompressConfig
 from kvcompress.contract import CompressionRecord, WorkerReport
 from kvcompress.engine_stats import KVCompressStats, PolicyTotals
 from kvcompress.page_accounting import PageAccounting
+from worker_reports import report_of_scheduler_heads
 
 LAYERS, HEADS, BLOCK, POOL = 2, 2, 16, 4096
 
@@ -47,15 +48,7 @@ def _prefilled(planner, request_id, prompt, **fields) -> Req:
 
 def _report(planner, shrink: dict, records=(), evict_mismatches=0) -> WorkerReport:
     """The report of a worker that holds the scheduler's heads after ``shrink``."""
-    accounting = planner.accounting
-    held = {}
-    for request_id in accounting.request_ids():
-        lens = shrink.get(request_id, accounting.head_lens_of(request_id))
-        held[request_id] = int(((lens + BLOCK - 1) // BLOCK).sum())
-    return WorkerReport(
-        free_pages=POOL - sum(held.values()), pages_held=held, head_lens=shrink,
-        compressions=list(records), evict_mismatches=evict_mismatches,
-    )
+    return report_of_scheduler_heads(planner.accounting, shrink, records, evict_mismatches)
 
 
 def _record(policy, requests, pages, before, evicted, seconds) -> CompressionRecord:

@@ -1,4 +1,4 @@
-"""Quality benchmark (benchmarks/eval_quality.py), smoke-sized: SmolLM2-135M-Instruct,
+"""Quality benchmark (benchmarks/quality/eval_quality.py), smoke-sized: SmolLM2-135M-Instruct,
 one sample per RULER task at ~1K tokens, one perplexity window (512 prefilled + 32
 teacher-forced tokens), stock vLLM vs kvcompress at rates 1 and 8 under the policies kvc,
 snapkv and random (rate 1 run once; ~4 min on 2 cores). Then quality asserted at CI

@@ -355,3 +355,26 @@ def test_engine_config_stores_the_validated_section(tmp_path):
     settings = KVCompressConfig.from_additional_config(config.additional_config)
     assert (settings.enabled, settings.rate, settings.policy) == (True, 4.0, "snapkv")
     assert settings == KVCompressConfig.from_dict(section)
+
+
+def test_the_section_is_written_once_by_the_engine_setup(tmp_path):
+    """``additional_config["kvcompress"]`` is written in one place while vLLM builds an
+    engine config: the engine setup stores the validated section (with its digest), and
+    the patched ``create_engine_config`` around it writes nothing more."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from kvcompress.config import VALIDATED_KEY
+
+    writes = []
+
+    class RecordingArgs(EngineArgs):
+        def __setattr__(self, name, value):
+            if name == "additional_config":
+                writes.append(value)
+            super().__setattr__(name, value)
+
+    args = RecordingArgs(model=_write_config(tmp_path), skip_tokenizer_init=True, max_model_len=512, **_kvc(rate=4))
+    writes.clear()
+    config = args.create_engine_config()
+    assert len(writes) == 1 and VALIDATED_KEY in writes[0]["kvcompress"]
+    assert KVCompressConfig.from_additional_config(config.additional_config).rate == 4.0

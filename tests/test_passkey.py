@@ -1,4 +1,4 @@
-"""Passkey retrieval (benchmarks/passkey.py) with SmolLM2-135M-Instruct at ~3K tokens,
+"""Passkey retrieval (benchmarks/quality/passkey.py) with SmolLM2-135M-Instruct at ~3K tokens,
 small (2 prompts, ~2.5 min on 2 CPU cores): stock vLLM vs kvcompress at rates 1 and 8
 in one engine (per-request rates).
 

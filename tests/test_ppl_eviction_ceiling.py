@@ -1,4 +1,4 @@
-"""``benchmarks/ppl_eviction_ceiling.py``: its attention equals Hugging Face's eager
+"""``benchmarks/quality/ppl_eviction_ceiling.py``: its attention equals Hugging Face's eager
 attention on the tiny Llama, its masking drops exactly the KVs it is told to (checked
 against eager attention on a cache holding only the kept KVs), and its selections
 equal brute-force ones."""

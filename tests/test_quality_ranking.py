@@ -1,4 +1,4 @@
-"""benchmarks/quality_ranking.py without engines: hand-made eval_quality results split
+"""benchmarks/quality/quality_ranking.py without engines: hand-made eval_quality results split
 over several files merge into the rows one file holding every run scores to (the
 oracle: eval_quality.score_rows on the whole), the ranking per rate includes
 perplexity, and files that did not answer the same samples the same way are refused

@@ -24,9 +24,9 @@ def _config(kvcompress: bool, backend: str = "ray"):
 
 @pytest.fixture(autouse=True)
 def _patched():
-    import kvcompress.patches as patches
+    from kvcompress.vllm_glue.plugin import register
 
-    patches.apply_all()
+    register()  # the patches, as vLLM's plugin loader applies them
 
 
 def test_a_kvcompress_engine_gets_the_cpu_ray_executor_and_stock_keeps_vllms():

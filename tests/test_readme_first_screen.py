@@ -18,7 +18,7 @@ def test_quick_start_commands_come_first():
     for command in ("make demo", "make test", "make serve", "vllm serve MODEL --kv-compress-rate 8"):
         assert command in screen, command
     makefile = (ROOT / "Makefile").read_text()
-    assert "demo: setup\n\t$(PY) benchmarks/demo.py" in makefile
+    assert "demo: setup\n\t$(PY) benchmarks/serving/demo.py" in makefile
 
 
 def test_demo_table_is_the_recorded_runs():

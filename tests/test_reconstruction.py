@@ -78,7 +78,7 @@ def test_the_repeat_instruction_in_the_models_tokens():
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "common"))
     from offline_assets import smollm2_checkpoint
     from transformers import AutoTokenizer
 

@@ -1,4 +1,4 @@
-"""CI-sized soak (`benchmarks/soak.py`): `vllm serve --kv-compress --kv-compress-rate 8` on
+"""CI-sized soak (`benchmarks/serving/soak.py`): `vllm serve --kv-compress --kv-compress-rate 8` on
 the tiny model under KV pressure, 60 requests of the mixed load at concurrency 6 (streams,
 cancels, sampled with and without seeds on chunked prompts, n > 1, logprobs,
 prompt_logprobs, stop token ids, min_tokens, bad requests, per-request `vllm_xargs`
@@ -19,7 +19,7 @@ from kvcompress.policies import POLICY_NAMES
 
 pytestmark = [pytest.mark.engine, pytest.mark.assets]
 
-SOAK = Path(__file__).resolve().parents[1] / "benchmarks" / "soak.py"
+SOAK = Path(__file__).resolve().parents[1] / "benchmarks" / "serving" / "soak.py"
 
 
 @pytest.fixture(scope="module")

@@ -69,7 +69,7 @@ def stock_tp_outputs(tiny_model):
 def kvc_tp_llm(tiny_model, stock_tp_outputs):  # after stock's engine is gone (2 cores)
     import kvcompress
 
-    from benchmark_throughput import engine_core_in_process
+    from benchmarks.throughput.benchmark_throughput import engine_core_in_process
 
     # The engine core in this process (the TP workers are still their own processes): a
     # step runs when the test calls it, so scheduler and workers are read between steps.
@@ -230,7 +230,7 @@ def test_surprisal_scores_every_rank_from_the_whole_vocabulary(kvc_tp_llm, tiny_
 
 
 def test_the_output_vllm_reads_is_tp_rank_zeros_where_the_reports_are_gathered():
-    """The reports are gathered to TP rank 0 (``runner._gather_reports``); vLLM's mp
+    """The reports are gathered to TP rank 0 (``tensor_parallel.gather_reports``); vLLM's mp
     executor reads the output of world rank ``world_size - tp * pcp`` (TP rank 0 of the
     last pipeline stage, rank 0 without PP) and Ray's compiled DAG ``refs[0]``, its
     first TP worker of the last stage. A vLLM that read another rank would drop them."""

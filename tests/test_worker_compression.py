@@ -73,3 +73,31 @@ def test_no_placed_request_no_work():
     stats = WorkerStats()
     outcome = run_orders(run, {"x": _order("kvc", 1, 8)}, {}, stats)
     assert outcome.request_ids == [] and not outcome.mismatch and flushed == [] and stats == WorkerStats()
+
+
+def test_step_report_counts_each_live_request_s_pages_past_its_prefix_groups():
+    """The report's pages held are recounted by hand from the head lengths (pages per
+    head = ceil(len / block)), less the leading shared pages of each head; head lengths
+    only for the compressed requests; free pages from the allocator."""
+    import math
+
+    from kvcompress.worker_compression import CompressionOutcome, step_report
+    from kvcompress.worker_requests import WorkerRequests
+
+    lengths = [40, 36, 9]
+    cache, _, slots = _cache(lengths)
+    requests = WorkerRequests(cache.max_seqs)
+    for name, slot, length in zip("abc", slots, lengths):
+        requests.admit(name, _order("kvc", 1, length).compression, prefix_hits=(7,) if name == "b" else ())
+        requests.place(name, slot, length, length)
+    outcome = CompressionOutcome(["a", "gone"], [], pages_freed=3, pages_ordered=4)
+    stats = WorkerStats()
+    report = step_report(cache, requests, outcome, True, stats)
+    heads = LAYERS * KV_HEADS
+    want = {name: heads * (math.ceil(length / BLOCK) - (1 if name == "b" else 0))
+            for name, length in zip("abc", lengths)}
+    assert report.pages_held == want
+    assert list(report.head_lens) == ["a"] and report.head_lens["a"].tolist() == [[40, 40], [40, 40]]
+    assert report.evict_mismatches == 1 and report.free_pages == cache.allocator.num_free
+    assert stats.max_pages_used == heads * sum(math.ceil(length / BLOCK) for length in lengths)
+    assert step_report(cache, requests, outcome, False, stats).pages_held is None

@@ -231,9 +231,15 @@ class Profile:
         return args
 
 
+def _repo_importable() -> None:
+    """``benchmarks.*`` imports from the tree (appended: the installed kvcompress still wins)."""
+    if str(REPO) not in sys.path:
+        sys.path.append(str(REPO))
+
+
 def tiny_model() -> str:
-    sys.path.insert(0, str(BENCHMARKS))
-    from offline_assets import tiny_llama_checkpoint
+    _repo_importable()
+    from benchmarks.common.offline_assets import tiny_llama_checkpoint
 
     return str(tiny_llama_checkpoint(**TINY))
 
@@ -391,8 +397,8 @@ def case_throughput(profile: Profile, out: CaseOutput, shape: str) -> None:
     """Stock and kvcompress at one KV memory (``benchmark_throughput.measure``), rate 8
     first; each row is saved as it finishes, so a case cut short by its timeout still
     reports the rows it ran."""
-    sys.path.insert(0, str(BENCHMARKS))
-    import benchmark_throughput as bt
+    _repo_importable()
+    from benchmarks.throughput import benchmark_throughput as bt
 
     if profile.gpu:
         sizes = dict(input_lens=[6000], output_len=500, num_prompts=48 if shape == "8b" else 96,
@@ -503,8 +509,8 @@ def environment(variant: str) -> dict[str, Any]:
         name, driver = subprocess.run(query, capture_output=True, text=True, timeout=30).stdout.strip().split(", ")[:2]
         info.update(gpu=name, driver=driver)
     except Exception:
-        sys.path.insert(0, str(BENCHMARKS))
-        from machine import cpu_model_name
+        _repo_importable()
+        from benchmarks.common.machine import cpu_model_name
 
         info.update(gpu=None, driver=None, cpu=cpu_model_name())
     code = ("import json, importlib.metadata as m, torch\n"

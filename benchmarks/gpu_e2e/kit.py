@@ -214,8 +214,9 @@ def check_calls(kit: Path, tree: int, limit: int = CALL_LIMIT, margin: int = MAR
 
 
 def wheel_cache() -> Path:
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from offline_assets import cache_dir
+    if str(REPO) not in sys.path:
+        sys.path.append(str(REPO))
+    from benchmarks.common.offline_assets import cache_dir
 
     folder = cache_dir() / "gpu-kit" / "wheels"
     folder.mkdir(parents=True, exist_ok=True)

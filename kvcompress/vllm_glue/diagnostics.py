@@ -15,7 +15,6 @@ import torch
 from kvcompress.contract import CompressionOrder
 from kvcompress.ops.deferred_metrics import DeferredDecodeQueries
 from kvcompress.ops.paged_cache import pages_for
-from kvcompress.vllm_glue.step import get_worker_state
 
 
 def pages_used(runner) -> dict[str, int]:
@@ -30,7 +29,7 @@ def pages_used(runner) -> dict[str, int]:
         "held_by_live_requests": int(cache.pages_held().sum().item()),
         "live_requests": len(runner.kvc_requests),
         "sequence_slots": cache.max_seqs,  # the padding rows' slot included
-        "attention_backend": get_worker_state().ops.backends["paged_attention"],
+        "attention_backend": runner.kvc_state.ops.backends["paged_attention"],
         **dataclasses.asdict(runner.kvc_stats),
     }
 
@@ -80,7 +79,7 @@ def page_dump(runner) -> dict:
         return {}
     slots = {request_id: head_pages(cache, slot) for request_id, slot in runner.kvc_requests.live_slots.items()}
     groups, checksums = {}, {}
-    pool = get_worker_state().pool
+    pool = runner.kvc_state.pool
     for block_id, pages in (runner.kvc_prefix_groups.pages if runner.kvc_prefix_groups else {}).items():
         ids = pages.reshape(-1).to(torch.int64)
         groups[block_id] = ids.tolist()
@@ -148,8 +147,9 @@ def defer_decode_metrics(runner, batch: int) -> int:
     (queries still pending are dropped). Returns the metric passes the previous queue ran
     (0 after no queue); -1 where the metric pass is never deferred (not on vLLM's CPU
     kernel)."""
-    if not runner.kvc_plan_kernel_decode:
+    planner = runner.kvc_planner
+    if planner is None or not planner.plan_kernel_decode:
         return -1
-    deferred = runner.kvc_deferred_metrics
-    runner.kvc_deferred_metrics = DeferredDecodeQueries(batch) if batch > 0 else None
+    deferred = planner.deferred
+    planner.deferred = DeferredDecodeQueries(batch) if batch > 0 else None
     return 0 if deferred is None else deferred.passes

@@ -1,8 +1,9 @@
 """Turn kvcompress settings into vLLM engine settings, and refuse what cannot work.
 
 Runs in the front-end process before any engine starts (from the patched
-``EngineArgs.create_engine_config``), so bad flags and unsupported models fail
-at startup with a message that names the flag.
+``EngineArgs.create_engine_config``: ``prepare_engine_args`` before vLLM builds the
+engine config, ``check_model_supported`` after), so bad flags and unsupported models
+fail at startup with a message that names the flag.
 """
 
 from __future__ import annotations
@@ -224,8 +225,10 @@ def prepare_engine_args(engine_args: Any, platform: Any = None) -> KVCompressCon
     engine_args.scheduler_cls = SCHEDULER_CLS
     engine_args.worker_cls = worker_cls
     engine_args.async_scheduling = False
+    # Validated here, once: the engine core and the workers load the section without
+    # validating again (its digest, KVCompressConfig.from_additional_config).
     additional = dict(engine_args.additional_config or {})
-    additional[ADDITIONAL_CONFIG_KEY] = settings.model_dump()
+    additional[ADDITIONAL_CONFIG_KEY] = settings.to_additional_config()
     engine_args.additional_config = additional
     return settings
 

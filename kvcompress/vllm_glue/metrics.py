@@ -107,25 +107,33 @@ def _unregister_previous() -> None:
 class KVCompressPrometheusLogger(AggregateStatLoggerBase):
     """Publishes each engine's :class:`KVCompressStats` as ``kvcompress:*`` metrics."""
 
+    _BASE_LABELS = ("model_name", "engine")  # vLLM's labels of its own metrics
+
     def __init__(self, vllm_config: VllmConfig, engine_indexes: list[int] | None = None) -> None:
         _unregister_previous()
         self.engine_indexes = engine_indexes if engine_indexes is not None else [0]
         self.settings = kvcompress_settings(vllm_config) or KVCompressConfig()
         model_name = vllm_config.model_config.served_model_name
         self.labels = {idx: (model_name, str(idx)) for idx in self.engine_indexes}
-        base = ["model_name", "engine"]
+        self._declare_pool_metrics()
+        self._declare_compression_metrics()
+        self._declare_check_counters()
+        self._publish_settings()
 
-        def gauge(name: str, documentation: str, extra: tuple[str, ...] = ()) -> Gauge:
-            return self._register(Gauge(
-                f"kvcompress:{name}", documentation, labelnames=base + list(extra),
-                multiprocess_mode="mostrecent",
-            ))
+    def _gauge(self, name: str, documentation: str, extra: tuple[str, ...] = ()) -> Gauge:
+        return self._register(Gauge(
+            f"kvcompress:{name}", documentation, labelnames=[*self._BASE_LABELS, *extra],
+            multiprocess_mode="mostrecent",
+        ))
 
-        def counter(name: str, documentation: str, extra: tuple[str, ...] = ()) -> Counter:
-            return self._register(Counter(
-                f"kvcompress:{name}", documentation, labelnames=base + list(extra)
-            ))
+    def _counter(self, name: str, documentation: str, extra: tuple[str, ...] = ()) -> Counter:
+        return self._register(Counter(
+            f"kvcompress:{name}", documentation, labelnames=[*self._BASE_LABELS, *extra]
+        ))
 
+    def _declare_pool_metrics(self) -> None:
+        """The pool's gauges."""
+        gauge = self._gauge
         self.pages_total = gauge(
             "pages_total",
             "Pages of the per-(layer, KV head) KV pool; a page holds block_size tokens of "
@@ -136,6 +144,10 @@ class KVCompressPrometheusLogger(AggregateStatLoggerBase):
             "kvs_kept_ratio",
             "KVs the live requests hold / KVs they would hold uncompressed (tokens x "
             "layers x KV heads); 1 with no live request.")
+
+    def _declare_compression_metrics(self) -> None:
+        """The compressions' counters and timings, by policy."""
+        counter = self._counter
         self.compressions = counter(
             "compressions",
             "Compressions ordered by the scheduler, by reason (after_prefill, "
@@ -152,8 +164,12 @@ class KVCompressPrometheusLogger(AggregateStatLoggerBase):
             "kvcompress:compression_seconds",
             "Wall time of one batched compression (one policy's requests of one step: "
             "schedule, MoveCache, page frees), by policy.",
-            labelnames=base + ["policy"], buckets=COMPRESSION_SECONDS_BUCKETS,
+            labelnames=[*self._BASE_LABELS, "policy"], buckets=COMPRESSION_SECONDS_BUCKETS,
         ))
+
+    def _declare_check_counters(self) -> None:
+        """Preemptions and the scheduler's cross-checks of the worker's pages."""
+        counter = self._counter
         self.preemptions = counter(
             "preemptions", "Requests vLLM preempted in a kvcompress engine (compression "
             "could not free enough pages).")
@@ -172,6 +188,9 @@ class KVCompressPrometheusLogger(AggregateStatLoggerBase):
             "Worker steps whose compressions freed other than the pages the scheduler "
             "ordered (must stay 0).")
 
+    def _publish_settings(self) -> None:
+        """``config_info`` (the server's settings as labels, value 1), and zero series of
+        every counter for the server's policy, so "configured, not compressing" shows."""
         settings = self.settings
         info = {
             "enabled": str(settings.enabled).lower(),
@@ -183,14 +202,13 @@ class KVCompressPrometheusLogger(AggregateStatLoggerBase):
             "interval": str(settings.interval),
             "block_size": "" if settings.block_size is None else str(settings.block_size),
         }
-        config_info = gauge(
+        config_info = self._gauge(
             "config_info",
             "kvcompress settings of the server (1); compare with "
             "kvcompress:compressions_total to see that compression happens.",
             tuple(info))
         for labels in self.labels.values():
             config_info.labels(*labels, *info.values()).set(1)
-            # Zero series for the server's policy, so "configured, not compressing" shows.
             for reason in COMPRESSION_REASONS:
                 self.compressions.labels(*labels, reason, settings.policy)
             for metric in (self.pages_freed, self.kvs_before, self.kvs_evicted,

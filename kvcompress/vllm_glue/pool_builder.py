@@ -13,14 +13,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 
 from kvcompress.ops import KernelOps, PerHeadPagedCache
 from kvcompress.ops.dispatch import resolve_ops
-from kvcompress.ops.expected_attention import RopeFrequencies
+from kvcompress.ops.expected_attention import RopeFrequencies, rope_frequencies
 from kvcompress.page_accounting import cache_sequence_slots
 from kvcompress.vllm_glue.kv_layout import pages_in_buffer, pages_in_pool, single_full_attention_group
 from kvcompress.vllm_glue.step import DecodeBuffers, WorkerCacheState
+
+logger = init_logger(f"vllm.{__name__}")
 
 
 @dataclass(frozen=True)
@@ -151,3 +154,20 @@ def build_pool(kv_cache: torch.Tensor, kv_cache_config: KVCacheConfig, vllm_conf
         rope=None if rope is None else rope.to(pages.device),
     )
     return BuiltPool(shape=shape, state=state, pad_slot=pad_slot)
+
+
+def model_rope(model) -> RopeFrequencies | None:
+    """The model's RoPE frequencies and pairing, read from its first vLLM rotary
+    embedding (``cos_sin_cache``, ``rotary_dim``, ``is_neox_style``), for the ``kvc-ea``
+    policy's estimate; None (with a warning) when it has none that vLLM's base class
+    describes, and ``kvc-ea`` then ranks by kvc's metrics alone."""
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
+
+    for module in model.modules():
+        if isinstance(module, RotaryEmbeddingBase) and getattr(module, "cos_sin_cache", None) is not None:
+            return RopeFrequencies(
+                rope_frequencies(module.cos_sin_cache, module.rotary_dim), bool(module.is_neox_style),
+            )
+    logger.warning("kvcompress: no rotary embedding found in the model; --kv-compress-policy kvc-ea "
+                   "ranks by kvc's metrics alone")
+    return None

@@ -29,7 +29,7 @@ from vllm.logger import init_logger
 from kvcompress.ops.metrics import accumulate_metrics, pool_metrics
 from kvcompress.policies import MetricSpec
 from kvcompress.vllm_glue.attention_backend import PerHeadAttentionMetadata
-from kvcompress.vllm_glue.step import ReconstructionStep, StepTables, get_worker_state
+from kvcompress.vllm_glue.step import ReconstructionStep, StepTables, WorkerCacheState
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -86,8 +86,9 @@ def instruction_for(tokenizer) -> list[int]:
 class ReconstructionPass:
     """Runs the reconstruction pass for a model runner (``PerHeadRunnerMixin``)."""
 
-    def __init__(self, runner, layer_names: list[str]) -> None:
-        self.runner = runner
+    def __init__(self, runner, layer_names: list[str], state: WorkerCacheState) -> None:
+        self.runner = runner  # its model forward (``_model_forward``) and vLLM's config
+        self.state = state
         self.layer_names = layer_names
         config = runner.vllm_config
         self.max_model_len = config.model_config.max_model_len
@@ -108,7 +109,7 @@ class ReconstructionPass:
             self._score(request)
 
     def _score(self, request: PendingReconstruction) -> None:
-        state = get_worker_state()
+        state = self.state
         cache = state.cache
         num_cached = len(request.context)
         slots = torch.tensor([request.seq_slot], dtype=torch.int64, device=cache.device)

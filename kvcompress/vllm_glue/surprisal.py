@@ -25,7 +25,7 @@ import torch
 
 from kvcompress.ops.metrics import accumulate_metrics
 from kvcompress.ops.surprisal import SentenceEnds, sentence_scores, sentence_starts, token_surprisal
-from kvcompress.vllm_glue.step import StepTables, get_worker_state
+from kvcompress.vllm_glue.step import StepTables, WorkerCacheState
 from kvcompress.vllm_glue.tokenizer_checks import sentence_ends
 
 
@@ -58,8 +58,9 @@ class SurprisalScoring:
     """Keeps the surprisal of prompt tokens across a request's prefill chunks and writes
     the sentence scores as its slot metrics when its prompt completes."""
 
-    def __init__(self, runner) -> None:
-        self.runner = runner
+    def __init__(self, runner, state: WorkerCacheState) -> None:
+        self.runner = runner  # its model's head (``compute_logits``) and vLLM's config
+        self.state = state
         self._ends: SentenceEnds | None | bool = False  # False: not looked up yet
         # request id -> ([prompt_len] float32 nats, [prompt_len] bool known)
         self._buffers: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -103,8 +104,7 @@ class SurprisalScoring:
         return buffer
 
     def _write_metrics(self, rows: SurprisalRows, nats: torch.Tensor, known: torch.Tensor) -> None:
-        state = get_worker_state()
-        cache, pool = state.cache, state.pool
+        cache, pool = self.state.cache, self.state.pool
         length = len(rows.prompt)
         if self.recorded is not None:
             self.recorded[rows.request_id] = torch.where(known, nats, torch.full_like(nats, float("nan")))

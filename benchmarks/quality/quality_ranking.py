@@ -2,7 +2,7 @@
 samples: every (policy, rate) cell of every file scored against the one full-cache run,
 as if a single run had made them all.
 
-    python benchmarks/quality_ranking.py A.json B.json ... --out PREFIX
+    python benchmarks/quality/quality_ranking.py A.json B.json ... --out PREFIX
 
 Writes ``PREFIX.json`` / ``.md`` / ``.png`` as ``eval_quality.py --out`` does (summary
 tables policies x rates, the ranking per rate with 95% bootstrap intervals, each
@@ -32,8 +32,12 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import eval_quality as quality  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:  # run as a file: `benchmarks` imports from the repository root
+    sys.path.append(str(REPO_ROOT))  # last: the installed kvcompress still wins
+
+from benchmarks.quality import eval_quality as quality  # noqa: E402
 
 SETTING_KEYS = (*quality.FULL_RUN_KEYS, "kv_compress_interval", "kvc_settings", "engine_args")
 """Config keys that must be equal in every file (samples, and how kvcompress ran)."""
@@ -156,7 +160,7 @@ def write_outputs(merged: dict, prefix: str, argv: str, log=print) -> None:
         f"- {len(config['merged_from'])} runs on these samples, one full-cache run (the first file's; "
         "every file's full-cache answers checked equal), each (policy, rate) scored against it; "
         f"{sum(s['wall'] or 0 for s in config['merged_from']) / 3600:.1f} h of runs in all",
-        f"- command: `python benchmarks/quality_ranking.py {argv}`",
+        f"- command: `python benchmarks/quality/quality_ranking.py {argv}`",
         "",
         *sources_lines(merged),
         "",

@@ -22,8 +22,8 @@ stock's token for token. The engine cores run in this process so each step's sch
 be read (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Writes ``OUT.md``, ``OUT.json`` and
 ``OUT.png`` (``--out``, default ``demo-smollm2`` in the current directory).
 
-    python benchmarks/demo.py                     # ~3 min on 2 cores once SmolLM2 is cached
-    python benchmarks/demo.py --documents 4 --rates 1 8 --length 1024
+    python benchmarks/serving/demo.py                     # ~3 min on 2 cores once SmolLM2 is cached
+    python benchmarks/serving/demo.py --documents 4 --rates 1 8 --length 1024
 """
 
 from __future__ import annotations
@@ -38,16 +38,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:  # run as a file: `benchmarks` imports from the repository root
+    sys.path.append(str(REPO_ROOT))  # last: the installed kvcompress still wins
+
+from benchmarks.common.engine_args import eager_float32_engine_args  # noqa: E402
+
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the tables are the point; VLLM_LOGGING_LEVEL=INFO for more
 
 DEFAULT_OUT = "demo-smollm2"
-ENGINE_ARGS = dict(
-    dtype="float32",  # SmolLM2's bf16 upcast: bf16 matmuls are slow on CPUs without AMX
-    enforce_eager=True,
-    max_num_batched_tokens=1024,  # chunked prefill
-    enable_prefix_caching=False,  # every document is computed, the same for both engines
-    seed=0,
-)
+ENGINE_ARGS = eager_float32_engine_args(max_num_batched_tokens=1024)  # chunked prefill
 
 
 @dataclass
@@ -79,8 +79,8 @@ def build_documents(tokenizer, count: int, length: int, seed: int) -> list[dict]
     """``count`` single-needle documents of at most ``length`` tokens (eval_quality's
     ``niah_single`` samples, needle depths spread evenly); each has
     ``prompt_token_ids``, ``prompt_tokens`` and ``answers`` (the expected number)."""
-    from eval_quality import build_samples
-    from offline_assets import paul_graham_essays
+    from benchmarks.quality.eval_quality import build_samples
+    from benchmarks.common.offline_assets import paul_graham_essays
 
     return build_samples(tokenizer, paul_graham_essays(), ["niah_single"], [length], count, seed)
 
@@ -128,7 +128,7 @@ def run_documents(llm, documents, output_tokens: int, extra_args, desc: str,
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from benchmark_throughput import StepLog
+    from benchmarks.throughput.benchmark_throughput import StepLog
 
     engine = llm.llm_engine
     log = getattr(llm, "_demo_step_log", None) or StepLog(llm)
@@ -196,7 +196,7 @@ class Workload:
         return sum(held) / len(held)
 
     def engine_run(self, label: str, rate: float | None, run: dict, kv_bytes: float) -> EngineRun:
-        from eval_quality import score
+        from benchmarks.quality.eval_quality import score
 
         answers = [answer_text(self.tokenizer, ids) for ids in run["token_ids"]]
         return EngineRun(
@@ -296,7 +296,7 @@ def answers_table(documents, runs: list[EngineRun]) -> list[str]:
 
 def write_plot(runs: list[EngineRun], path: str) -> str | None:
     """Three bar charts: KV MiB per request, max concurrent requests, output tokens/s."""
-    from plots import bar_panels
+    from benchmarks.common.plots import bar_panels
 
     labels = ["stock" if r.rate is None else f"kvc r{r.rate:g}" for r in runs]
     panels = [
@@ -348,8 +348,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def prepare(args, log) -> Workload:
     from transformers import AutoTokenizer
 
-    from benchmark_throughput import kv_bytes_per_token, kv_shape
-    from offline_assets import smollm2_checkpoint
+    from benchmarks.throughput.benchmark_throughput import kv_bytes_per_token, kv_shape
+    from benchmarks.common.offline_assets import smollm2_checkpoint
 
     model = str(smollm2_checkpoint())
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -369,7 +369,7 @@ def prepare(args, log) -> Workload:
 
 
 def report(work: Workload, runs: list[EngineRun], args, wall: float) -> None:
-    from benchmark_throughput import machine_description
+    from benchmarks.throughput.benchmark_throughput import machine_description
 
     rate1 = next((r for r in runs[1:] if r.rate == 1), None)
     lines = [
@@ -397,7 +397,7 @@ def report(work: Workload, runs: list[EngineRun], args, wall: float) -> None:
 def main(argv=None) -> list[EngineRun]:
     args = parse_args(argv)
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    from benchmark_throughput import engine_core_in_process
+    from benchmarks.throughput.benchmark_throughput import engine_core_in_process
 
     wall = time.perf_counter()
     log = lambda message: print(message, flush=True)  # noqa: E731

@@ -7,10 +7,10 @@ cores) and their runs alternate: each repetition times ``generate`` of ``--batch
 prompts of ``--input-len`` tokens for 1 and for ``--output-len`` tokens on stock, then
 on kvcompress; the difference over ``output-len - 1`` is the time per decode step.
 
-    python benchmarks/bench_decode_step.py --model tiny --batch 1
-    python benchmarks/bench_decode_step.py --model smollm2 --batch 1 --reps 5
+    python benchmarks/throughput/bench_decode_step.py --model tiny --batch 1
+    python benchmarks/throughput/bench_decode_step.py --model smollm2 --batch 1 --reps 5
     # host bookkeeping at many sequences (issue 15 item 7): short contexts, 256 rows
-    python benchmarks/bench_decode_step.py --model tiny --batch 256 --input-len 32 --output-len 65 \
+    python benchmarks/throughput/bench_decode_step.py --model tiny --batch 256 --input-len 32 --output-len 65 \
         --reps 3 --host-breakdown
 
 ``--host-breakdown`` then runs each engine once more per repetition with wall-clock timers
@@ -33,8 +33,13 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
-import benchmark_throughput as bench  # noqa: E402  (sets VLLM_TARGET_DEVICE on CPU)
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:  # run as a file: `benchmarks` imports from the repository root
+    sys.path.append(str(REPO_ROOT))  # last: the installed kvcompress still wins
+
+from benchmarks.throughput import benchmark_throughput as bench  # noqa: E402  (sets VLLM_TARGET_DEVICE on CPU)
 
 
 def token_params(tokens: int, extra):

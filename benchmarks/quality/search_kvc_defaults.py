@@ -9,7 +9,7 @@ picks the request's policy); its needle score is the sum over the needle tasks a
 the full cache's, perplexity as ``100 x ppl_full / ppl``. The stock answers are cached
 in ``--cache-dir`` by (tasks, lengths, limit), so later searches reuse them.
 
-    python benchmarks/search_kvc_defaults.py --rates 8 32 --limit 8 \\
+    python benchmarks/quality/search_kvc_defaults.py --rates 8 32 --limit 8 \\
         --candidates '{"paper": {"policy": "kvc-paper"}, "w32": {"observation_window": 32}}' \\
         --out benchmarks/results/quality-kvc-defaults-search-smollm2-cpu.json
 
@@ -28,9 +28,12 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import eval_quality as eq  # noqa: E402
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:  # run as a file: `benchmarks` imports from the repository root
+    sys.path.append(str(REPO_ROOT))  # last: the installed kvcompress still wins
+
+from benchmarks.quality import eval_quality as eq  # noqa: E402
 
 NEEDLES = ("niah_single", "niah_multikey", "niah_multivalue")
 
@@ -67,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     import kvcompress
     from kvcompress.vllm_glue.llm import shutdown
-    from offline_assets import paul_graham_essays
+    from benchmarks.common.offline_assets import paul_graham_essays
 
     path, model_name = eq._model_path("smollm2")
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -22,8 +22,8 @@ by engine). Defaults: SmolLM2-135M, 1500 shared + 500 private tokens, outputs 12
 16 prompts, KV memory for the prompt + 4 private parts uncompressed (stock holds ~4
 requests at once), ~8 min on 2 CPU cores.
 
-    python benchmarks/bench_prefix_caching.py
-    python benchmarks/bench_prefix_caching.py --model tiny --num-prompts 8   # quick
+    python benchmarks/throughput/bench_prefix_caching.py
+    python benchmarks/throughput/bench_prefix_caching.py --model tiny --num-prompts 8   # quick
 """
 
 from __future__ import annotations
@@ -37,7 +37,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmark_throughput import (
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:  # run as a file: `benchmarks` imports from the repository root
+    sys.path.append(str(REPO_ROOT))  # last: the installed kvcompress still wins
+
+from benchmarks.throughput.benchmark_throughput import (
     KVC,
     STOCK,
     _setup_env,
@@ -50,8 +54,8 @@ from benchmark_throughput import (
     run_batch,
     synthetic_prompts,
 )
-from machine import cpu_model_name, usable_cores
-from plots import two_bar_charts
+from benchmarks.common.machine import cpu_model_name, usable_cores
+from benchmarks.common.plots import two_bar_charts
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

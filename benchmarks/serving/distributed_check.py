@@ -11,8 +11,8 @@ give the same tokens at rate 8 (same model, same ranks, another launch or execut
 (nothing evicted) the same tokens as stock vLLM served at TP=2 (layout ``stock-tp2``). Layout ``tp2-ray`` is TP=2 on vLLM's Ray executor
 (``--distributed-executor-backend ray``; a Ray cluster of its own, started by the engine).
 
-    python benchmarks/distributed_check.py            # all five layouts, ~4 min on 2 cores
-    python benchmarks/distributed_check.py --layouts tp2 tp2-two-nodes
+    python benchmarks/serving/distributed_check.py            # all five layouts, ~4 min on 2 cores
+    python benchmarks/serving/distributed_check.py --layouts tp2 tp2-two-nodes
 
 On real nodes the two-node layout is the same two commands, each on its own machine:
 ``vllm serve MODEL --tensor-parallel-size 2 --nnodes 2 --node-rank 0 --master-addr HEAD_IP
@@ -34,6 +34,10 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:  # run as a file: `benchmarks` imports from the repository root
+    sys.path.append(str(REPO_ROOT))  # last: the installed kvcompress still wins
 
 HOST = "127.0.0.1"
 LAYOUTS = {
@@ -58,8 +62,7 @@ ENGINES = {"tp2": 1, "tp2-two-nodes": 1, "tp2-ray": 1, "dp2": 2}  # engines that
 
 
 def tiny_model() -> str:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from offline_assets import tiny_llama_checkpoint
+    from benchmarks.common.offline_assets import tiny_llama_checkpoint
 
     return str(tiny_llama_checkpoint(num_layers=4, num_q_heads=8, num_kv_heads=2, head_dim=64))
 

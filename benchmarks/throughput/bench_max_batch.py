@@ -7,17 +7,23 @@ token in that step (``LLMEngine.step`` outputs), counted the same way for both e
 the table shows the largest one. kvcompress runs every rate in one engine through the
 per-request field ``kv_compress_rate`` (``SamplingParams.extra_args``).
 
-    python benchmarks/bench_max_batch.py                     # CPU default, ~5 min
-    python benchmarks/bench_max_batch.py --rates 2 4 8 --prompt-len 1024 --output-len 64
+    python benchmarks/throughput/bench_max_batch.py                     # CPU default, ~5 min
+    python benchmarks/throughput/bench_max_batch.py --rates 2 4 8 --prompt-len 1024 --output-len 64
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:  # run as a file: `benchmarks` imports from the repository root
+    sys.path.append(str(REPO_ROOT))  # last: the installed kvcompress still wins
 
 # Tiny random GQA Llama of the test suite: 4 layers x 2 KV heads x head dim 64, float32.
 TINY = dict(num_layers=4, num_q_heads=8, num_kv_heads=2, head_dim=64)
@@ -95,7 +101,7 @@ def measure(
     from vllm.inputs import TokensPrompt
 
     import kvcompress
-    from offline_assets import tiny_llama_checkpoint
+    from benchmarks.common.offline_assets import tiny_llama_checkpoint
 
     model = str(tiny_llama_checkpoint(**TINY))
     # Enough requests that even the highest rate runs out of memory before prompts.

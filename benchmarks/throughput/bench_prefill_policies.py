@@ -10,7 +10,7 @@ policy at ``--rate``, alternating per repetition (separate processes on a shared
 host differ by up to ~20% in plain matmul speed), and prints medians and each policy's
 ratio to stock.
 
-    python benchmarks/bench_prefill_policies.py --model smollm2 --policies kvc kvzip --reps 3
+    python benchmarks/throughput/bench_prefill_policies.py --model smollm2 --policies kvc kvzip --reps 3
 """
 
 from __future__ import annotations
@@ -19,8 +19,13 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 
-import benchmark_throughput as bench  # noqa: E402  (sets VLLM_TARGET_DEVICE on CPU)
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:  # run as a file: `benchmarks` imports from the repository root
+    sys.path.append(str(REPO_ROOT))  # last: the installed kvcompress still wins
+
+from benchmarks.throughput import benchmark_throughput as bench  # noqa: E402  (sets VLLM_TARGET_DEVICE on CPU)
 
 
 def prefill_seconds(llm, prompts, extra) -> float:

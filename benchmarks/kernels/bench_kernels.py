@@ -2,14 +2,14 @@
 
 The one script to run on a GPU machine (H100 / H200; torch + triton + nvcc, no vLLM):
 
-    python benchmarks/bench_kernels.py                 # build, check, full benchmark
-    python benchmarks/bench_kernels.py --quick         # fewer shapes
-    python benchmarks/bench_kernels.py --checks-only   # build + correctness only
-    python benchmarks/bench_kernels.py --dry-run-cpu   # CPU smoke test of this script
+    python benchmarks/kernels/bench_kernels.py                 # build, check, full benchmark
+    python benchmarks/kernels/bench_kernels.py --quick         # fewer shapes
+    python benchmarks/kernels/bench_kernels.py --checks-only   # build + correctness only
+    python benchmarks/kernels/bench_kernels.py --dry-run-cpu   # CPU smoke test of this script
                                                        # (reference path, tiny shapes)
     # vLLM's own Triton attention too (the machine has no vLLM): stage its Python
     # sources here (bash scripts/stage_vllm_sources.sh .venv .gpu_vllm), carry them, then
-    python benchmarks/bench_kernels.py --vllm-path .gpu_vllm --skip move alloc evict
+    python benchmarks/kernels/bench_kernels.py --vllm-path .gpu_vllm --skip move alloc evict
 
 Steps (each section records its errors and the run goes on):
 
@@ -66,7 +66,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository: csrc/, kvcompress/, benchmarks/results/
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -364,7 +364,7 @@ def build_extension(mode: str, verbose: bool = True) -> str:
         # kvcompress.ops.dispatch detects the extension by importing kvcompress._C: make
         # that import succeed in this process (the ops are registered already).
         stub = types.ModuleType("kvcompress._C")
-        stub.__doc__ = "JIT-built by benchmarks/bench_kernels.py (torch.ops.kvcompress registered)"
+        stub.__doc__ = "JIT-built by benchmarks/kernels/bench_kernels.py (torch.ops.kvcompress registered)"
         sys.modules["kvcompress._C"] = stub
         return "torch.utils.cpp_extension.load (JIT)"
     env = dict(os.environ)
@@ -1424,7 +1424,8 @@ def md_row(cells: list[str]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def markdown_report(report: dict) -> str:
+def _md_header(report: dict) -> list[str]:
+    """Device, versions, build and copy bandwidth."""
     lines = [f"# kvcompress kernels on {report['device']} ({report['date']})", ""]
     env = report["environment"]
     lines += [f"torch {env['torch']}, CUDA {env['cuda']}, triton {env['triton']}, build: {report.get('build')}", ""]
@@ -1432,6 +1433,12 @@ def markdown_report(report: dict) -> str:
         cb = report["copy_bandwidth"]
         lines += [f"Device copy bandwidth (read + write, {cb['bytes'] / 2**30:.1f} GiB): "
                   f"**{cb['GBps']:.0f} GB/s**", ""]
+    return lines
+
+
+def _md_checks(report: dict) -> list[str]:
+    """Correctness checks against the PyTorch reference."""
+    lines: list[str] = []
     checks = report.get("checks") or []
     if checks:
         failed = [c for c in checks if not c.get("ok")]
@@ -1444,6 +1451,12 @@ def markdown_report(report: dict) -> str:
                 f" | {fmt(c.get('rel_error'), 6) if 'rel_error' in c else '-'} | "
                 f"{'yes' if c.get('ok') else 'NO ' + c.get('error', '')} |")
         lines.append("")
+    return lines
+
+
+def _md_decode(report: dict) -> list[str]:
+    """Decode attention timings per (batch, ctx)."""
+    lines: list[str] = []
     decode = report.get("decode") or []
     if decode:
         lines += [f"## Decode attention, Llama-3.1-8B layer ({report.get('dtype')}, 32 q / 8 KV heads, "
@@ -1456,13 +1469,14 @@ def markdown_report(report: dict) -> str:
         for r in decode:
             note = (r.get("skipped") or r.get("error") or r.get("sdpa_skipped") or r.get("triton_error")
                     or r.get("graph_error") or "")
-            lines.append(md_row([
-                str(r["batch"]), str(r["context"]), fmt(r.get("kv_GB")), fmt(r.get("cuda_ms")),
-                fmt(r.get("cuda_GBps"), 0), fmt(r.get("cuda_pct_copy"), 1), fmt(r.get("triton_ms")),
-                fmt(r.get("triton_GBps"), 0), fmt(r.get("graph_ms")), fmt(r.get("graph_GBps"), 0),
-                fmt(r.get("sdpa_ms")), fmt(r.get("sdpa_GBps"), 0),
-                fmt(r.get("reference_ms")), note[:80]]))
+            lines.append(md_row([str(r["batch"]), str(r["context"]), *_timed_cells(r, DECODE_COLUMNS), note[:80]]))
         lines.append("")
+    return lines
+
+
+def _md_vllm_parity(report: dict) -> list[str]:
+    """Stock vLLM's Triton decode beside kvcompress's backends."""
+    lines: list[str] = []
     parity = report.get("vllm_parity") or []
     if parity:
         lines += [f"## Stock vLLM's Triton decode vs kvcompress's per-head backends ({report.get('dtype')}, "
@@ -1479,13 +1493,15 @@ def markdown_report(report: dict) -> str:
                   "cuda ms | x stock | triton ms | x stock | vllm_triton ms | x stock | note |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in parity:
-            lines.append(md_row([
-                str(r["batch"]), str(r["context"]), str(r.get("rate", "-")), fmt(r.get("stock_ms")),
-                fmt(r.get("stock_eager_ms")), fmt(r.get("graph_ms")), fmt(r.get("graph_x_stock"), 2),
-                fmt(r.get("cuda_ms")), fmt(r.get("cuda_x_stock"), 2), fmt(r.get("triton_ms")),
-                fmt(r.get("triton_x_stock"), 2), fmt(r.get("vllm_triton_ms")),
-                fmt(r.get("vllm_triton_x_stock"), 2), (r.get("skipped") or r.get("error") or "")[:80]]))
+            lines.append(md_row([str(r["batch"]), str(r["context"]), str(r.get("rate", "-")),
+                                 *_timed_cells(r, PARITY_COLUMNS), (r.get("skipped") or r.get("error") or "")[:80]]))
         lines.append("")
+    return lines
+
+
+def _md_prompt_steps(report: dict) -> list[str]:
+    """Steps with prompt rows, one call vs per head, eager and back to back."""
+    lines: list[str] = []
     prompt_steps = report.get("vllm_prompt_steps") or []
     if prompt_steps:
         lines += [f"## Steps with prompt rows: stock vLLM vs kvcompress on vLLM's Triton kernel ({report.get('dtype')}, "
@@ -1496,11 +1512,8 @@ def markdown_report(report: dict) -> str:
                   "| chunk | ctx | decode rows | stock ms | rate 1 ms | x stock | rate 1 per head ms | x stock | "
                   "rate 8 ms | x stock | note |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in prompt_steps:
-            lines.append(md_row([
-                str(r["chunk"]), str(r["context"]), str(r["decodes"]), fmt(r.get("stock_ms")),
-                fmt(r.get("rate1_ms")), fmt(r.get("rate1_x_stock"), 2), fmt(r.get("rate1_per_head_ms")),
-                fmt(r.get("rate1_per_head_x_stock"), 2), fmt(r.get("rate8_ms")), fmt(r.get("rate8_x_stock"), 2),
-                (r.get("error") or "")[:80]]))
+            lines.append(md_row([str(r["chunk"]), str(r["context"]), str(r["decodes"]),
+                                 *_timed_cells(r, PROMPT_STEP_COLUMNS), (r.get("error") or "")[:80]]))
         lines.append("")
         if any(r.get("stock_pipe_ms") for r in prompt_steps):
             lines += ["Back to back (the layers of a forward): calls issued with no synchronisation "
@@ -1519,6 +1532,12 @@ def markdown_report(report: dict) -> str:
                     fmt(r.get("rate1_pipe_x_stock"), 2), timed("rate1_copy"), fmt(r.get("rate1_copy_pipe_x_stock"), 2),
                     timed("rate8"), fmt(r.get("rate8_pipe_x_stock"), 2)]))
             lines.append("")
+    return lines
+
+
+def _md_vllm_checks(report: dict) -> list[str]:
+    """vLLM's unified attention over flattened tables."""
+    lines: list[str] = []
     vllm_checks = report.get("vllm_unified_checks") or []
     if vllm_checks:
         failed = [c for c in vllm_checks if not c.get("ok")]
@@ -1531,6 +1550,12 @@ def markdown_report(report: dict) -> str:
             lines.append(f"| {c['case']} | {fmt(c.get('rel_error'), 6)} | {fmt(c.get('metric_error'), 8)} | "
                          f"{c.get('metric_launches', '-')} / {reads} | {'yes' if c.get('ok') else 'NO'} |")
         lines.append("")
+    return lines
+
+
+def _md_move_cache(report: dict) -> list[str]:
+    """MoveCache timings per backend."""
+    lines: list[str] = []
     move = report.get("move_cache")
     if move:
         lines += [f"## MoveCache ({move['moves']} moves, {move['bytes_per_move']} B per move)", "",
@@ -1541,6 +1566,12 @@ def markdown_report(report: dict) -> str:
                 lines.append(f"| {name} | {fmt(entry.get('ms'))} | {fmt(entry.get('GBps'), 0)} "
                              f"{entry.get('error', '')} |")
         lines.append("")
+    return lines
+
+
+def _md_allocator(report: dict) -> list[str]:
+    """Page-table fill timings."""
+    lines: list[str] = []
     alloc = report.get("allocator")
     if alloc:
         lines += [f"## Allocator ({alloc['seqs']} seqs x {alloc['layers']} layers x {alloc['kv_heads']} "
@@ -1553,6 +1584,12 @@ def markdown_report(report: dict) -> str:
                              f"{fmt(e.get('cuda_fill_ms'))} |")
         lines += ["", f"Reference `PerHeadPagedCache.append` of one decode step: "
                   f"{fmt(alloc.get('reference_append_decode_ms'))} ms", ""]
+    return lines
+
+
+def _md_eviction(report: dict) -> list[str]:
+    """One eviction step's timings."""
+    lines: list[str] = []
     evict = report.get("eviction")
     if evict:
         lines += [f"## Eviction step ({evict['seqs']} seqs x {evict['layers']} layers x {evict['kv_heads']} "
@@ -1560,8 +1597,38 @@ def markdown_report(report: dict) -> str:
         lines += [f"- {key}: {fmt(value)}" for key, value in evict.items()
                   if key.endswith("_ms") or key.endswith("_error") or key in ("note", "pages_freed", "head_dim")]
         lines.append("")
+    return lines
+
+
+def _md_errors(report: dict) -> list[str]:
+    """Errors met on the way."""
+    lines: list[str] = []
     if report.get("errors"):
         lines += ["## Errors", ""] + [f"- {e}" for e in report["errors"]] + [""]
+    return lines
+
+
+# (key, decimals) of the timed columns of the decode, parity and prompt-step tables, in order.
+DECODE_COLUMNS = (("kv_GB", 3), ("cuda_ms", 3), ("cuda_GBps", 0), ("cuda_pct_copy", 1), ("triton_ms", 3),
+                  ("triton_GBps", 0), ("graph_ms", 3), ("graph_GBps", 0), ("sdpa_ms", 3), ("sdpa_GBps", 0),
+                  ("reference_ms", 3))
+PARITY_COLUMNS = (("stock_ms", 3), ("stock_eager_ms", 3), ("graph_ms", 3), ("graph_x_stock", 2), ("cuda_ms", 3),
+                  ("cuda_x_stock", 2), ("triton_ms", 3), ("triton_x_stock", 2), ("vllm_triton_ms", 3),
+                  ("vllm_triton_x_stock", 2))
+PROMPT_STEP_COLUMNS = (("stock_ms", 3), ("rate1_ms", 3), ("rate1_x_stock", 2), ("rate1_per_head_ms", 3),
+                       ("rate1_per_head_x_stock", 2), ("rate8_ms", 3), ("rate8_x_stock", 2))
+
+
+def _timed_cells(row: dict, columns: tuple[tuple[str, int], ...]) -> list[str]:
+    """``fmt(row[key], decimals)`` per column; a key the row lacks reads "-"."""
+    return [fmt(row.get(key), decimals) for key, decimals in columns]
+
+
+def markdown_report(report: dict) -> str:
+    """The report as markdown: the header, then one section per part that ran."""
+    lines = _md_header(report)
+    for section in (_md_checks, _md_decode, _md_vllm_parity, _md_prompt_steps, _md_vllm_checks, _md_move_cache, _md_allocator, _md_eviction, _md_errors):
+        lines += section(report)
     return "\n".join(lines)
 
 

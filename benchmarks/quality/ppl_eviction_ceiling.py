@@ -26,7 +26,7 @@ One eviction at the prompt's end, the continuation's own KVs all kept: this is r
 recompresses every 64 steps); the two scorings are compared under the same protocol.
 No word-span pooling (kvc's default has it; its effect on perplexity is not measured here).
 
-Usage: ``python benchmarks/ppl_eviction_ceiling.py [--samples 8] [--rates 4 8 16]
+Usage: ``python benchmarks/quality/ppl_eviction_ceiling.py [--samples 8] [--rates 4 8 16]
 [--hybrids] [--lookahead 8 16 32 64] [--metric-variants] [--extra window128 ...] --out
 PREFIX`` (1-2.5 min per window on one thread; the commands behind the results are in
 ``results/ppl-eviction-ceiling-smollm2-cpu.md``).
@@ -44,7 +44,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:  # run as a file: `benchmarks` imports from the repository root
+    sys.path.append(str(REPO_ROOT))  # last: the installed kvcompress still wins
 
 ATTENTION_NAME = "kvcompress_ceiling"
 
@@ -282,8 +284,8 @@ def run(samples: int, rates: list[float], window: int, pool: int, protected: int
     global RECORDER
     from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 
-    from eval_quality import build_ppl_samples
-    from offline_assets import smollm2_checkpoint
+    from benchmarks.quality.eval_quality import build_ppl_samples
+    from benchmarks.common.offline_assets import smollm2_checkpoint
 
     AttentionInterface.register(ATTENTION_NAME, attention)
     path = str(smollm2_checkpoint())
@@ -351,7 +353,7 @@ def write(results: dict, prefix: Path) -> None:
         "",
         f"- {config['samples']} Shakespeare windows of eval_quality.py (seed 0): {config['context']} prompt "
         f"tokens, {config['forced']} teacher-forced; Hugging Face Llama in float32, attention from "
-        "`benchmarks/ppl_eviction_ceiling.py`",
+        "`benchmarks/quality/ppl_eviction_ceiling.py`",
         f"- kept per rate r: the top L x H x ceil(2048 / r) prompt KVs over all heads, plus each head's "
         f"last {config['protected']} prompt tokens; the continuation's KVs all kept (no continual compression)",
         f"- kvc: last {config['window']} prompt queries, probabilities squared, summed over the group, "

@@ -13,8 +13,8 @@ A server started with ``--kv-compress-policy xkv --kv-compress-xkv-profile FILE`
 splits every request's budget over layers by these shares (heads of a layer share it
 uniformly), skipping the per-request allocation.
 
-    python benchmarks/xkv_profile.py --out xkv-smollm2.json                # essays
-    python benchmarks/xkv_profile.py --model /path/to/checkpoint --prompts 16 --length 4096
+    python benchmarks/quality/xkv_profile.py --out xkv-smollm2.json                # essays
+    python benchmarks/quality/xkv_profile.py --model /path/to/checkpoint --prompts 16 --length 4096
 """
 
 from __future__ import annotations
@@ -24,6 +24,10 @@ import json
 import os
 import sys
 from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:  # run as a file: `benchmarks` imports from the repository root
+    sys.path.append(str(REPO_ROOT))  # last: the installed kvcompress still wins
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
@@ -62,7 +66,7 @@ def collect_profile(llm, prompts: list[list[int]], rate: float) -> dict:
 
 def essay_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
     """``count`` windows of ``length`` tokens from the Paul Graham essays."""
-    from offline_assets import paul_graham_essays
+    from benchmarks.common.offline_assets import paul_graham_essays
 
     tokens = tokenizer.encode("\n\n".join(paul_graham_essays()), add_special_tokens=False)
     if len(tokens) < count * length:
@@ -82,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import AutoTokenizer
 
     import kvcompress
-    from offline_assets import smollm2_checkpoint
+    from benchmarks.common.offline_assets import smollm2_checkpoint
 
     path = str(smollm2_checkpoint()) if args.model == "smollm2" else args.model
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -1,5 +1,5 @@
 """Where an engine step's time goes: stock vLLM and kvcompress under Python's profiler, on
-the same batch (the per-step breakdown of benchmarks/benchmark_throughput.py's runs).
+the same batch (the per-step breakdown of benchmarks/throughput/benchmark_throughput.py's runs).
 
 One in-process engine per run (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) serves ``--num-prompts``
 prompts of ``--input-len`` tokens generating ``--output-len`` each under a fixed KV
@@ -19,7 +19,7 @@ memory; the whole run is profiled (cProfile) and the time is attributed to:
 
 NOTE
 
-    python benchmarks/profile_steps.py --input-len 2048 --output-len 256 --num-prompts 16 \\
+    python benchmarks/throughput/profile_steps.py --input-len 2048 --output-len 256 --num-prompts 16 \\
         --kv-tokens 6144 --rates 1 8
 """
 
@@ -34,7 +34,11 @@ import sys
 import time
 from pathlib import Path
 
-import benchmark_throughput as bench  # noqa: E402  (sets VLLM_TARGET_DEVICE on CPU)
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:  # run as a file: `benchmarks` imports from the repository root
+    sys.path.append(str(REPO_ROOT))  # last: the installed kvcompress still wins
+
+from benchmarks.throughput import benchmark_throughput as bench  # noqa: E402  (sets VLLM_TARGET_DEVICE on CPU)
 
 NOTE = (
     "Shares are of the engine-step time (cumulative times, so rows overlap: the metric pass "

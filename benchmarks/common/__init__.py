@@ -1,0 +1,1 @@
+"""See benchmarks/__init__.py."""

@@ -1,0 +1,20 @@
+"""The vLLM engine arguments the SmolLM2 benchmarks (and their tests) share.
+
+Every comparison runs stock vLLM and kvcompress with the same arguments, so what differs
+between scripts is only how large a run is; this module holds the rest, once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def eager_float32_engine_args(**sized: Any) -> dict[str, Any]:
+    """``dtype="float32"`` (SmolLM2's bf16 checkpoint upcast: bf16 matmuls are slow on CPUs
+    without AMX), eager, then ``sized`` (the run's ``max_model_len``, ``max_num_seqs``,
+    ``max_num_batched_tokens``, ``kv_cache_memory_bytes`` in bytes), then no prefix caching
+    (every prompt computed, the same for both engines) and ``seed=0``.
+
+    The keys keep that order: results files record these arguments as given.
+    """
+    return dict(dtype="float32", enforce_eager=True, **sized, enable_prefix_caching=False, seed=0)
