@@ -1,7 +1,7 @@
 """KV-Compress for vLLM 0.32: a per-(layer, KV head) paged KV cache.
 
 ``kvcompress.ops`` (the kernel layer) imports with torch and numpy alone: a GPU machine
-without vLLM or pydantic runs ``benchmarks/bench_kernels.py``. The vLLM glue lives in
+without vLLM or pydantic runs ``benchmarks/kernels/bench_kernels.py``. The vLLM glue lives in
 ``kvcompress.vllm_glue`` and is loaded by vLLM's plugin system.
 """
 

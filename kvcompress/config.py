@@ -114,7 +114,7 @@ class KVCompressConfig(BaseModel):
     """Ada-KV's safeguard alpha: each head keeps at least alpha of its layer's per-head
     average budget."""
     xkv_profile: str | None = None
-    """JSON file of per-layer budget shares (benchmarks/xkv_profile.py writes one) used
+    """JSON file of per-layer budget shares (benchmarks/quality/xkv_profile.py writes one) used
     instead of each request's own allocation."""
     block_cost: Literal["max", "sum"] = "max"
     """Cost of evicting a candidate block: its largest metric (the paper's schedule,

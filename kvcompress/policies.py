@@ -503,7 +503,7 @@ def load_layer_profile(path: str | Path) -> tuple[float, ...]:
     """Read an XKV per-layer allocation profile.
 
     The file is JSON: either a list of per-layer weights or an object with a
-    ``"layer_shares"`` list (what ``benchmarks/xkv_profile.py`` writes). Weights are
+    ``"layer_shares"`` list (what ``benchmarks/quality/xkv_profile.py`` writes). Weights are
     non-negative, finite, not all zero; they are normalised to sum 1.
 
     Raises ``ValueError`` naming the file and the problem.
@@ -539,7 +539,7 @@ KVC_DEFAULT_METRIC = MetricSpec(power=2, observation_window=32, pool="max", pool
 on Llama tokenizers, where a number is 2-3 tokens; on tokenizers that write one token
 per digit (SmolLM, Qwen, ...) they keep 2-3 digits of a number and answers come out
 truncated: SmolLM2 needle tasks at rate 8 fell to 6% of the full cache's score.
-Measured on SmolLM2-135M (``benchmarks/eval_quality.py``; ``README.md``, "Quality"):
+Measured on SmolLM2-135M (``benchmarks/quality/eval_quality.py``; ``benchmarks/results/README.md``, "Quality"):
 pooling over 31 tokens keeps a fact's whole sentence (key, verb and value together,
 which copying the answer needs; word spans or 15 tokens alone reached about half the
 needles), word spans keep a number that is longer than that reach whole, and a

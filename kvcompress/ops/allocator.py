@@ -53,7 +53,7 @@ class PageAllocator:
         pages = self.free_stack[start : self.num_free]
         # Ascending ids: a requester given several pages (a head's prompt pages) gets
         # them as contiguous as the popped set allows, which the attention kernels read
-        # faster than scattered pages (benchmarks/bench_cpu_page_size.py --orders).
+        # faster than scattered pages (benchmarks/kernels/bench_cpu_page_size.py --orders).
         pages = pages.sort().values if count > 1 else pages.clone()
         self.num_free = start
         return pages

@@ -2,7 +2,7 @@
 pass over them, and a ranking of each head's KVs by it and kvc's metric together (the
 ``kvc-ea`` policy). No vLLM.
 
-The estimate (``benchmarks/ppl_eviction_ceiling.py`` measured it first): the last prompt
+The estimate (``benchmarks/quality/ppl_eviction_ceiling.py`` measured it first): the last prompt
 queries of a query head, each moved by RoPE to the positions that come next and averaged
 over them, form a Gaussian (mean ``mu``, covariance ``S``); a key ``k`` then gets
 ``E[exp(s q . k)] = exp(s mu . k + s^2 k' S k / 2)``, normalised over the head's keys and

@@ -16,7 +16,7 @@ prompts of 2K tokens, one eviction at rate 8 keeping the same tokens in every he
 the second question answered 14 times where the full cache answered 13 (kvc, which
 scores with the first question: 5); the sentence's largest surprisal instead of its
 mean: 10; a 31-token max-pool of surprisal: 6. In the engine on 60 prompts at rate 8:
-129% of the full cache's score (README.md, "Quality")."""
+129% of the full cache's score (benchmarks/results/README.md, "Quality")."""
 
 from __future__ import annotations
 

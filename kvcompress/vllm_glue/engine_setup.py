@@ -323,7 +323,7 @@ def check_model_supported(vllm_config: Any, settings: KVCompressConfig) -> None:
             raise KVCompressConfigError(
                 f"{FLAGS['xkv_profile']} {settings.xkv_profile} has {profile_layers} layer "
                 f"shares but model {name} has {num_layers} attention layers (write the "
-                "profile for this model with benchmarks/xkv_profile.py)"
+                "profile for this model with benchmarks/quality/xkv_profile.py)"
             )
     head_size = model_config.get_head_size()
     head_sizes = supported_head_sizes()
