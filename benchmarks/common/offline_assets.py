@@ -38,12 +38,15 @@ import sys
 import tempfile
 import zipfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "cache_dir",
     "smollm2_checkpoint",
     "tiny_llama_checkpoint",
+    "TinyLlamaShape",
     "essay_text",
     "paul_graham_essays",
     "paul_graham_essays_dir",
@@ -251,82 +254,73 @@ def _patch_tokenizer_config(out: Path, tokenizer, model_max_length: int) -> None
 # Tiny random GQA Llama
 
 
-def tiny_llama_checkpoint(
-    num_layers: int = 4,
-    num_q_heads: int = 8,
-    num_kv_heads: int = 2,
-    head_dim: int = 64,
-    hidden: int | None = None,
-    vocab_size: int = 1024,
-    seed: int = 0,
-    max_position_embeddings: int = 8192,
-    init_std: float = 0.1,
-    intermediate_size: int | None = None,
-    rope_theta: float = 10000.0,
-) -> Path:
+@dataclass(frozen=True)
+class TinyLlamaShape:
+    """The shape and weights of a tiny random GQA Llama (what its cache key names).
+
+    ``hidden`` defaults (None) to ``num_q_heads * head_dim``, ``intermediate_size`` to
+    ``2 * hidden``. Every matrix is drawn from N(0, ``init_std``) by a generator seeded
+    with ``seed``.
+    """
+
+    num_layers: int = 4
+    num_q_heads: int = 8
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    hidden: int | None = None
+    vocab_size: int = 1024
+    seed: int = 0
+    max_position_embeddings: int = 8192
+    init_std: float = 0.1
+    intermediate_size: int | None = None
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_q_heads={self.num_q_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        hidden = self.hidden or self.num_q_heads * self.head_dim
+        object.__setattr__(self, "hidden", hidden)  # frozen: resolve the defaults once
+        object.__setattr__(self, "intermediate_size", self.intermediate_size or 2 * hidden)
+
+    @property
+    def cache_key(self) -> str:
+        return (
+            f"tiny-llama-v{_FORMAT}-l{self.num_layers}-q{self.num_q_heads}-kv{self.num_kv_heads}"
+            f"-d{self.head_dim}-h{self.hidden}-i{self.intermediate_size}-v{self.vocab_size}"
+            f"-p{self.max_position_embeddings}-r{self.rope_theta:g}-std{self.init_std:g}-s{self.seed}"
+        )
+
+
+def tiny_llama_checkpoint(**shape: Any) -> Path:
     """A random-weight GQA ``LlamaForCausalLM`` (float32 safetensors, no tokenizer).
 
-    ``hidden`` defaults to ``num_q_heads * head_dim``, ``intermediate_size`` to
-    ``2 * hidden``. Every matrix (embeddings, projections, LM head) is drawn from
-    N(0, ``init_std``); norms are 1. With the default 0.1 the model is far from
-    degenerate: greedy continuations of random prompts are varied, and the next token
-    depends on the whole context through attention, not only on the last token.
-    Token ids 0, 1, 2 are unk/bos/eos in the config; prompts of ids >= 3 avoid them.
-    Cached by all parameters.
+    ``shape``: keyword fields of :class:`TinyLlamaShape` (its defaults for the rest).
+    Every matrix (embeddings, projections, LM head) is drawn from N(0, ``init_std``);
+    norms are 1. With the default 0.1 the model is far from degenerate: greedy
+    continuations of random prompts are varied, and the next token depends on the whole
+    context through attention, not only on the last token. Token ids 0, 1, 2 are
+    unk/bos/eos in the config; prompts of ids >= 3 avoid them. Cached by all fields.
     """
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-    hidden = hidden or num_q_heads * head_dim
-    intermediate_size = intermediate_size or 2 * hidden
-    params = dict(
-        num_layers=num_layers,
-        num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        hidden=hidden,
-        intermediate_size=intermediate_size,
-        vocab_size=vocab_size,
-        seed=seed,
-        max_position_embeddings=max_position_embeddings,
-        init_std=init_std,
-        rope_theta=rope_theta,
-    )
-    key = (
-        f"tiny-llama-v{_FORMAT}-l{num_layers}-q{num_q_heads}-kv{num_kv_heads}-d{head_dim}"
-        f"-h{hidden}-i{intermediate_size}-v{vocab_size}-p{max_position_embeddings}"
-        f"-r{rope_theta:g}-std{init_std:g}-s{seed}"
-    )
-    return _build_once(key, lambda out: _build_tiny_llama(out, **params))
+    tiny = TinyLlamaShape(**shape)
+    return _build_once(tiny.cache_key, lambda out: _build_tiny_llama(out, tiny))
 
 
-def _build_tiny_llama(
-    out: Path,
-    *,
-    num_layers: int,
-    num_q_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    hidden: int,
-    intermediate_size: int,
-    vocab_size: int,
-    seed: int,
-    max_position_embeddings: int,
-    init_std: float,
-    rope_theta: float,
-) -> None:
+def _build_tiny_llama(out: Path, shape: TinyLlamaShape) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_q_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=max_position_embeddings,
-        rope_theta=rope_theta,
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_q_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        max_position_embeddings=shape.max_position_embeddings,
+        rope_theta=shape.rope_theta,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
         unk_token_id=0,
@@ -335,11 +329,11 @@ def _build_tiny_llama(
         pad_token_id=0,
     )
     model = LlamaForCausalLM(config).to(torch.float32).eval()
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(shape.seed)
     with torch.no_grad():
         for name, parameter in sorted(model.named_parameters()):
             if parameter.dim() > 1:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * init_std)
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * shape.init_std)
             else:
                 parameter.fill_(1.0)  # RMSNorm weights (Llama has no biases)
     model.save_pretrained(out, safe_serialization=True)
@@ -419,15 +413,9 @@ def main(argv: list[str] | None = None) -> int:
     smollm2 = commands.add_parser("smollm2", help="SmolLM2-135M-Instruct checkpoint directory")
     smollm2.add_argument("--check", action="store_true", help="also greedy-answer a question with transformers")
     tiny = commands.add_parser("tiny-llama", help="random-weight GQA Llama checkpoint directory")
-    tiny.add_argument("--num-layers", type=int, default=4)
-    tiny.add_argument("--num-q-heads", type=int, default=8)
-    tiny.add_argument("--num-kv-heads", type=int, default=2)
-    tiny.add_argument("--head-dim", type=int, default=64)
-    tiny.add_argument("--hidden", type=int, default=None)
-    tiny.add_argument("--vocab-size", type=int, default=1024)
-    tiny.add_argument("--seed", type=int, default=0)
-    tiny.add_argument("--max-position-embeddings", type=int, default=8192)
-    tiny.add_argument("--init-std", type=float, default=0.1)
+    for shape_field in fields(TinyLlamaShape):  # one flag a field, the dataclass's default
+        kind = float if shape_field.type == "float" else int
+        tiny.add_argument(f"--{shape_field.name.replace('_', '-')}", type=kind, default=shape_field.default)
     commands.add_parser("essays", help="directory of the Paul Graham essays (.txt)")
     args = parser.parse_args(argv)
 
@@ -438,17 +426,8 @@ def main(argv: list[str] | None = None) -> int:
             print(repr(_check_smollm2(path)), file=sys.stderr)
     elif args.command == "tiny-llama":
         print(
-            tiny_llama_checkpoint(
-                num_layers=args.num_layers,
-                num_q_heads=args.num_q_heads,
-                num_kv_heads=args.num_kv_heads,
-                head_dim=args.head_dim,
-                hidden=args.hidden,
-                vocab_size=args.vocab_size,
-                seed=args.seed,
-                max_position_embeddings=args.max_position_embeddings,
-                init_std=args.init_std,
-            )
+            tiny_llama_checkpoint(**{shape_field.name: getattr(args, shape_field.name)
+                                     for shape_field in fields(TinyLlamaShape)})
         )
     else:
         essays = paul_graham_essays()
