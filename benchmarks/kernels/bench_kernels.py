@@ -60,6 +60,7 @@ import tempfile
 import time
 import traceback
 import types
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -1424,6 +1425,12 @@ def md_row(cells: list[str]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def md_table(intro: list[str], columns: list[str], rows: list[list[str]]) -> list[str]:
+    """A report section: its ``intro`` lines, a markdown table (``columns`` header, one
+    row a cell list) and a blank line."""
+    return [*intro, md_row(columns), "|" + "---|" * len(columns), *map(md_row, rows), ""]
+
+
 def _md_header(report: dict) -> list[str]:
     """Device, versions, build and copy bandwidth."""
     lines = [f"# kvcompress kernels on {report['device']} ({report['date']})", ""]
@@ -1438,153 +1445,145 @@ def _md_header(report: dict) -> list[str]:
 
 def _md_checks(report: dict) -> list[str]:
     """Correctness checks against the PyTorch reference."""
-    lines: list[str] = []
-    checks = report.get("checks") or []
-    if checks:
-        failed = [c for c in checks if not c.get("ok")]
-        lines += [f"## Correctness: {len(checks) - len(failed)}/{len(checks)} checks passed", ""]
-        lines += ["| op | dtype | head | block | group | partition | metrics | rel error | ok |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        for c in checks:
-            lines.append("| " + " | ".join(fmt(c.get(k)) for k in (
-                "op", "dtype", "head_dim", "block_size", "group", "partition_size", "metrics")) +
-                f" | {fmt(c.get('rel_error'), 6) if 'rel_error' in c else '-'} | "
-                f"{'yes' if c.get('ok') else 'NO ' + c.get('error', '')} |")
-        lines.append("")
-    return lines
+    return _md_check_table(
+        report.get("checks") or [], "## Correctness: {passed}/{total} checks passed",
+        ["op", "dtype", "head", "block", "group", "partition", "metrics", "rel error", "ok"],
+        lambda c: [*(fmt(c.get(k)) for k in ("op", "dtype", "head_dim", "block_size", "group", "partition_size",
+                                             "metrics")),
+                   fmt(c.get("rel_error"), 6) if "rel_error" in c else "-",
+                   "yes" if c.get("ok") else "NO " + c.get("error", "")],
+    )
+
+
+def _md_check_table(checks: list[dict], heading: str, columns: list[str],
+                    cells: Callable[[dict], list[str]]) -> list[str]:
+    """A section of pass/fail checks (rows with ``ok``): ``heading`` with ``{passed}``
+    and ``{total}`` filled in, one row a check; nothing when there are none."""
+    if not checks:
+        return []
+    passed = sum(1 for c in checks if c.get("ok"))
+    return md_table([heading.format(passed=passed, total=len(checks)), ""], columns, [cells(c) for c in checks])
 
 
 def _md_decode(report: dict) -> list[str]:
     """Decode attention timings per (batch, ctx)."""
-    lines: list[str] = []
     decode = report.get("decode") or []
-    if decode:
-        lines += [f"## Decode attention, Llama-3.1-8B layer ({report.get('dtype')}, 32 q / 8 KV heads, "
-                  "head 128, block 16; per-head lengths uniform in [ctx/2, ctx]; cold L2)", "",
-                  "Graph = the slot-indexed Triton decode that vLLM replays for decode-only steps "
-                  "(grid sized for ctx, metric pass launched), timed as CUDA-graph replays.", "",
-                  "| batch | ctx | KV GB | CUDA ms | CUDA GB/s | % copy | Triton ms | Triton GB/s | "
-                  "Graph ms | Graph GB/s | SDPA ms | SDPA GB/s | ref ms | note |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in decode:
-            note = (r.get("skipped") or r.get("error") or r.get("sdpa_skipped") or r.get("triton_error")
-                    or r.get("graph_error") or "")
-            lines.append(md_row([str(r["batch"]), str(r["context"]), *_timed_cells(r, DECODE_COLUMNS), note[:80]]))
-        lines.append("")
-    return lines
+    if not decode:
+        return []
+
+    def note(r: dict) -> str:
+        return (r.get("skipped") or r.get("error") or r.get("sdpa_skipped") or r.get("triton_error")
+                or r.get("graph_error") or "")[:80]
+
+    return md_table(
+        [f"## Decode attention, Llama-3.1-8B layer ({report.get('dtype')}, 32 q / 8 KV heads, "
+         "head 128, block 16; per-head lengths uniform in [ctx/2, ctx]; cold L2)", "",
+         "Graph = the slot-indexed Triton decode that vLLM replays for decode-only steps "
+         "(grid sized for ctx, metric pass launched), timed as CUDA-graph replays.", ""],
+        ["batch", "ctx", "KV GB", "CUDA ms", "CUDA GB/s", "% copy", "Triton ms", "Triton GB/s",
+         "Graph ms", "Graph GB/s", "SDPA ms", "SDPA GB/s", "ref ms", "note"],
+        [[str(r["batch"]), str(r["context"]), *_timed_cells(r, DECODE_COLUMNS), note(r)] for r in decode],
+    )
 
 
 def _md_vllm_parity(report: dict) -> list[str]:
     """Stock vLLM's Triton decode beside kvcompress's backends."""
-    lines: list[str] = []
     parity = report.get("vllm_parity") or []
-    if parity:
-        lines += [f"## Stock vLLM's Triton decode vs kvcompress's per-head backends ({report.get('dtype')}, "
-                  "Llama-3.1-8B layer: 32 q / 8 KV heads, head 128, block 16; cold L2)", "",
-                  "Stock = vLLM's `unified_attention` over its own cache, every head at ctx (split-KV "
-                  "below 16 sequences, as its backend), replayed from a CUDA graph as vLLM runs "
-                  "decode-only steps (eager beside it). Graph = kvcompress's decode-only default (the "
-                  "slot-indexed Triton decode, grid sized for ctx, metric pass launched) replayed from a "
-                  "CUDA graph; cuda / triton / vllm_triton = `paged_attention` on that backend, eager "
-                  "(vllm_triton reads lengths on the host). kvcompress at rate 1 holds every head at ctx "
-                  "(kernel parity); at rate r the per-head lengths are uniform in [ctx/2r, 3ctx/2r]. "
-                  "x stock = stock ms / backend ms (above 1: faster than stock).", "",
-                  "| batch | ctx | rate | stock ms (graph) | stock ms (eager) | graph ms | x stock | "
-                  "cuda ms | x stock | triton ms | x stock | vllm_triton ms | x stock | note |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in parity:
-            lines.append(md_row([str(r["batch"]), str(r["context"]), str(r.get("rate", "-")),
-                                 *_timed_cells(r, PARITY_COLUMNS), (r.get("skipped") or r.get("error") or "")[:80]]))
-        lines.append("")
-    return lines
+    if not parity:
+        return []
+    return md_table(
+        [f"## Stock vLLM's Triton decode vs kvcompress's per-head backends ({report.get('dtype')}, "
+         "Llama-3.1-8B layer: 32 q / 8 KV heads, head 128, block 16; cold L2)", "",
+         "Stock = vLLM's `unified_attention` over its own cache, every head at ctx (split-KV "
+         "below 16 sequences, as its backend), replayed from a CUDA graph as vLLM runs "
+         "decode-only steps (eager beside it). Graph = kvcompress's decode-only default (the "
+         "slot-indexed Triton decode, grid sized for ctx, metric pass launched) replayed from a "
+         "CUDA graph; cuda / triton / vllm_triton = `paged_attention` on that backend, eager "
+         "(vllm_triton reads lengths on the host). kvcompress at rate 1 holds every head at ctx "
+         "(kernel parity); at rate r the per-head lengths are uniform in [ctx/2r, 3ctx/2r]. "
+         "x stock = stock ms / backend ms (above 1: faster than stock).", ""],
+        ["batch", "ctx", "rate", "stock ms (graph)", "stock ms (eager)", "graph ms", "x stock",
+         "cuda ms", "x stock", "triton ms", "x stock", "vllm_triton ms", "x stock", "note"],
+        [[str(r["batch"]), str(r["context"]), str(r.get("rate", "-")), *_timed_cells(r, PARITY_COLUMNS),
+          (r.get("skipped") or r.get("error") or "")[:80]] for r in parity],
+    )
 
 
 def _md_prompt_steps(report: dict) -> list[str]:
     """Steps with prompt rows, one call vs per head, eager and back to back."""
-    lines: list[str] = []
     prompt_steps = report.get("vllm_prompt_steps") or []
-    if prompt_steps:
-        lines += [f"## Steps with prompt rows: stock vLLM vs kvcompress on vLLM's Triton kernel ({report.get('dtype')}, "
-                  "one Llama-3.1-8B layer, eager)", "",
-                  "A chunk of prompt tokens after ctx tokens plus decode rows at ctx. x stock = stock ms / "
-                  "kvcompress ms. One call = the flattened call over H x S sequences; per head = one call "
-                  "per KV head.", "",
-                  "| chunk | ctx | decode rows | stock ms | rate 1 ms | x stock | rate 1 per head ms | x stock | "
-                  "rate 8 ms | x stock | note |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in prompt_steps:
-            lines.append(md_row([str(r["chunk"]), str(r["context"]), str(r["decodes"]),
-                                 *_timed_cells(r, PROMPT_STEP_COLUMNS), (r.get("error") or "")[:80]]))
-        lines.append("")
-        if any(r.get("stock_pipe_ms") for r in prompt_steps):
-            lines += ["Back to back (the layers of a forward): calls issued with no synchronisation "
-                      "between them; device ms per call from one pair of events around them all, host ms "
-                      "per call to issue them. per-step starts: the flattened starts copied once per step "
-                      "(the engine); per-call copy: copied at every call (a wait on the stream on CUDA).", "",
-                      "| chunk | ctx | decode rows | stock ms (host) | rate 1 ms (host) | x stock | "
-                      "rate 1 per-call copy ms (host) | x stock | rate 8 ms (host) | x stock |",
-                      "|---|---|---|---|---|---|---|---|---|---|"]
-            for r in prompt_steps:
-                def timed(key):
-                    return f"{fmt(r.get(key + '_pipe_ms'))} ({fmt(r.get(key + '_host_ms'))})"
+    if not prompt_steps:
+        return []
+    lines = md_table(
+        [f"## Steps with prompt rows: stock vLLM vs kvcompress on vLLM's Triton kernel ({report.get('dtype')}, "
+         "one Llama-3.1-8B layer, eager)", "",
+         "A chunk of prompt tokens after ctx tokens plus decode rows at ctx. x stock = stock ms / "
+         "kvcompress ms. One call = the flattened call over H x S sequences; per head = one call "
+         "per KV head.", ""],
+        ["chunk", "ctx", "decode rows", "stock ms", "rate 1 ms", "x stock", "rate 1 per head ms", "x stock",
+         "rate 8 ms", "x stock", "note"],
+        [[str(r["chunk"]), str(r["context"]), str(r["decodes"]), *_timed_cells(r, PROMPT_STEP_COLUMNS),
+          (r.get("error") or "")[:80]] for r in prompt_steps],
+    )
+    if any(r.get("stock_pipe_ms") for r in prompt_steps):
+        def timed(r: dict, key: str) -> str:
+            return f"{fmt(r.get(key + '_pipe_ms'))} ({fmt(r.get(key + '_host_ms'))})"
 
-                lines.append(md_row([
-                    str(r["chunk"]), str(r["context"]), str(r["decodes"]), timed("stock"), timed("rate1"),
-                    fmt(r.get("rate1_pipe_x_stock"), 2), timed("rate1_copy"), fmt(r.get("rate1_copy_pipe_x_stock"), 2),
-                    timed("rate8"), fmt(r.get("rate8_pipe_x_stock"), 2)]))
-            lines.append("")
+        lines += md_table(
+            ["Back to back (the layers of a forward): calls issued with no synchronisation "
+             "between them; device ms per call from one pair of events around them all, host ms "
+             "per call to issue them. per-step starts: the flattened starts copied once per step "
+             "(the engine); per-call copy: copied at every call (a wait on the stream on CUDA).", ""],
+            ["chunk", "ctx", "decode rows", "stock ms (host)", "rate 1 ms (host)", "x stock",
+             "rate 1 per-call copy ms (host)", "x stock", "rate 8 ms (host)", "x stock"],
+            [[str(r["chunk"]), str(r["context"]), str(r["decodes"]), timed(r, "stock"), timed(r, "rate1"),
+              fmt(r.get("rate1_pipe_x_stock"), 2), timed(r, "rate1_copy"), fmt(r.get("rate1_copy_pipe_x_stock"), 2),
+              timed(r, "rate8"), fmt(r.get("rate8_pipe_x_stock"), 2)] for r in prompt_steps],
+        )
     return lines
 
 
 def _md_vllm_checks(report: dict) -> list[str]:
     """vLLM's unified attention over flattened tables."""
-    lines: list[str] = []
-    vllm_checks = report.get("vllm_unified_checks") or []
-    if vllm_checks:
-        failed = [c for c in vllm_checks if not c.get("ok")]
-        lines += [f"## vLLM's Triton unified attention over flattened per-head tables: "
-                  f"{len(vllm_checks) - len(failed)}/{len(vllm_checks)} cases within tolerance", "",
-                  "| case | rel error | metric error | metric pass launches / host reads | ok |",
-                  "|---|---|---|---|---|"]
-        for c in vllm_checks:
-            reads = ", ".join(c.get("metric_host_reads") or []) or "none"
-            lines.append(f"| {c['case']} | {fmt(c.get('rel_error'), 6)} | {fmt(c.get('metric_error'), 8)} | "
-                         f"{c.get('metric_launches', '-')} / {reads} | {'yes' if c.get('ok') else 'NO'} |")
-        lines.append("")
-    return lines
+    return _md_check_table(
+        report.get("vllm_unified_checks") or [],
+        "## vLLM's Triton unified attention over flattened per-head tables: {passed}/{total} cases within tolerance",
+        ["case", "rel error", "metric error", "metric pass launches / host reads", "ok"],
+        lambda c: [c["case"], fmt(c.get("rel_error"), 6), fmt(c.get("metric_error"), 8),
+                   f"{c.get('metric_launches', '-')} / {', '.join(c.get('metric_host_reads') or []) or 'none'}",
+                   "yes" if c.get("ok") else "NO"],
+    )
 
 
 def _md_move_cache(report: dict) -> list[str]:
     """MoveCache timings per backend."""
-    lines: list[str] = []
     move = report.get("move_cache")
-    if move:
-        lines += [f"## MoveCache ({move['moves']} moves, {move['bytes_per_move']} B per move)", "",
-                  "| backend | ms | GB/s (read + write) |", "|---|---|---|"]
-        for name in ("cuda", "triton", "reference"):
-            if name in move:
-                entry = move[name]
-                lines.append(f"| {name} | {fmt(entry.get('ms'))} | {fmt(entry.get('GBps'), 0)} "
-                             f"{entry.get('error', '')} |")
-        lines.append("")
-    return lines
+    if not move:
+        return []
+    return md_table(
+        [f"## MoveCache ({move['moves']} moves, {move['bytes_per_move']} B per move)", ""],
+        ["backend", "ms", "GB/s (read + write)"],
+        [[name, fmt(move[name].get("ms")), f"{fmt(move[name].get('GBps'), 0)} {move[name].get('error', '')}"]
+         for name in ("cuda", "triton", "reference") if name in move],
+    )
 
 
 def _md_allocator(report: dict) -> list[str]:
     """Page-table fill timings."""
-    lines: list[str] = []
     alloc = report.get("allocator")
-    if alloc:
-        lines += [f"## Allocator ({alloc['seqs']} seqs x {alloc['layers']} layers x {alloc['kv_heads']} "
-                  f"KV heads, {alloc['tokens']} tokens)", "", "| step | pages | reference fill ms | "
-                  "CUDA fill ms |", "|---|---|---|---|"]
-        for label in ("decode_step", "prefill"):
-            if label in alloc:
-                e = alloc[label]
-                lines.append(f"| {label} | {e['pages']} | {fmt(e.get('reference_fill_ms'))} | "
-                             f"{fmt(e.get('cuda_fill_ms'))} |")
-        lines += ["", f"Reference `PerHeadPagedCache.append` of one decode step: "
-                  f"{fmt(alloc.get('reference_append_decode_ms'))} ms", ""]
-    return lines
+    if not alloc:
+        return []
+    return [
+        *md_table(
+            [f"## Allocator ({alloc['seqs']} seqs x {alloc['layers']} layers x {alloc['kv_heads']} "
+             f"KV heads, {alloc['tokens']} tokens)", ""],
+            ["step", "pages", "reference fill ms", "CUDA fill ms"],
+            [[label, str(alloc[label]["pages"]), fmt(alloc[label].get("reference_fill_ms")),
+              fmt(alloc[label].get("cuda_fill_ms"))] for label in ("decode_step", "prefill") if label in alloc],
+        ),
+        f"Reference `PerHeadPagedCache.append` of one decode step: {fmt(alloc.get('reference_append_decode_ms'))} ms",
+        "",
+    ]
 
 
 def _md_eviction(report: dict) -> list[str]:
