@@ -90,6 +90,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -1360,6 +1361,28 @@ QUICK_ARGS = (
 another run shared the cores)."""
 
 
+def _true_or_false(text: str) -> bool:
+    """``--kv-compress-pool-words true|false`` as a bool."""
+    if text not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from 'true', 'false')")
+    return text == "true"
+
+
+KVC_SETTING_FLAGS: dict[str, tuple[Callable[[str], Any], str]] = {
+    "pool_kernel": (int, "pooling width for every policy (default: each policy's)"),
+    "pool_words": (_true_or_false, "pool over word spans for every policy, true or false (default: each policy's)"),
+    "observation_window": (int, "scoring window for every policy (default: each policy's)"),
+    "decode_metric_stride": (int, "decode queries add to the metrics every N tokens (default: the engine's)"),
+    "block_size": (int, "tokens per page (default: the engine's)"),
+    "protected_window": (int, "last tokens never evicted (default: the engine's)"),
+    "sink_tokens": (int, "first tokens never evicted (default: each policy's)"),
+    "min_cache_tokens": (int, "tokens per head never compressed below (default: the engine's 128, which "
+                              "floors every rate above 16 at 2K; 0 for a true rate)"),
+}
+"""The kvcompress settings a run may override (``--kv-compress-<setting>``, None: not
+overridden), each passed on as ``kvc_settings[setting]``: setting -> (parser, help)."""
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2", help=f"one of {MODELS} or a checkpoint directory")
@@ -1380,23 +1403,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--ppl-tokens", type=int, default=256, help="teacher-forced tokens per window")
     parser.add_argument("--kv-compress-interval", type=int, default=64,
                         help="kvcompress engine: recompress every N steps (continual compression)")
-    parser.add_argument("--kv-compress-pool-kernel", type=int, default=None,
-                        help="kvcompress engine: pooling width for every policy (default: each policy's)")
-    parser.add_argument("--kv-compress-pool-words", choices=("true", "false"), default=None,
-                        help="kvcompress engine: pool over word spans for every policy (default: each policy's)")
-    parser.add_argument("--kv-compress-observation-window", type=int, default=None,
-                        help="kvcompress engine: scoring window for every policy (default: each policy's)")
-    parser.add_argument("--kv-compress-decode-metric-stride", type=int, default=None,
-                        help="kvcompress engine: decode queries add to the metrics every N tokens (default: the engine's)")
-    parser.add_argument("--kv-compress-block-size", type=int, default=None,
-                        help="kvcompress engine: tokens per page (default: the engine's)")
-    parser.add_argument("--kv-compress-protected-window", type=int, default=None,
-                        help="kvcompress engine: last tokens never evicted (default: the engine's)")
-    parser.add_argument("--kv-compress-sink-tokens", type=int, default=None,
-                        help="kvcompress engine: first tokens never evicted (default: each policy's)")
-    parser.add_argument("--kv-compress-min-cache-tokens", type=int, default=None,
-                        help="kvcompress engine: tokens per head never compressed below (default: the "
-                             "engine's 128, which floors every rate above 16 at 2K; 0 for a true rate)")
+    for setting, (kind, help_text) in KVC_SETTING_FLAGS.items():
+        parser.add_argument(f"--kv-compress-{setting.replace('_', '-')}", type=kind, default=None,
+                            help=f"kvcompress engine: {help_text}")
     parser.add_argument("--out", default=None,
                         help="write <OUT>.json/.md/.png; after each (policy, rate) run, <OUT>.partial.json")
     parser.add_argument("--full-from", default=None, metavar="JSON",
@@ -1418,14 +1427,7 @@ def main(argv: list[str] | None = None) -> dict:
         ppl_context=args.ppl_context, ppl_tokens=args.ppl_tokens,
         interval=args.kv_compress_interval, log=log, progress=not args.no_progress,
         full_from=args.full_from, partial=f"{args.out}.partial.json" if args.out else None,
-        kvc_settings={"pool_kernel": args.kv_compress_pool_kernel,
-                      "pool_words": None if args.kv_compress_pool_words is None else args.kv_compress_pool_words == "true",
-                      "observation_window": args.kv_compress_observation_window,
-                      "decode_metric_stride": args.kv_compress_decode_metric_stride,
-                      "block_size": args.kv_compress_block_size,
-                      "protected_window": args.kv_compress_protected_window,
-                      "sink_tokens": args.kv_compress_sink_tokens,
-                      "min_cache_tokens": args.kv_compress_min_cache_tokens},
+        kvc_settings={setting: getattr(args, f"kv_compress_{setting}") for setting in KVC_SETTING_FLAGS},
     )  # fmt: skip
     results["argv"] = " ".join(sys.argv[1:] if argv is None else argv)
     if args.show_outputs:
