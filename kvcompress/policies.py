@@ -79,7 +79,9 @@ request field and the policies the scheduler resolves for each request. Only a p
 source or split also needs that strategy: a parameter class here and its torch rule,
 registered with ``@ranks(...)`` in ``ops/policy_scores.py`` or ``@split_rule(...)`` in
 ``ops/budget_split.py`` (``tests/test_policies.py`` checks every registered policy has
-both rules).
+both rules); a new metric source kind also has a glue half, its hooks into the engine
+(``kvcompress.vllm_glue.scoring_kind``), registered in one row of
+``kvcompress.vllm_glue.scoring_kinds.SCORING_KINDS`` (tests/test_scoring_kinds.py).
 """
 
 from __future__ import annotations
