@@ -19,7 +19,6 @@ forward's activations stay within what vLLM profiled.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -108,6 +107,8 @@ class ReconstructionPass(ScoringKindGlue):
     """The glue of ``ReconstructionScores`` (kvzip): queues each request whose prompt
     finishes prefilling and runs its reconstruction pass after the step's forward."""
 
+    recorded_as = "reconstruction_scores"  # the pass's raw scores, [L][H][KV]
+
     def __init__(self, context: ScoringContext) -> None:
         super().__init__(context)
         self.runner = context.runner  # its model forward (``_model_forward``) and vLLM's config
@@ -118,8 +119,6 @@ class ReconstructionPass(ScoringKindGlue):
         self.max_tokens = config.scheduler_config.max_num_batched_tokens
         self._instruction: list[int] | None = None
         self.pending: list[PendingReconstruction] = []
-        # request id -> its raw scores ``[L, H, held]``, while tests record them (None: off).
-        self.recorded_scores: dict[str, torch.Tensor] | None = None
 
     def instruction(self) -> list[int]:
         if self._instruction is None:
@@ -139,15 +138,6 @@ class ReconstructionPass(ScoringKindGlue):
         pending, self.pending = self.pending, []
         if pending:
             self.run(pending)
-
-    def record(self, on: bool) -> None:
-        if not on or self.recorded_scores is None:  # kept until its compression reads it
-            self.recorded_scores = {} if on else None
-
-    def recorded(self, request_id: str) -> dict[str, Any]:
-        scores = (self.recorded_scores or {}).pop(request_id, None)
-        # kvzip: the reconstruction pass's raw scores, [L][H][KV]
-        return {} if scores is None else {"reconstruction_scores": scores.tolist()}
 
     @torch.inference_mode()
     def run(self, pending: list[PendingReconstruction]) -> None:
@@ -173,8 +163,8 @@ class ReconstructionPass(ScoringKindGlue):
         chunk = max(1, min(CHUNK_TOKENS, self.max_tokens - len(instruction)))
         for start in range(0, num_cached, chunk):
             self._forward(step, instruction + request.context[start : start + chunk], num_cached)
-        if self.recorded_scores is not None:
-            self.recorded_scores[request.request_id] = step.scores[:, :, :num_cached].clone()
+        if self.recording is not None:
+            self.recording[request.request_id] = step.scores[:, :, :num_cached].clone()
         pool, spec = state.pool, request.spec
         for layer in range(cache.num_layers):
             layer_tables, lens = tables.layer(layer)[0], step.head_lens[layer]

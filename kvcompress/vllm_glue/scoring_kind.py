@@ -15,7 +15,7 @@ call the hooks (every one a no-op here).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import torch
 
@@ -75,8 +75,14 @@ class ScoringKindGlue:
     """The hooks of one scoring kind, each a no-op: a kind overrides those it needs.
     One instance per pool and kind (``scoring_kinds.ScoringKinds``)."""
 
+    recorded_as: ClassVar[str] = "scores"
+    """The compression record's key for what ``recording`` keeps of a request."""
+
     def __init__(self, context: ScoringContext) -> None:
         self.context = context
+        # request id -> a tensor tests read (e.g. raw scores), kept while recording is on
+        # until the request's compression record takes it (None: off).
+        self.recording: dict[str, torch.Tensor] | None = None
 
     def prompt_rows(self, chunk: PromptChunk) -> PromptMetricRows | None:
         """The chunk's query rows whose attention scores the request's keys this step
@@ -95,7 +101,10 @@ class ScoringKindGlue:
 
     def record(self, on: bool) -> None:
         """Start (``on``) or stop keeping what tests read of this kind's scoring."""
+        if not on or self.recording is None:  # kept until its compression reads it
+            self.recording = {} if on else None
 
     def recorded(self, request_id: str) -> dict[str, Any]:
         """What was kept of the request's scoring (record keys, JSON-ready), forgotten."""
-        return {}
+        kept = (self.recording or {}).pop(request_id, None)
+        return {} if kept is None else {self.recorded_as: kept.tolist()}

@@ -19,7 +19,6 @@ After a preemption the prompt is prefilled again and scored again from scratch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -65,6 +64,8 @@ class SurprisalScoring(ScoringKindGlue):
     request's prefill chunks and writes the sentence scores as its slot metrics when
     its prompt completes."""
 
+    recorded_as = "surprisal_nats"  # each prompt token's -log p, [prompt_len] (NaN: not computed)
+
     def __init__(self, context: ScoringContext) -> None:
         super().__init__(context)
         self.runner = context.runner  # its model's head (``compute_logits``) and vLLM's config
@@ -73,8 +74,6 @@ class SurprisalScoring(ScoringKindGlue):
         # request id -> ([prompt_len] float32 nats, [prompt_len] bool known)
         self._buffers: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.pending: list[SurprisalRows] = []
-        # request id -> its [prompt_len] nats (NaN where unknown), while tests record them (None: off).
-        self.recorded_nats: dict[str, torch.Tensor] | None = None
 
     def sentence_ends(self) -> SentenceEnds | None:
         if self._ends is False:
@@ -111,15 +110,6 @@ class SurprisalScoring(ScoringKindGlue):
     def release(self, request_id: str) -> None:
         self._buffers.pop(request_id, None)
 
-    def record(self, on: bool) -> None:
-        if not on or self.recorded_nats is None:  # kept until its compression reads it
-            self.recorded_nats = {} if on else None
-
-    def recorded(self, request_id: str) -> dict[str, Any]:
-        nats = (self.recorded_nats or {}).pop(request_id, None)
-        # surprisal: each prompt token's -log p (NaN: not computed)
-        return {} if nats is None else {"surprisal_nats": nats.tolist()}
-
     @torch.inference_mode()
     def run(self, hidden_states: torch.Tensor) -> None:
         """Score this step's pending rows from ``hidden_states [num_tokens, hidden]``."""
@@ -150,8 +140,8 @@ class SurprisalScoring(ScoringKindGlue):
     def _write_metrics(self, rows: SurprisalRows, nats: torch.Tensor, known: torch.Tensor) -> None:
         cache, pool = self.state.cache, self.state.pool
         length = len(rows.prompt)
-        if self.recorded_nats is not None:
-            self.recorded_nats[rows.request_id] = torch.where(known, nats, torch.full_like(nats, float("nan")))
+        if self.recording is not None:
+            self.recording[rows.request_id] = torch.where(known, nats, torch.full_like(nats, float("nan")))
         starts = torch.from_numpy(sentence_starts(rows.prompt, self.sentence_ends()))
         scores = sentence_scores(nats, known, starts).to(cache.device)  # [prompt_len], position order
         slots = torch.tensor([rows.seq_slot], dtype=torch.int64, device=cache.device)
