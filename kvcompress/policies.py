@@ -79,7 +79,9 @@ request field and the policies the scheduler resolves for each request. Only a p
 source or split also needs that strategy: a parameter class here and its torch rule,
 registered with ``@ranks(...)`` in ``ops/policy_scores.py`` or ``@split_rule(...)`` in
 ``ops/budget_split.py`` (``tests/test_policies.py`` checks every registered policy has
-both rules).
+both rules); a new metric source kind also has a glue half, its hooks into the engine
+(``kvcompress.vllm_glue.scoring_kind``), registered in one row of
+``kvcompress.vllm_glue.scoring_kinds.SCORING_KINDS`` (tests/test_scoring_kinds.py).
 """
 
 from __future__ import annotations
@@ -99,22 +101,31 @@ ADA_FLOOR = 0.5
 # --------------------------------------------------------------------------- metric sources
 
 
+METRIC_SETTINGS = (
+    "metric", "metric_queries", "observation_window", "full_skip_nearest", "pool", "pool_kernel", "pool_words",
+)
+"""The metric settings (``MetricSpec.settings()`` keys); attention-scored policies read all."""
+
+RECONSTRUCTION_SETTINGS = ("pool", "pool_kernel", "pool_words")
+"""The metric settings a reconstruction-scored policy reads (the scores are a maximum
+over queries: no window, and a power does not change their order)."""
+
 @dataclass(frozen=True)
 class MetricSource:
     """Where the values a policy ranks KVs by come from (torch rule:
     ``kvcompress.ops.policy_scores.RANKERS[type(source)]``).
 
+    How each kind scores KVs in the engine is its glue half
+    (``kvcompress.vllm_glue.scoring_kinds.SCORING_KINDS``: one row per kind).
+
     Attributes:
         kind: a short name (logs, error messages).
-        scores_prompt: whether prompt queries must score keys (attention metrics).
-        reconstructs: whether a reconstruction pass scores keys after the prefill.
-        scores_surprisal: whether the prefill's logits score keys (token surprisal).
+        settings_read: the metric settings (``MetricSpec.settings()`` keys) that change
+            what this kind evicts (help text, warnings); none by default.
     """
 
     kind: ClassVar[str] = "?"
-    scores_prompt: ClassVar[bool] = False
-    reconstructs: ClassVar[bool] = False
-    scores_surprisal: ClassVar[bool] = False
+    settings_read: ClassVar[tuple[str, ...]] = ()
 
 
 @dataclass(frozen=True)
@@ -122,7 +133,7 @@ class AttentionScores(MetricSource):
     """The metrics scored by queries inside attention (L1/L2, pooled)."""
 
     kind: ClassVar[str] = "attention"
-    scores_prompt: ClassVar[bool] = True
+    settings_read: ClassVar[tuple[str, ...]] = METRIC_SETTINGS
 
 
 @dataclass(frozen=True)
@@ -145,7 +156,7 @@ class ReconstructionScores(MetricSource):
     prompt query scores keys; the question plays no part."""
 
     kind: ClassVar[str] = "reconstruction"
-    reconstructs: ClassVar[bool] = True
+    settings_read: ClassVar[tuple[str, ...]] = RECONSTRUCTION_SETTINGS
 
 
 @dataclass(frozen=True)
@@ -157,7 +168,6 @@ class SentenceSurprisal(MetricSource):
     whatever is asked later; no prompt query scores keys and no extra forward runs."""
 
     kind: ClassVar[str] = "surprisal"
-    scores_surprisal: ClassVar[bool] = True
 
 
 @dataclass(frozen=True)
@@ -173,10 +183,6 @@ class RandomNoise(MetricSource):
 
     kind: ClassVar[str] = "random"
 
-
-RECONSTRUCTION_SETTINGS = ("pool", "pool_kernel", "pool_words")
-"""The metric settings a reconstruction-scored policy reads (the scores are a maximum
-over queries: no window, and a power does not change their order)."""
 
 _METRIC_POWER = {"l2": 2, "l1": 1}
 """``--kv-compress-metric`` value -> exponent of the attention probabilities."""
@@ -210,21 +216,6 @@ class MetricSpec:
     pool: Literal["max", "avg"] = "max"
     pool_kernel: int = 7
     pool_words: bool = False
-
-    @property
-    def scores_prompt(self) -> bool:
-        """Whether prompt queries must score keys for this policy."""
-        return self.source.scores_prompt
-
-    @property
-    def reconstructs(self) -> bool:
-        """Whether a reconstruction pass scores keys after the prefill (then pooled)."""
-        return self.source.reconstructs
-
-    @property
-    def scores_surprisal(self) -> bool:
-        """Whether the prefill's logits score keys (sentence surprisal)."""
-        return self.source.scores_surprisal
 
     def settings(self) -> dict[str, Any]:
         """These values as the settings (flags) that would select them."""
@@ -401,9 +392,7 @@ class PolicyDefinition:
         """Whether ``setting`` (a ``defaults()`` key) changes what this policy evicts:
         the metric settings only matter to attention-scored policies, and only the
         pooling ones to reconstruction-scored policies."""
-        if setting == "sink_tokens" or self.metric.scores_prompt:
-            return True
-        return self.metric.reconstructs and setting in RECONSTRUCTION_SETTINGS
+        return setting == "sink_tokens" or setting in self.metric.source.settings_read
 
     def resolve(
         self,

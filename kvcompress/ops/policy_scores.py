@@ -2,7 +2,8 @@
 
 One rule per metric source kind of ``kvcompress.policies`` (``AttentionScores``, ``ExpectedAttentionRanking``,
 ``ReconstructionScores``, ``TokenPosition``, ``RandomNoise``), registered in ``RANKERS`` with ``@ranks``; a new
-source kind adds its parameter class there and its rule here.
+source kind adds its parameter class there, its rule here, and its glue half (how the engine scores it) in one
+row of ``kvcompress.vllm_glue.scoring_kinds.SCORING_KINDS``.
 """
 
 from __future__ import annotations

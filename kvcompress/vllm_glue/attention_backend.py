@@ -33,12 +33,10 @@ from kvcompress.config import SUPPORTED_BLOCK_SIZES
 from kvcompress.ops import MetricSink, PagedBatch, SlotBatch
 from kvcompress.ops.cpu_attention import KERNEL_HEAD_SIZES
 from kvcompress.ops.dispatch import decode_by_slot_capturable
-from kvcompress.ops.expected_attention import rank_prompt_metrics
 from kvcompress.ops.metrics import accumulate_metrics, attention_metrics, pool_metrics
 from kvcompress.ops.reconstruction import reconstruction_attention
-from kvcompress.policies import ExpectedAttentionRanking
 from kvcompress.vllm_glue import step as step_state
-from kvcompress.vllm_glue.step import PerHeadStep, ReconstructionStep
+from kvcompress.vllm_glue.step import PerHeadStep, PromptScored, ReconstructionStep
 
 # CUDA: the Triton kernels pad any head size to a power of two (the CUDA op takes
 # 64 / 128 / 256 and hands the others to Triton); CPU: vLLM 0.32's CPU attention kernel.
@@ -361,13 +359,11 @@ class PerHeadAttentionImpl(AttentionImpl):
             accumulate_metrics(pool.slot_metrics, tables, lens, scored)
             if rows.prompt_done:
                 pool_metrics(pool.slot_metrics, tables, lens, spec.pool_kernel, spec.pool, rows.word_starts)
-                if isinstance(spec.source, ExpectedAttentionRanking) and state.rope is not None:
-                    rank_prompt_metrics(
-                        pool.slot_metrics, pool.key_cache, query[rows.row_start:rows.row_end],
-                        step.query_positions[rows.row_start:rows.row_end], tables, lens, self.scale, state.rope,
-                        sinks=rows.protected_prefix, protected=rows.protected_window,
-                        start=rows.end_position,
-                    )
+                if rows.at_prompt_end is not None:  # the scoring kind's hook (kvc-ea re-ranks)
+                    rows.at_prompt_end(PromptScored(
+                        state, rows, query[rows.row_start:rows.row_end],
+                        step.query_positions[rows.row_start:rows.row_end], tables, lens, self.scale,
+                    ))
 
 
 class PerHeadAttentionBackend(AttentionBackend):

@@ -103,10 +103,7 @@ def record_compressions(runner, on: bool) -> dict[str, dict]:
     off by default: it copies every KV's metric); returns and forgets what was recorded."""
     recorded = runner.kvc_recorded or {}
     runner.kvc_recorded = {} if on else None
-    if not on or runner.kvc_reconstruction.recorded is None:  # kept until its compression reads it
-        runner.kvc_reconstruction.recorded = {} if on else None
-    if not on or runner.kvc_surprisal.recorded is None:
-        runner.kvc_surprisal.recorded = {} if on else None
+    runner.kvc_scoring.record(on)  # the scoring kinds' inputs (kvzip's scores, surprisal)
     return recorded
 
 
@@ -133,12 +130,7 @@ def record_inputs(runner, request_ids: list[str], orders: dict[str, CompressionO
             "block_cost": runner.kvc_settings.block_cost,
             "heads": heads,
         }
-        scores = (runner.kvc_reconstruction.recorded or {}).pop(request_id, None)
-        if scores is not None:  # kvzip: the reconstruction pass's raw scores, [L][H][KV]
-            record["reconstruction_scores"] = scores.tolist()
-        nats = (runner.kvc_surprisal.recorded or {}).pop(request_id, None)
-        if nats is not None:  # surprisal: each prompt token's -log p (NaN: not computed)
-            record["surprisal_nats"] = nats.tolist()
+        record.update(runner.kvc_scoring.recorded(request_id))
 
 
 def defer_decode_metrics(runner, batch: int) -> int:

@@ -1,7 +1,7 @@
 """The reconstruction pass of ``kvzip`` requests: question-agnostic eviction metrics.
 
-A request whose policy reconstructs (``MetricSpec.reconstructs``) has no prompt
-query score its keys. Instead, at the end of the step in which its prompt finished
+A request whose policy's metric source is ``ReconstructionScores`` (this module's
+:class:`ReconstructionPass` is that scoring kind's glue) has no prompt query score its keys. Instead, at the end of the step in which its prompt finished
 prefilling (before the scheduler can order it compressed), the model runner runs
 the model once more per chunk of the prompt: scoring tokens (the instruction
 ``REPEAT_INSTRUCTION``, then the chunk) placed right after the cached KVs. Their attention
@@ -29,7 +29,8 @@ from vllm.logger import init_logger
 from kvcompress.ops.metrics import accumulate_metrics, pool_metrics
 from kvcompress.policies import MetricSpec
 from kvcompress.vllm_glue.attention_backend import PerHeadAttentionMetadata
-from kvcompress.vllm_glue.step import ReconstructionStep, StepTables, WorkerCacheState
+from kvcompress.vllm_glue.scoring_kind import PromptChunk, ScoringContext, ScoringKindGlue
+from kvcompress.vllm_glue.step import ReconstructionStep, StepTables
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -83,24 +84,60 @@ def instruction_for(tokenizer) -> list[int]:
     return list(tokenizer.encode(REPEAT_INSTRUCTION, add_special_tokens=False))
 
 
-class ReconstructionPass:
-    """Runs the reconstruction pass for a model runner (``PerHeadRunnerMixin``)."""
+def pending_reconstruction(chunk: PromptChunk) -> PendingReconstruction | None:
+    """The reconstruction of a request whose prompt ends in ``chunk``: the KVs it holds
+    after this step (its prompt, and its outputs when it resumes after a preemption);
+    None, with a warning, for prompt embeddings (no tokens to repeat: its KVs keep the
+    decode metrics only)."""
+    num_cached = chunk.first + chunk.count
+    state = chunk.vllm_state
+    context = [*(state.prompt_token_ids or ()), *state.output_token_ids][:num_cached]
+    if len(context) < num_cached:
+        logger.warning(
+            "kvcompress: request %s has prompt embeddings, which the kvzip reconstruction "
+            "pass cannot repeat: its KVs are ranked without reconstruction scores", chunk.request_id,
+        )
+        return None
+    spec = chunk.request.compression.policy.metric
+    words = chunk.word_starts() if spec.pool_words else None
+    return PendingReconstruction(chunk.request_id, chunk.request.seq_slot, context, spec, words)
 
-    def __init__(self, runner, layer_names: list[str], state: WorkerCacheState) -> None:
-        self.runner = runner  # its model forward (``_model_forward``) and vLLM's config
-        self.state = state
-        self.layer_names = layer_names
-        config = runner.vllm_config
+
+class ReconstructionPass(ScoringKindGlue):
+    """The glue of ``ReconstructionScores`` (kvzip): queues each request whose prompt
+    finishes prefilling and runs its reconstruction pass after the step's forward."""
+
+    recorded_as = "reconstruction_scores"  # the pass's raw scores, [L][H][KV]
+
+    def __init__(self, context: ScoringContext) -> None:
+        super().__init__(context)
+        self.runner = context.runner  # its model forward (``_model_forward``) and vLLM's config
+        self.state = context.state
+        self.layer_names = context.layer_names
+        config = self.runner.vllm_config
         self.max_model_len = config.model_config.max_model_len
         self.max_tokens = config.scheduler_config.max_num_batched_tokens
         self._instruction: list[int] | None = None
-        # request id -> its raw scores ``[L, H, held]``, while tests record them (None: off).
-        self.recorded: dict[str, torch.Tensor] | None = None
+        self.pending: list[PendingReconstruction] = []
 
     def instruction(self) -> list[int]:
         if self._instruction is None:
             self._instruction = instruction_ids(self.runner.vllm_config.model_config)
         return self._instruction
+
+    def prompt_rows(self, chunk: PromptChunk) -> None:
+        """Queue the request when this chunk ends its prompt; no prompt query scores keys."""
+        if chunk.first + chunk.count < chunk.prompt_len:
+            return None
+        pending = pending_reconstruction(chunk)
+        if pending is not None:
+            self.pending.append(pending)
+        return None
+
+    def after_forward(self) -> None:
+        pending, self.pending = self.pending, []
+        if pending:
+            self.run(pending)
 
     @torch.inference_mode()
     def run(self, pending: list[PendingReconstruction]) -> None:
@@ -126,8 +163,8 @@ class ReconstructionPass:
         chunk = max(1, min(CHUNK_TOKENS, self.max_tokens - len(instruction)))
         for start in range(0, num_cached, chunk):
             self._forward(step, instruction + request.context[start : start + chunk], num_cached)
-        if self.recorded is not None:
-            self.recorded[request.request_id] = step.scores[:, :, :num_cached].clone()
+        if self.recording is not None:
+            self.recording[request.request_id] = step.scores[:, :, :num_cached].clone()
         pool, spec = state.pool, request.spec
         for layer in range(cache.num_layers):
             layer_tables, lens = tables.layer(layer)[0], step.head_lens[layer]

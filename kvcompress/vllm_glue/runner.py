@@ -10,8 +10,8 @@ CUDA). Per step:
 2. after it, every scheduled request's heads grow by its scheduled tokens and the
    step's plan is published for the attention backend (``step_planner.py``, its metric
    queries from ``metric_queries.py``);
-3. after the forward, the scoring passes some policies add run (the decode metric
-   queue, kvzip's reconstruction, surprisal), and the step's output carries a
+3. after the forward, the decode metric queue and the post-forward hooks of the
+   scoring kinds run (kvzip's reconstruction, surprisal: ``scoring_kinds.py``), and the step's output carries a
    ``WorkerReport`` (``worker_compression.step_report``), gathered over TP ranks
    (``tensor_parallel.py``), which the scheduler adopts and cross-checks.
 
@@ -37,10 +37,10 @@ from kvcompress.vllm_glue.kv_layout import single_full_attention_group
 from kvcompress.vllm_glue.metric_queries import MetricQuerySelector
 from kvcompress.vllm_glue.outputs import step_compression_of, with_report
 from kvcompress.vllm_glue.pool_builder import BuiltPool, build_pool, model_rope
-from kvcompress.vllm_glue.reconstruction import ReconstructionPass
+from kvcompress.vllm_glue.scoring_kind import ScoringContext
+from kvcompress.vllm_glue.scoring_kinds import ScoringKinds
 from kvcompress.vllm_glue.step import WorkerCacheState, set_current_step, set_worker_state
 from kvcompress.vllm_glue.step_planner import StepPlanner
-from kvcompress.vllm_glue.surprisal import SurprisalScoring
 from kvcompress.vllm_glue.tensor_parallel import gather_reports, tp_rank
 from kvcompress.vllm_glue.warm_up import mixed_warm_up_due, warm_up_mixed_steps
 from kvcompress.worker_compression import (
@@ -56,8 +56,8 @@ class PerHeadRunnerMixin:
 
     Its parts, set when the pool is built: ``kvc_state`` (the pool, published for the
     attention backend), ``kvc_requests`` (live requests), ``kvc_planner`` (step plans,
-    ``step_planner.py``), ``kvc_reconstruction`` / ``kvc_surprisal`` (post-forward
-    scoring passes), ``kvc_stats`` (counters) and ``kvc_report`` (this step's report)."""
+    ``step_planner.py``), ``kvc_scoring`` (the scoring kinds' hooks,
+    ``scoring_kinds.py``), ``kvc_stats`` (counters) and ``kvc_report`` (this step's report)."""
 
     kvc_cache: PerHeadPagedCache | None = None
     kvc_planner: StepPlanner | None = None
@@ -78,7 +78,7 @@ class PerHeadRunnerMixin:
         self.kvc_state = None
         self.kvc_prefix_groups = None  # holds the cache
         self.kvc_planner = None  # holds the pool's views (vLLM's CPU kernel's decode plan)
-        self.kvc_reconstruction = self.kvc_surprisal = None  # hold the pool
+        self.kvc_scoring = None  # holds the pool
 
     def _cleanup_profiling_kv_cache(self) -> None:
         # vLLM drops its references to the CUDA-graph profiling KV buffer here and empties
@@ -121,16 +121,15 @@ class PerHeadRunnerMixin:
             self._kvc_warm_up_mixed_steps()
 
     def _kvc_make_planner(self, built: BuiltPool) -> StepPlanner:
-        """The step planner and the scoring passes some policies add to a step (kvzip's
-        reconstruction, surprisal); no compression's inputs recorded (tests switch it on)."""
+        """The step planner and the scoring kinds' glue (``scoring_kinds.py``); no
+        compression's inputs recorded (tests switch it on)."""
         state, config = built.state, self.vllm_config
-        self.kvc_reconstruction = ReconstructionPass(self, list(built.shape.layer_names), state)
-        self.kvc_surprisal = SurprisalScoring(self, state)
+        self.kvc_scoring = ScoringKinds(ScoringContext(self, state, list(built.shape.layer_names)))
         # request id -> a compression's inputs, while tests record them (None: off).
         self.kvc_recorded: dict[str, dict] | None = None
         selector = MetricQuerySelector(
             self.kvc_settings, self.kvc_requests, config.model_config, state.cache.device,
-            state.cache.num_layers, self.kvc_decode_metric_power, self.kvc_surprisal,
+            state.cache.num_layers, self.kvc_decode_metric_power, self.kvc_scoring,
         )
         return StepPlanner(
             state, built.shape.dtype, self.kvc_requests, self.kvc_settings, self.kvc_stats,
@@ -160,8 +159,7 @@ class PerHeadRunnerMixin:
             gone = set(scheduler_output.finished_req_ids)
             gone |= set(getattr(scheduler_output, "preempted_req_ids", None) or ())
             gone |= set(scheduler_output.scheduled_cached_reqs.resumed_req_ids or ())
-            for request_id in planner.release(gone):
-                self.kvc_surprisal.release(request_id)
+            self.kvc_scoring.release(planner.release(gone))
             planner.admit(step, slots_changed=bool(gone))
             self.kvc_report = None
             self._kvc_step_started = time.perf_counter()
@@ -227,19 +225,11 @@ class PerHeadRunnerMixin:
         return self._kvc_attach_report(output)
 
     def _kvc_after_forward(self, planner: StepPlanner) -> None:
-        """What scores from the step's forward: the queue of decode metric queries, the
-        reconstruction pass (kvzip) and the surprisal of prompt rows."""
+        """What scores from the step's forward: the queue of decode metric queries and
+        the scoring kinds' post-forward passes (kvzip's reconstruction, surprisal)."""
         if planner.step_decode_queries is not None:
             planner.queue_step_decode_queries()
-        pending = planner.metric_queries.take_reconstructions()
-        if pending:
-            self.kvc_reconstruction.run(pending)
-        if self.kvc_surprisal.pending:
-            executed = self.execute_model_state
-            if executed is None:  # nothing ran (vLLM returned early): nothing to score
-                self.kvc_surprisal.pending.clear()
-            else:
-                self.kvc_surprisal.run(executed.hidden_states)
+        self.kvc_scoring.after_forward()
 
     def sample_tokens(self, *args, **kwargs):
         return self._kvc_attach_report(super().sample_tokens(*args, **kwargs))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import InitVar, dataclass
 from functools import cached_property
+from typing import Callable
 
 import numpy as np
 import torch
@@ -186,6 +187,9 @@ class PromptMetricRows:
             start and the end of every head (``kvc-ea`` re-ranks only the others).
         end_position: the position after the rows' last query (the prompt's length
             when ``prompt_done``), known on the host.
+        at_prompt_end: the scoring kind's hook the attention backend calls in each
+            layer once ``prompt_done`` rows' metrics are scored and pooled
+            (``ScoringKindGlue.prompt_scored``); None: nothing more.
     """
 
     seq_index: int
@@ -197,6 +201,31 @@ class PromptMetricRows:
     protected_prefix: int = 0
     protected_window: int = 0
     end_position: int = 0
+    at_prompt_end: Callable[[PromptScored], None] | None = None
+
+
+@dataclass(frozen=True)
+class PromptScored:
+    """One layer's prompt metrics of a sequence, scored and pooled (what a scoring
+    kind's ``prompt_scored`` hook reads).
+
+    Attributes:
+        state: the worker's pool (``pool.slot_metrics``, ``pool.key_cache``, ``rope``).
+        rows: the prompt rows that finished the prompt.
+        query: ``[rows, num_q_heads, head_size]`` their queries in this layer.
+        positions: ``[rows]`` int64 their positions.
+        tables: ``[H, pages]`` the sequence's page tables in this layer.
+        lens: ``[H]`` its tokens per head in this layer.
+        scale: the attention's softmax scale.
+    """
+
+    state: WorkerCacheState
+    rows: PromptMetricRows
+    query: torch.Tensor
+    positions: torch.Tensor
+    tables: torch.Tensor
+    lens: torch.Tensor
+    scale: float
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The ``surprisal`` policy's scores, from the prefill's own hidden states.
 
-A request whose policy scores surprisal (``MetricSpec.scores_surprisal``) has no prompt
-query score its keys. In every step that prefills some of its prompt, after the
+A request whose policy's metric source is ``SentenceSurprisal`` (this module's
+:class:`SurprisalScoring` is that scoring kind's glue) has no prompt query score its keys. In every step that prefills some of its prompt, after the
 forward, the model's head turns the final hidden states of those positions into
 logits, and each next prompt token's surprisal (``-log p`` in nats) is kept in a
 per-request buffer. In the step its prompt completes (before the scheduler can order
@@ -23,10 +23,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm.logger import init_logger
+
 from kvcompress.ops.metrics import accumulate_metrics
 from kvcompress.ops.surprisal import SentenceEnds, sentence_scores, sentence_starts, token_surprisal
-from kvcompress.vllm_glue.step import StepTables, WorkerCacheState
+from kvcompress.vllm_glue.scoring_kind import PromptChunk, ScoringContext, ScoringKindGlue
+from kvcompress.vllm_glue.step import StepTables
 from kvcompress.vllm_glue.tokenizer_checks import sentence_ends
+
+logger = init_logger(f"vllm.{__name__}")
 
 
 @dataclass(frozen=True)
@@ -54,24 +59,53 @@ class SurprisalRows:
         return self.first + self.count >= len(self.prompt)
 
 
-class SurprisalScoring:
-    """Keeps the surprisal of prompt tokens across a request's prefill chunks and writes
-    the sentence scores as its slot metrics when its prompt completes."""
+class SurprisalScoring(ScoringKindGlue):
+    """The glue of ``SentenceSurprisal``: keeps the surprisal of prompt tokens across a
+    request's prefill chunks and writes the sentence scores as its slot metrics when
+    its prompt completes."""
 
-    def __init__(self, runner, state: WorkerCacheState) -> None:
-        self.runner = runner  # its model's head (``compute_logits``) and vLLM's config
-        self.state = state
+    recorded_as = "surprisal_nats"  # each prompt token's -log p, [prompt_len] (NaN: not computed)
+
+    def __init__(self, context: ScoringContext) -> None:
+        super().__init__(context)
+        self.runner = context.runner  # its model's head (``compute_logits``) and vLLM's config
+        self.state = context.state
         self._ends: SentenceEnds | None | bool = False  # False: not looked up yet
         # request id -> ([prompt_len] float32 nats, [prompt_len] bool known)
         self._buffers: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.pending: list[SurprisalRows] = []
-        # request id -> its [prompt_len] nats (NaN where unknown), while tests record them (None: off).
-        self.recorded: dict[str, torch.Tensor] | None = None
 
     def sentence_ends(self) -> SentenceEnds | None:
         if self._ends is False:
             self._ends = sentence_ends(self.runner.vllm_config.model_config)
         return self._ends
+
+    def prompt_rows(self, chunk: PromptChunk) -> None:
+        """Queue this step's prompt positions, scored after the forward (prompt
+        embeddings have no next tokens to score: a warning, decode metrics only); no
+        prompt query scores keys."""
+        token_ids = chunk.vllm_state.prompt_token_ids
+        if token_ids is None:
+            if chunk.first == 0:
+                logger.warning(
+                    "kvcompress: request %s has prompt embeddings, which policy 'surprisal' cannot "
+                    "score: its KVs are ranked by decode metrics only", chunk.request_id,
+                )
+            return None
+        count = min(chunk.count, chunk.prompt_len - chunk.first)
+        self.pending.append(SurprisalRows(
+            chunk.request_id, chunk.request.seq_slot, token_ids, chunk.first, count, chunk.row_start,
+        ))
+        return None
+
+    def after_forward(self) -> None:
+        if not self.pending:
+            return
+        executed = self.runner.execute_model_state
+        if executed is None:  # nothing ran (vLLM returned early): nothing to score
+            self.pending.clear()
+        else:
+            self.run(executed.hidden_states)
 
     def release(self, request_id: str) -> None:
         self._buffers.pop(request_id, None)
@@ -106,8 +140,8 @@ class SurprisalScoring:
     def _write_metrics(self, rows: SurprisalRows, nats: torch.Tensor, known: torch.Tensor) -> None:
         cache, pool = self.state.cache, self.state.pool
         length = len(rows.prompt)
-        if self.recorded is not None:
-            self.recorded[rows.request_id] = torch.where(known, nats, torch.full_like(nats, float("nan")))
+        if self.recording is not None:
+            self.recording[rows.request_id] = torch.where(known, nats, torch.full_like(nats, float("nan")))
         starts = torch.from_numpy(sentence_starts(rows.prompt, self.sentence_ends()))
         scores = sentence_scores(nats, known, starts).to(cache.device)  # [prompt_len], position order
         slots = torch.tensor([rows.seq_slot], dtype=torch.int64, device=cache.device)

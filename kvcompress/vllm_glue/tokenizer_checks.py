@@ -81,7 +81,7 @@ def pooling_warning(settings: KVCompressConfig, digits_tokens: int) -> str | Non
     cuts a 7-digit number into ``digits_tokens`` tokens, more than the kernel's
     half-width reaches; None when safe."""
     spec = settings.policy_for().metric
-    if not settings.compresses or not spec.scores_prompt or spec.pool_words:
+    if not settings.compresses or "pool_kernel" not in spec.source.settings_read or spec.pool_words:
         return None
     reach = spec.pool_kernel // 2 + 1  # tokens of a number kept around its best one, one side
     if digits_tokens <= reach:
