@@ -15,11 +15,10 @@ refuses unsupported models after (``check``).
 from __future__ import annotations
 
 import argparse
-
-from vllm.engine.arg_utils import EngineArgs
-
 from collections.abc import Callable
 from typing import Any
+
+from vllm.engine.arg_utils import EngineArgs
 
 from kvcompress.config import (
     ADDITIONAL_CONFIG_KEY,
