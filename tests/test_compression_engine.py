@@ -228,7 +228,7 @@ def test_every_option_runs_in_the_engine(tiny_model):
 def _check_deferred_decode_metrics(llm) -> None:
     """Decode metric queries scored in their own step (no queue: the kernel step's own
     pass, and a pass at every layer of a step with prompt rows) against the queue of
-    kernel/deferred_metrics.py, one and four query sets at a time: the last compression
+    kernel/decode_metrics.py, one and four query sets at a time: the last compression
     of each request reads the same metrics, while a request decodes through the prefill
     of two others (its metric rows ride in steps with prompt rows too), and the queue
     of four took fewer metric passes than the queue of one."""

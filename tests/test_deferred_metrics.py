@@ -1,4 +1,4 @@
-"""Deferred decode metrics (kvcompress/ops/deferred_metrics.py) against the metric pass
+"""Deferred decode metrics (kvcompress/ops/decode_metrics.py) against the metric pass
 run in every step: the same slot metrics, whatever the batch of queries per pass, the
 steps a sequence adds a query in, or when a compression flushes it early."""
 
@@ -10,8 +10,7 @@ import torch
 
 from kvcompress.ops import KVPool
 from kvcompress.ops.cpu_attention import pool_views
-from kvcompress.ops.deferred_metrics import DeferredDecodeQueries
-from kvcompress.ops.metrics import decode_metrics_by_head
+from kvcompress.ops.decode_metrics import DeferredDecodeQueries, decode_metrics_by_head
 
 
 class GrowingCache:
@@ -226,3 +225,51 @@ def test_a_full_row_takes_every_pending_row_of_its_step_along():
     assert passes_with_a_row_not_full >= 2
     deferred.flush(later.pool, list(range(num_rows)), *later.tables(list(range(num_rows))))
     torch.testing.assert_close(later.pool.slot_metrics, now.pool.slot_metrics, rtol=1e-5, atol=1e-7)
+
+
+def test_the_owner_queues_a_mixed_steps_queries_flushes_and_drops():
+    """``DecodeMetrics`` over a real ``PerHeadPagedCache``: a step with prompt rows records
+    its decode rows' queries layer by layer; after the forward they wait in the queue;
+    ``flush`` (what a compression calls first) scores them with the cache's tables as the
+    per-layer pass scores them at once; ``drop`` forgets a released sequence; without a
+    queue (backends scoring during the forward) nothing waits."""
+    from kvcompress.ops import PerHeadPagedCache
+    from kvcompress.ops.decode_metrics import DecodeMetrics, StepDecodeQueries, decode_metrics
+
+    layers, heads, group, dim, block, scale = 2, 2, 2, 16, 4, 0.25
+    cache = PerHeadPagedCache(64, layers, heads, block, max_seqs=3, max_pages_per_head=8)
+    gen = torch.Generator().manual_seed(6)
+    key, value = torch.randn((2, 64, block, dim), generator=gen).unbind(0)
+    pool = cache.kv_pool(key, value)
+    slots = [cache.new_sequence(), cache.new_sequence()]
+    lens = [10, 7]
+    cache.append(torch.tensor(slots), torch.tensor(lens), torch.cat([torch.arange(n) for n in lens]))
+    cache.append_one(torch.tensor(slots), torch.tensor(lens))
+    query = torch.randn((layers, 2, heads * group, dim), generator=gen)
+
+    owner = DecodeMetrics(cache, pool, 2, DeferredDecodeQueries(2))
+    recorded = StepDecodeQueries(torch.tensor([0, 1]), np.array(slots), np.array(lens), layers)
+    owner.record_step(recorded)
+    for layer in range(layers):
+        recorded.record(layer, query[layer], scale)
+    owner.after_forward(np.array(slots))
+    assert owner.step_queries is None and all(slot in owner.queue for slot in slots)
+    assert pool.slot_metrics.abs().sum() == 0  # one query each of two: none due yet
+    owner.flush([slots[0]])
+    owner.drop([slots[1]])
+    assert slots[0] not in owner.queue and slots[1] not in owner.queue
+
+    expected = torch.zeros_like(pool.slot_metrics)
+    oracle = KVPool(key, value, cache.slot_positions, expected)
+    first = torch.tensor([slots[0]])
+    for layer in range(layers):
+        tables = cache.page_tables_of(first, layer=layer)
+        decode_metrics(query[layer, :1], oracle, tables, cache.head_lens[first, layer], scale, 2)
+    assert expected.abs().sum() > 0
+    torch.testing.assert_close(pool.slot_metrics, expected, rtol=1e-5, atol=1e-7)
+
+    eager = DecodeMetrics(cache, pool, 2, None)
+    eager.record_step(recorded)
+    eager.after_forward(np.array(slots))
+    eager.flush(slots)  # nothing pending: no pass
+    torch.testing.assert_close(pool.slot_metrics, expected, rtol=1e-5, atol=1e-7)

@@ -24,9 +24,9 @@ from kvcompress.ops.kv_pool import KVPool
 from kvcompress.ops.metrics import (
     accumulate_metrics,
     attention_metrics,
-    decode_metrics_by_head,
     max_pool_metrics,
 )
+from kvcompress.ops.decode_metrics import decode_metrics_by_head
 
 LAYERS, KV_HEADS, GROUP, DIM, BLOCK = 1, 2, 3, 8, 4
 

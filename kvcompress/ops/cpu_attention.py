@@ -34,7 +34,7 @@ The kernel's AMX path (bf16, block 32, AMX hosts) packs pages differently; this 
 always asks for ``vec`` / ``vec16``, which run on every x86 host.
 
 The kernel returns no attention probabilities: decode rows that add to the eviction
-metrics get them from :func:`kvcompress.ops.metrics.decode_metrics` (a separate pass
+metrics get them from :func:`kvcompress.ops.decode_metrics.decode_metrics` (a separate pass
 over the selected rows only).
 
 This module is the ``vllm_cpu`` backend of :mod:`kvcompress.ops.dispatch`
@@ -55,10 +55,10 @@ import numpy as np
 import torch
 
 from kvcompress.ops.backend import ATTENTION_OPS, KernelBackend
-from kvcompress.ops.deferred_metrics import DeferredDecodeQueries
+from kvcompress.ops.decode_metrics import DeferredDecodeQueries, decode_metrics_by_head
 from kvcompress.ops.flattened import decode_by_slot_flat, paged_attention_flat
 from kvcompress.ops.kv_pool import KVPool, MetricSink, PagedBatch, SlotBatch
-from kvcompress.ops.page_tables import ChunkedPageTables
+from kvcompress.ops.page_tables import ChunkedPageTables, decode_tables
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # vLLM 0.32's CPU attention head sizes (``CPUAttentionBackend.get_supported_head_sizes``).
@@ -277,7 +277,7 @@ def paged_attention_cpu(
     """:func:`kvcompress.ops.paged_attention.paged_attention` on vLLM's CPU kernel
     (``pool`` in the kernel layout, :func:`supports`). Same arguments and result; the
     decode queries selected by ``metrics`` add to ``pool.slot_metrics`` through
-    :func:`kvcompress.ops.metrics.decode_metrics`. Batches with a prompt chunk of at
+    :func:`kvcompress.ops.decode_metrics.decode_metrics`. Batches with a prompt chunk of at
     least ``BY_HEAD_FROM_ROWS`` rows run one kernel call per KV head."""
     return paged_attention_flat(_attend, query, pool, batch, scale, out, metrics, by_head_from=BY_HEAD_FROM_ROWS)
 
@@ -285,7 +285,7 @@ def paged_attention_cpu(
 class DecodeStepMetrics:
     """The decode queries of a step's metric rows, kept layer by layer during the forward;
     the metric pass then runs once for every layer, after the last one
-    (:func:`kvcompress.ops.metrics.decode_metrics_by_head` over ``L * M * H``
+    (:func:`kvcompress.ops.decode_metrics.decode_metrics_by_head` over ``L * M * H``
     head-sequences: one pass instead of ``L``, reading only the pages each head holds).
     Deferring it changes nothing: a decode step writes no KV after its layer's own, and
     metrics are read only by a later compression.
@@ -306,15 +306,15 @@ class DecodeStepMetrics:
         self.num_layers = block_tables.shape[0]
         self.queries = torch.empty((self.num_layers, rows.shape[0], num_q_heads, head_dim), dtype=dtype)
         self.layers_recorded = 0
-        self.deferred: DeferredDecodeQueries | None = None
+        self.queue: DeferredDecodeQueries | None = None
         self.batch_slots: np.ndarray | None = None
         self.positions: np.ndarray | None = None
 
-    def defer(self, deferred: DeferredDecodeQueries, batch_slots: np.ndarray, positions: np.ndarray) -> None:
-        """Hand the queries to ``deferred`` instead of scoring them at once: the
+    def defer(self, queue: DeferredDecodeQueries, batch_slots: np.ndarray, positions: np.ndarray) -> None:
+        """Hand the queries to ``queue`` instead of scoring them at once: the
         sequence slots of every batch row ``batch_slots [B]`` and the metric rows' query
         positions ``positions [M]``."""
-        self.deferred, self.batch_slots, self.positions = deferred, batch_slots, positions
+        self.queue, self.batch_slots, self.positions = queue, batch_slots, positions
 
     def record(self, layer: int, query: torch.Tensor) -> bool:
         """Keep layer ``layer``'s metric-row queries (``query [B, Hq, D]``); True once
@@ -326,19 +326,17 @@ class DecodeStepMetrics:
     def run(self, pool: KVPool, scale: float, power: int) -> None:
         """Add every layer's metric-row attention to ``pool.slot_metrics`` (deferred:
         keep the queries, and score those of the slots that now hold enough)."""
-        from kvcompress.ops.metrics import decode_metrics_by_head
-
         num_layers, num_seqs, num_pages = self.block_tables.shape
         heads = self.num_kv_heads
         num_rows = num_seqs // heads
-        if self.deferred is not None:
-            full = self.deferred.add(self.batch_slots[self.rows.numpy()], self.positions, self.queries, scale, power)
+        if self.queue is not None:
+            full = self.queue.add(self.batch_slots[self.rows.numpy()], self.positions, self.queries, scale, power)
             if full.size:
                 # Every batch row with pending queries joins the pass a full row calls
                 # for (flush skips the rest): rows then fall due together, one pass per
                 # cycle instead of one per row phase (each pass costs a few dozen ops
                 # besides its queries).
-                self.deferred.flush(
+                self.queue.flush(
                     pool, self.batch_slots.tolist(),
                     self.block_tables.view(num_layers, num_rows, heads, num_pages),
                     self.seq_lens.view(num_layers, num_rows, heads),
@@ -414,33 +412,6 @@ def plan_decode_step(
     if uniform is None:
         uniform = lens_agree_across_layers(lens)
     return decode_layers(pool, torch.from_numpy(tables), lens, num_q_heads, metric_rows, uniform)
-
-
-def decode_tables(
-    block_size: int, page_tables: ChunkedPageTables | torch.Tensor, rows: np.ndarray, row_lens: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray]:
-    """The kernel's arrays of a decode step: ``([L, B * H, P] int32 page ids,
-    [L, B, H] int32 KVs held)``, C order (layer ``l``'s kernel sequences are rows ``l``;
-    sequence ``b * H + h`` is row ``b``'s head ``h``), ``P`` the pages of the longest head.
-
-    Args:
-        rows: ``[B]`` int64 sequence slots of the batch rows.
-        row_lens: ``[B, L, H]`` KVs held per head of each row (after this step's KVs).
-    """
-    num_rows, num_layers, num_kv_heads = row_lens.shape
-    if num_rows == 0:
-        raise ValueError("plan_decode_step: a decode step has at least one row")
-    if int(row_lens.min()) < 1:
-        raise RuntimeError("kvcompress: a decode row has a head with no KV (its own KV was not appended)")
-    num_pages = -(-int(row_lens.max()) // block_size)
-    # numpy over the CPU tables: a dozen tiny ops, ~1 us each (torch: ~5-10 us each).
-    if isinstance(page_tables, torch.Tensor):
-        row_tables = page_tables.numpy()[rows, :, :, :num_pages]
-    else:
-        row_tables = page_tables.gather_host(rows, num_pages)
-    tables = np.ascontiguousarray(row_tables.transpose(1, 0, 2, 3), dtype=np.int32)
-    lens = np.ascontiguousarray(row_lens.transpose(1, 0, 2), dtype=np.int32)
-    return tables.reshape(num_layers, num_rows * num_kv_heads, num_pages), lens
 
 
 def lens_agree_across_layers(lens: np.ndarray) -> bool:

@@ -30,12 +30,12 @@ import torch
 
 from kvcompress.ops.cpu_attention import (
     KernelDecodeLayer,
-    decode_tables,
     lens_agree_across_layers,
     set_decode_work,
     unplanned_decode_layers,
 )
 from kvcompress.ops.kv_pool import KVPool
+from kvcompress.ops.page_tables import decode_tables
 from kvcompress.ops.paged_cache import AppendPlan, PerHeadPagedCache
 
 

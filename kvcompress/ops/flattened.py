@@ -24,7 +24,7 @@ max_seq_len, block_table, scale)``: one kernel call over sequences of one KV hea
 The kernels return no probabilities: decode rows selected by a :class:`MetricSink` add
 to the metrics through a pass of their own, the backend's (``metric_pass``: on CUDA the
 project's Triton decode metric kernels, which read nothing on the host) or else
-:func:`kvcompress.ops.metrics.decode_metrics` (``torch``; it reads lengths and selected
+:func:`kvcompress.ops.decode_metrics.decode_metrics` (``torch``; it reads lengths and selected
 rows on the host, a stream sync per layer on CUDA).
 """
 
@@ -207,9 +207,9 @@ def torch_decode_metrics(
     query: torch.Tensor, pool: KVPool, batch: PagedBatch, scale: float, metrics: MetricSink,
     max_len: int,
 ) -> None:
-    """:class:`PagedMetricPass` in ``torch`` (:func:`kvcompress.ops.metrics.decode_metrics`
+    """:class:`PagedMetricPass` in ``torch`` (:func:`kvcompress.ops.decode_metrics.decode_metrics`
     over the selected decode rows; their indices are read on the host)."""
-    from kvcompress.ops.metrics import decode_metrics
+    from kvcompress.ops.decode_metrics import decode_metrics
 
     starts = batch.query_start_loc
     first_rows = torch.tensor(starts, dtype=torch.int64, device=query.device)
@@ -232,7 +232,7 @@ def decode_by_slot_flat(
     row holds; one host read of the longest head), then one flattened call and the
     metric pass over the selected rows (``metric_pass``, else ``torch`` over the
     gathered tables)."""
-    from kvcompress.ops.metrics import decode_metrics
+    from kvcompress.ops.decode_metrics import decode_metrics
 
     out = torch.empty_like(query) if out is None else out
     num_rows = batch.seq_slots.numel()

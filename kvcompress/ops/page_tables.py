@@ -268,3 +268,30 @@ class ChunkedPageTables:
             head_rows * self.chunk_tables.shape[-1] + columns // chunk_pages,
         )
         return np.take(self.chunks.numpy().reshape(-1), chunk * chunk_pages + columns % chunk_pages)
+
+
+def decode_tables(
+    block_size: int, page_tables: ChunkedPageTables | torch.Tensor, rows: np.ndarray, row_lens: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's arrays of a decode step: ``([L, B * H, P] int32 page ids,
+    [L, B, H] int32 KVs held)``, C order (layer ``l``'s kernel sequences are rows ``l``;
+    sequence ``b * H + h`` is row ``b``'s head ``h``), ``P`` the pages of the longest head.
+
+    Args:
+        rows: ``[B]`` int64 sequence slots of the batch rows.
+        row_lens: ``[B, L, H]`` KVs held per head of each row (after this step's KVs).
+    """
+    num_rows, num_layers, num_kv_heads = row_lens.shape
+    if num_rows == 0:
+        raise ValueError("decode_tables: a decode step has at least one row")
+    if int(row_lens.min()) < 1:
+        raise RuntimeError("kvcompress: a decode row has a head with no KV (its own KV was not appended)")
+    num_pages = -(-int(row_lens.max()) // block_size)
+    # numpy over the CPU tables: a dozen tiny ops, ~1 us each (torch: ~5-10 us each).
+    if isinstance(page_tables, torch.Tensor):
+        row_tables = page_tables.numpy()[rows, :, :, :num_pages]
+    else:
+        row_tables = page_tables.gather_host(rows, num_pages)
+    tables = np.ascontiguousarray(row_tables.transpose(1, 0, 2, 3), dtype=np.int32)
+    lens = np.ascontiguousarray(row_lens.transpose(1, 0, 2), dtype=np.int32)
+    return tables.reshape(num_layers, num_rows * num_kv_heads, num_pages), lens

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from kvcompress.ops.decode_metrics import decode_metrics
 from kvcompress.ops.kv_pool import KVPool, MetricSink, PagedBatch
 
 
@@ -141,23 +142,17 @@ def paged_attention(
             key_pos <= q_pos.view(-1, 1, 1)
         )  # [B, H, K]
         q = query[token_rows].view(len(decode_rows), 1, num_kv_heads, group, head_dim)
-        result, probs = _attend(q, keys, values, visible.unsqueeze(2), scale)
+        result, _ = _attend(q, keys, values, visible.unsqueeze(2), scale)
         out[token_rows] = result.reshape(len(decode_rows), num_q_heads, head_dim).to(
             out.dtype
         )
         if metrics is not None:
-            slot_metrics = pool.slot_metrics
-            adds = visible & metrics.selected[rows].to(torch.bool).view(-1, 1, 1)  # [B, H, K]
-            if bool(adds.any()):
-                block_size_ = slot_metrics.shape[1]
-                slot_ids = (
-                    tables.unsqueeze(-1) * block_size_
-                    + torch.arange(block_size_, device=tables.device)
-                ).reshape(len(decode_rows), num_kv_heads, -1)
-                gained = probs[:, :, :, 0, :].pow(metrics.power).sum(dim=2)  # [B, H, K]
-                slot_metrics.view(-1).index_add_(
-                    0, slot_ids[adds], gained[adds].to(slot_metrics.dtype)
-                )
+            # The one definition of what a decode query adds (every kernel is tested
+            # against it through this reference).
+            chosen = metrics.selected[rows].to(torch.bool)
+            if bool(chosen.any()):
+                decode_metrics(query[token_rows[chosen]], pool, block_tables[rows[chosen]],
+                               head_lens[rows[chosen]], scale, metrics.power, q_pos[chosen])
 
     for s in range(num_seqs):
         if query_lens[s] <= 1:

@@ -23,7 +23,7 @@ The kernel returns no probabilities: the decode rows that add to the eviction me
 (continual compression) get them from a pass of their own, the project's Triton decode
 and metric kernels (:func:`kvcompress.ops.triton_attention.decode_metrics_triton`): no
 host reads, where ``torch``'s gather of the selected rows and held pages
-(:func:`kvcompress.ops.metrics.decode_metrics`) waited for the stream several times per
+(:func:`kvcompress.ops.decode_metrics.decode_metrics`) waited for the stream several times per
 layer. The slot-indexed entry point reads the longest head on the host to gather its
 tables, so decode-only steps under full CUDA graphs keep the project's capturable Triton
 slot decode (:mod:`kvcompress.ops.dispatch`).

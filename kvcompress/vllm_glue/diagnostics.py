@@ -13,7 +13,7 @@ import dataclasses
 import torch
 
 from kvcompress.contract import CompressionOrder
-from kvcompress.ops.deferred_metrics import DeferredDecodeQueries
+from kvcompress.ops.decode_metrics import DeferredDecodeQueries
 from kvcompress.ops.paged_cache import pages_for
 
 
@@ -142,6 +142,6 @@ def defer_decode_metrics(runner, batch: int) -> int:
     planner = runner.kvc_planner
     if planner is None or not planner.plan_kernel_decode:
         return -1
-    deferred = planner.deferred
-    planner.deferred = DeferredDecodeQueries(batch) if batch > 0 else None
-    return 0 if deferred is None else deferred.passes
+    decode_metrics = planner.decode_metrics
+    queue, decode_metrics.queue = decode_metrics.queue, DeferredDecodeQueries(batch) if batch > 0 else None
+    return 0 if queue is None else queue.passes

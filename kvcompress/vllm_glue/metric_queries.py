@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from kvcompress.config import KVCompressConfig
-from kvcompress.ops.deferred_metrics import StepDecodeQueries
+from kvcompress.ops.decode_metrics import StepDecodeQueries
 from kvcompress.ops.word_spans import WordEdges, span_starts
 from kvcompress.vllm_glue.scoring_kind import PromptChunk
 from kvcompress.vllm_glue.scoring_kinds import ScoringKinds

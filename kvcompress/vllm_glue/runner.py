@@ -187,7 +187,7 @@ class PerHeadRunnerMixin:
         run = CompressionRun(
             cache=state.cache, pool=state.pool, ops=state.ops, rank=self.kvc_tp_rank,
             block_cost=self.kvc_settings.block_cost, generator=self._kvc_random,
-            flush=self.kvc_planner.flush_deferred,
+            flush=self.kvc_planner.decode_metrics.flush,
             record=None if self.kvc_recorded is None else functools.partial(diagnostics.record_inputs, self),
         )
         outcome = run_orders(run, orders, slots, self.kvc_stats)
@@ -227,8 +227,7 @@ class PerHeadRunnerMixin:
     def _kvc_after_forward(self, planner: StepPlanner) -> None:
         """What scores from the step's forward: the queue of decode metric queries and
         the scoring kinds' post-forward passes (kvzip's reconstruction, surprisal)."""
-        if planner.step_decode_queries is not None:
-            planner.queue_step_decode_queries()
+        planner.after_forward()
         self.kvc_scoring.after_forward()
 
     def sample_tokens(self, *args, **kwargs):

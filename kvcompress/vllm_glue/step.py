@@ -19,7 +19,7 @@ import torch
 from kvcompress.ops import AppendPlan, KernelOps, KVPool, MetricSink, PerHeadPagedCache, resolve_ops
 from kvcompress.ops.cpu_attention import KernelDecodeLayer
 from kvcompress.ops.decode_by_slot import graph_partition_size
-from kvcompress.ops.deferred_metrics import StepDecodeQueries
+from kvcompress.ops.decode_metrics import StepDecodeQueries
 from kvcompress.ops.expected_attention import RopeFrequencies
 from kvcompress.ops.kv_pool import QueryLayout
 from kvcompress.ops.page_tables import ChunkedPageTables

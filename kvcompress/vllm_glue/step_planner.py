@@ -5,9 +5,8 @@ attention backend reads (``step.set_current_step``).
 Three paths: a decode-only step on vLLM's CPU kernel (the batch's plan kept between
 steps, ``DecodeBatchPlan``), another decode-only step (the fixed-address
 ``DecodeBuffers`` a CUDA graph replays), and a step with prompt rows (the rows' tables
-gathered, its metric queries chosen by ``metric_queries.py``). On vLLM's CPU kernel the
-decode rows' metric queries wait in a per-sequence queue (``DeferredDecodeQueries``) to
-be scored several at once; this planner owns that queue.
+gathered, its metric queries chosen by ``metric_queries.py``). The decode metrics'
+owner (``ops/decode_metrics.DecodeMetrics``) gets each step's decode queries.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from kvcompress.batch_rows import BatchRows
 from kvcompress.ops import PerHeadPagedCache
 from kvcompress.ops import cpu_attention
 from kvcompress.ops.cpu_decode_plan import DecodeBatchPlan
-from kvcompress.ops.deferred_metrics import DeferredDecodeQueries, StepDecodeQueries
+from kvcompress.ops.decode_metrics import DecodeMetrics, DeferredDecodeQueries
 from kvcompress.ops.flattened import flat_query_starts
 from kvcompress.ops.prefix_groups import PrefixGroups
 from kvcompress.vllm_glue.metric_queries import MetricQuerySelector
@@ -49,8 +48,8 @@ class StepPlanner:
 
     On vLLM's CPU kernel (``plan_kernel_decode``) decode steps get their tables in its
     terms once per step, the plan kept while the same rows decode (``decode_plan``), and
-    their metric queries wait per sequence in ``deferred`` to be scored several at once
-    (None: each step's own pass; ``diagnostics.defer_decode_metrics`` may swap it)."""
+    their metric queries wait per sequence in ``decode_metrics.queue`` to be scored
+    several at once (``diagnostics.defer_decode_metrics`` may swap it)."""
 
     state: WorkerCacheState
     kv_dtype: torch.dtype
@@ -61,10 +60,8 @@ class StepPlanner:
     prefix_groups: PrefixGroups | None
     metric_queries: MetricQuerySelector
     plan_kernel_decode: bool = field(init=False)
-    deferred: DeferredDecodeQueries | None = field(init=False)
+    decode_metrics: DecodeMetrics = field(init=False)
     decode_plan: DecodeBatchPlan | None = field(init=False, default=None)
-    # A step with prompt rows: its decode rows' metric queries, for the queue after the forward.
-    step_decode_queries: StepDecodeQueries | None = field(init=False, default=None)
     prefix_step: PrefixCacheStep | None = field(init=False, default=None)
     # Hit requests of this step: (sequence slot, hit block ids), filled after appends.
     prefix_fills: list[tuple[int, tuple[int, ...]]] = field(init=False, default_factory=list)
@@ -77,7 +74,10 @@ class StepPlanner:
         state = self.state
         self.plan_kernel_decode = bool(state.ops.kernel_page_layout) and cpu_attention.supports_pool(
             self.kv_dtype, state.pool)
-        self.deferred = DeferredDecodeQueries() if self.plan_kernel_decode else None
+        self.decode_metrics = DecodeMetrics(
+            self.cache, state.pool, self.metric_power,
+            DeferredDecodeQueries() if self.plan_kernel_decode else None,
+        )
         if self.plan_kernel_decode and self.cache.host is not None:
             self.decode_plan = DecodeBatchPlan(self.cache, state.pool, self.num_q_heads)
 
@@ -101,14 +101,13 @@ class StepPlanner:
         gone, slots = self.requests.release(request_ids)
         if slots:
             self.cache.release(torch.tensor(slots, dtype=torch.int64))
-            if self.deferred is not None:
-                self.deferred.drop(slots)
+            self.decode_metrics.drop(slots)
         return gone
 
     def admit(self, step: StepCompression, slots_changed: bool) -> None:
         """The scheduler's new requests and prefix-cache changes of this step (before
         vLLM updates its batch); ``slots_changed``: requests left, so the batch's rows go."""
-        self.step_decode_queries = None
+        self.decode_metrics.start_step()
         prefix_step = self.prefix_step = step.prefix_cache
         if prefix_step is not None:
             # Before this step's cached blocks: vLLM may reuse an evicted block id.
@@ -161,10 +160,10 @@ class StepPlanner:
         query_start_list = query_start.tolist()
         metrics = self.metric_queries.select(
             vllm_requests, rows.req_ids, computed, num_new, query_start, rows.slots,
-            queue_decode=self.deferred is not None,
+            queue_decode=self.decode_metrics.queue is not None,
         )
         if metrics is not None and metrics.decode_queries is not None:
-            self.step_decode_queries = metrics.decode_queries
+            self.decode_metrics.record_step(metrics.decode_queries)
         self.publish(PerHeadStep(
             num_reqs=len(rows.req_ids),
             num_tokens=int(query_start[-1]),
@@ -201,15 +200,15 @@ class StepPlanner:
             # Heads of never-compressed rows all hold the row's tokens.
             uniform=True if not rows.any_compresses else None,
         )
-        self._defer_metrics(kernel_decode, rows, computed, flagged)
+        self._record_kernel_metrics(kernel_decode, rows, computed, flagged)
         self._apply_prefix_cache()
         self._publish_decode_step(rows, positions_t, plan, query_start, kernel_decode)
 
-    def _defer_metrics(self, kernel_decode, rows: BatchRows, computed: np.ndarray, flagged: np.ndarray) -> None:
+    def _record_kernel_metrics(self, kernel_decode, rows: BatchRows, computed: np.ndarray,
+                               flagged: np.ndarray) -> None:
         """The step's metric queries go to the per-sequence queue (scored a few at once)."""
-        metrics = kernel_decode[0].metrics if kernel_decode else None
-        if metrics is not None and self.deferred is not None:
-            metrics.defer(self.deferred, rows.slots, computed[flagged])
+        step_metrics = kernel_decode[0].metrics if kernel_decode else None
+        self.decode_metrics.record_kernel_step(step_metrics, rows.slots, computed[flagged])
 
     def _apply_prefix_cache(self) -> None:
         """After this step's appends: the cache takes the blocks vLLM cached (their
@@ -265,7 +264,7 @@ class StepPlanner:
                 torch.from_numpy(flagged) if flagged.size else None,
                 uniform=True if not rows.any_compresses else None,
             )
-            self._defer_metrics(kernel_decode, rows, computed, flagged)
+            self._record_kernel_metrics(kernel_decode, rows, computed, flagged)
         else:
             seq_slots = rows.seq_slots
             self.state.decode_buffers.fill(
@@ -291,29 +290,8 @@ class StepPlanner:
             decode_metric_power=self.metric_power,
         ))
 
-    def flush_deferred(self, slots: list[int]) -> None:
-        """Score the decode queries still pending for ``slots`` (before their metrics
-        are read or their KVs evicted)."""
-        deferred = self.deferred
-        slots = [slot for slot in slots if deferred is not None and slot in deferred]
-        if not slots:
-            return
-        cache = self.cache
-        rows = np.asarray(slots, dtype=np.int64)
-        tables, lens = cpu_attention.decode_tables(cache.block_size, cache.tables, rows, cache.host.head_lens[rows])
-        num_layers = tables.shape[0]
-        deferred.flush(
-            self.state.pool, slots,
-            torch.from_numpy(tables).view(num_layers, len(slots), lens.shape[2], -1), torch.from_numpy(lens),
-        )
-
-    def queue_step_decode_queries(self) -> None:
-        """After a step with prompt rows ran: its decode rows' metric queries join the
-        queue; if one of them is due, every row of the batch with pending queries is
-        scored (as a decode step does,
-        :class:`~kvcompress.ops.cpu_attention.DecodeStepMetrics`)."""
-        recorded, self.step_decode_queries = self.step_decode_queries, None
-        if recorded is None or not recorded.complete or self.deferred is None:
-            return  # no forward ran (nothing written, nothing to score)
-        if recorded.hand_to(self.deferred, self.metric_power).size:
-            self.flush_deferred(self.requests.rows.slots.tolist())
+    def after_forward(self) -> None:
+        """After the forward: a step with prompt rows hands its decode rows' metric
+        queries to the queue (``DecodeMetrics.after_forward``)."""
+        rows = self.requests.rows
+        self.decode_metrics.after_forward(None if rows is None else rows.slots)
