@@ -146,15 +146,19 @@ if HAS_TRITON:
         )
 
     @triton.jit
-    def _key_tile(
-        k_ptr, pos_ptr, bt_base, chunk_ptr, slot, part_end, qpos, d, d_ok,
+    def _score_tile(
+        q, k_ptr, pos_ptr, bt_base, chunk_ptr, start, end, qpos, d, d_ok, scale,
         k_strides, pos_strides, stride_bp,
-        BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, CHUNK: tl.constexpr,
+        DOT_DTYPE: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
     ):
-        """One tile of a head's logical slots ``slot`` (those below ``part_end`` held):
-        ``(page, offset, held, visible to queries at qpos, keys [TILE, HEAD_PAD])``;
-        ``qpos`` a scalar (visible ``[TILE]``) or a column ``[rows, 1]`` (``[rows, TILE]``)."""
-        held = slot < part_end
+        """Scores of the query rows ``q [rows, HEAD_PAD]`` against the keys of a head's
+        logical slots ``[start, start + TILE)`` (those below ``end`` held; the head's table
+        row at ``bt_base``): ``(page, offset, held [TILE], visible to queries at qpos,
+        scale * q @ k^T [rows, TILE])``; ``qpos`` a scalar (visible ``[TILE]``) or a
+        column ``[rows, 1]`` (visible ``[rows, TILE]``)."""
+        slot = start + tl.arange(0, TILE)
+        held = slot < end
         page = _page_ids(bt_base, chunk_ptr, slot, held, stride_bp, BLOCK_SIZE, CHUNK)
         off = slot % BLOCK_SIZE
         kpos = tl.load(pos_ptr + _offset2(pos_strides, page, off), mask=held, other=0)
@@ -163,7 +167,7 @@ if HAS_TRITON:
             k_ptr + _offset3(k_strides, page[:, None], off[:, None], d[None, :]),
             mask=held[:, None] & d_ok[None, :], other=0.0,
         )
-        return page, off, held, visible, k
+        return page, off, held, visible, _dot(q, tl.trans(k), DOT_DTYPE, EMULATE, PRECISION) * scale
 
     @triton.jit
     def _decode_kernel(
@@ -197,15 +201,13 @@ if HAS_TRITON:
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
-        cols = tl.arange(0, TILE)
         bt_base = bt_ptr + _offset2(table_strides, seq, h)
         for start in range(part_start, part_end, TILE):
-            page, off, held, visible, k = _key_tile(
-                k_ptr, pos_ptr, bt_base, chunk_ptr, start + cols, part_end, qpos, d, d_ok,
-                k_strides, pos_strides, table_strides[2], BLOCK_SIZE, CHUNK,
+            page, off, held, visible, s = _score_tile(
+                q, k_ptr, pos_ptr, bt_base, chunk_ptr, start, part_end, qpos, d, d_ok, scale, k_strides, pos_strides,
+                table_strides[2], BLOCK_SIZE, TILE, CHUNK, DOT_DTYPE, EMULATE, PRECISION,
             )
             kv_mask = held[:, None] & d_ok[None, :]
-            s = _dot(q, tl.trans(k), DOT_DTYPE, EMULATE, PRECISION) * scale
             p, alpha, l_i, m_new = _online_softmax(tl.where(visible[None, :], s, float("-inf")), m_i, l_i)
             if WRITE_OUT:  # a metric pass needs only the maxima and sums: no V read
                 v = tl.load(
@@ -337,14 +339,12 @@ if HAS_TRITON:
         d_ok = d < HEAD_DIM
         q = _load_group_query(q_ptr, tok, qh, row_ok, d, d_ok, q_strides)
         qpos = tl.load(qpos_ptr + tok)
-        cols = tl.arange(0, TILE)
         bt_base = bt_ptr + _offset2(table_strides, seq, h)
         for start in range(part_start, part_end, TILE):
-            page, off, held, visible, k = _key_tile(
-                k_ptr, pos_ptr, bt_base, chunk_ptr, start + cols, part_end, qpos, d, d_ok,
-                k_strides, pos_strides, table_strides[2], BLOCK_SIZE, CHUNK,
+            page, off, held, visible, s = _score_tile(
+                q, k_ptr, pos_ptr, bt_base, chunk_ptr, start, part_end, qpos, d, d_ok, scale, k_strides, pos_strides,
+                table_strides[2], BLOCK_SIZE, TILE, CHUNK, DOT_DTYPE, EMULATE, PRECISION,
             )
-            s = _dot(q, tl.trans(k), DOT_DTYPE, EMULATE, PRECISION) * scale
             prob = tl.exp(s - m_safe[:, None]) * inv_norm[:, None]
             prob = tl.where(row_ok[:, None] & visible[None, :], prob, 0.0)
             if INT_POWER > 0:
@@ -394,16 +394,14 @@ if HAS_TRITON:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-        cols = tl.arange(0, TILE)
         bt_base = bt_ptr + _offset2(table_strides, seq, h)
         for start in range(0, head_len, TILE):
-            page, off, held, visible, k = _key_tile(
-                k_ptr, pos_ptr, bt_base, bt_ptr, start + cols, head_len, qpos[:, None], d, d_ok,
-                k_strides, pos_strides, table_strides[2], BLOCK_SIZE, 0,
+            page, off, held, visible, s = _score_tile(
+                q, k_ptr, pos_ptr, bt_base, bt_ptr, start, head_len, qpos[:, None], d, d_ok, scale, k_strides,
+                pos_strides, table_strides[2], BLOCK_SIZE, TILE, 0, DOT_DTYPE, EMULATE, PRECISION,
             )
             visible = visible & row_ok[:, None]
             kv_mask = held[:, None] & d_ok[None, :]
-            s = _dot(q, tl.trans(k), DOT_DTYPE, EMULATE, PRECISION) * scale
             p, alpha, l_i, m_new = _online_softmax(tl.where(visible, s, float("-inf")), m_i, l_i)
             v = tl.load(
                 v_ptr + _offset3(v_strides, page[:, None], off[:, None], d[None, :]),
