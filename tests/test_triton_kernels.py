@@ -762,6 +762,21 @@ index = torch.zeros(3, dtype=torch.int64)
 kv = KVPool(pool[:, 0], pool[:, 1], torch.zeros(8, 16, dtype=torch.int32), torch.zeros(8, 16))
 tm.move_cache_triton(kv, index, index, index + 1, index)
 
+def scalar_type(value, path, constants, attrs):
+    """The signature type of a scalar argument at ``path``, or of each element of a tuple
+    (a tensor's strides), as the JIT specialises them: 1 into a constant, multiples of 16
+    marked divisible."""
+    if isinstance(value, tuple):
+        return tuple(scalar_type(v, path + (j,), constants, attrs) for j, v in enumerate(value))
+    if isinstance(value, float):
+        return "fp32"
+    if value == 1:
+        constants[path] = 1
+        return "constexpr"
+    if value % 16 == 0:
+        attrs[path] = [["tt.divisibility", 16]]
+    return "i32" if abs(value) < 2**31 else "i64"
+
 target = GPUTarget("cuda", int(sys.argv[1]), 32)
 for kernel, args, kwargs in launches:
     names = kernel.arg_names
@@ -772,14 +787,8 @@ for kernel, args, kwargs in launches:
         if isinstance(value, torch.Tensor):
             signature[name] = "*" + TY[value.dtype]
             attrs[index] = [["tt.divisibility", 16]]
-        elif isinstance(value, float):
-            signature[name] = "fp32"
-        elif value == 1:  # the JIT specialises 1 into a constant
-            signature[name], constants[name] = "constexpr", 1
         else:
-            signature[name] = "i32" if abs(value) < 2**31 else "i64"
-            if value % 16 == 0:
-                attrs[index] = [["tt.divisibility", 16]]
+            signature[name] = scalar_type(value, index, constants, attrs)
     for name, value in kwargs.items():
         if name in names:
             signature[name], constants[name] = "constexpr", value

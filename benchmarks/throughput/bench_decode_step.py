@@ -28,7 +28,6 @@ engine.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -40,6 +39,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a file: `benchmarks` imports from t
     sys.path.append(str(REPO_ROOT))  # last: the installed kvcompress still wins
 
 from benchmarks.throughput import benchmark_throughput as bench  # noqa: E402  (sets VLLM_TARGET_DEVICE on CPU)
+from benchmarks.throughput.side_scripts import side_script_parser, side_workload  # noqa: E402
 
 
 def token_params(tokens: int, extra):
@@ -175,10 +175,8 @@ def own_code_ms(llm, extra, prompts, output_len: int) -> dict[str, float]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny")
+    parser = side_script_parser(__doc__, model="tiny")
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--input-len", type=int, default=2048)
     parser.add_argument("--output-len", type=int, default=129)
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--block-size", type=int, default=None, help="kvcompress page size (default: its own)")
@@ -195,20 +193,17 @@ def main(argv=None) -> int:
 
         import kvcompress
 
-        path, description, default_dtype = bench.resolve_model(args.model)
-        dtype = default_dtype or "auto"
-        shape = bench.kv_shape(path)
-        prompts = bench.synthetic_prompts(args.input_len, args.batch, shape["vocab_size"], seed=0)
         kv_tokens = max(8192, (args.input_len + args.output_len + 300) * args.batch)
-        engine_args = bench.token_prompt_engine_args(
-            shape, dtype, args.input_len, args.output_len, kv_tokens,
+        workload = side_workload(
+            args.model, args.batch, args.input_len, args.output_len, kv_tokens,
             max_num_batched_tokens=max(2048, args.input_len), disable_log_stats=not args.log_stats,
         )
+        engine_args, prompts = workload.engine_args, workload.prompts
         engine_args["max_num_seqs"] = max(256, args.batch)  # the whole batch decodes at once
         engines = {
-            "stock": (LLM(model=path, **engine_args), None),
+            "stock": (LLM(model=workload.path, **engine_args), None),
             "kvcompress": (
-                kvcompress.LLM(path, kv_compress_block_size=args.block_size, **engine_args),
+                kvcompress.LLM(workload.path, kv_compress_block_size=args.block_size, **engine_args),
                 {"kv_compress_rate": args.rate},
             ),
         }
@@ -230,7 +225,7 @@ def main(argv=None) -> int:
 
     stock, kvc = statistics.median(times["stock"]), statistics.median(times["kvcompress"])
     ratios = [k / s for s, k in zip(times["stock"], times["kvcompress"])]
-    print(f"{description}; batch {args.batch} x {args.input_len} tokens, {args.output_len - 1} decode "
+    print(f"{workload.description}; batch {args.batch} x {args.input_len} tokens, {args.output_len - 1} decode "
           f"steps, kvcompress page {block}, rate {args.rate:g}, stats {'on' if args.log_stats else 'off'}; "
           f"{bench.machine_description()}")
     print(f"decode step: stock {stock:.3f} ms, kvcompress {kvc:.3f} ms, ratio of medians "

@@ -15,7 +15,6 @@ ratio to stock.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -26,6 +25,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a file: `benchmarks` imports from t
     sys.path.append(str(REPO_ROOT))  # last: the installed kvcompress still wins
 
 from benchmarks.throughput import benchmark_throughput as bench  # noqa: E402  (sets VLLM_TARGET_DEVICE on CPU)
+from benchmarks.throughput.side_scripts import side_script_parser, side_workload  # noqa: E402
 
 
 def prefill_seconds(llm, prompts, extra) -> float:
@@ -41,10 +41,8 @@ def prefill_seconds(llm, prompts, extra) -> float:
 def main(argv=None) -> int:
     from kvcompress.policies import POLICY_NAMES
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2")
+    parser = side_script_parser(__doc__, model="smollm2")
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--input-len", type=int, default=2048)
     parser.add_argument("--rate", type=float, default=8.0)
     parser.add_argument("--policies", nargs="+", default=["kvc", "kvzip"], choices=POLICY_NAMES)
     parser.add_argument("--reps", type=int, default=3)
@@ -55,16 +53,14 @@ def main(argv=None) -> int:
 
         import kvcompress
 
-        path, description, default_dtype = bench.resolve_model(args.model)
-        shape = bench.kv_shape(path)
-        prompts = bench.synthetic_prompts(args.input_len, args.batch, shape["vocab_size"], seed=0)
         kv_tokens = max(8192, (args.input_len + 300) * args.batch)
-        engine_args = bench.token_prompt_engine_args(
-            shape, default_dtype or "auto", args.input_len, 1, kv_tokens,
+        workload = side_workload(
+            args.model, args.batch, args.input_len, 1, kv_tokens,
             max_num_batched_tokens=max(2048, args.input_len), disable_log_stats=True,
         )
-        stock = LLM(model=path, **engine_args)
-        kvc = kvcompress.LLM(path, **engine_args)
+        prompts = workload.prompts
+        stock = LLM(model=workload.path, **workload.engine_args)
+        kvc = kvcompress.LLM(workload.path, **workload.engine_args)
         runs = {"stock": (stock, None)}
         for policy in args.policies:
             runs[policy] = (kvc, {"kv_compress_rate": args.rate, "kv_compress_policy": policy})
@@ -77,7 +73,7 @@ def main(argv=None) -> int:
         for llm in (stock, kvc):
             bench._shutdown(llm)
 
-    print(f"{description}; {args.batch} prompts x {args.input_len} tokens to their first token, "
+    print(f"{workload.description}; {args.batch} prompts x {args.input_len} tokens to their first token, "
           f"rate {args.rate:g}, {args.reps} repetitions alternating; {bench.machine_description()}")
     base = statistics.median(times["stock"])
     for name, seconds in times.items():

@@ -25,10 +25,8 @@ NOTE
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import json
-import os
 import pstats
 import sys
 import time
@@ -39,6 +37,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a file: `benchmarks` imports from t
     sys.path.append(str(REPO_ROOT))  # last: the installed kvcompress still wins
 
 from benchmarks.throughput import benchmark_throughput as bench  # noqa: E402  (sets VLLM_TARGET_DEVICE on CPU)
+from benchmarks.throughput.side_scripts import side_script_parser, side_workload  # noqa: E402
 
 NOTE = (
     "Shares are of the engine-step time (cumulative times, so rows overlap: the metric pass "
@@ -105,9 +104,7 @@ def profile_run(llm, prompts, params, label: str, stats_dir: str | None = None) 
 
 
 def main(argv=None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny")
-    parser.add_argument("--input-len", type=int, default=2048)
+    parser = side_script_parser(__doc__, model="tiny")
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--kv-tokens", type=int, default=6144)
@@ -127,22 +124,19 @@ def _profile(args) -> list[dict]:
 
     import kvcompress
 
-    path, description, default_dtype = bench.resolve_model(args.model)
-    dtype = default_dtype or "auto"
-    shape = bench.kv_shape(path)
-    prompts = bench.synthetic_prompts(args.input_len, args.num_prompts, shape["vocab_size"], seed=0)
-    engine_args = bench.token_prompt_engine_args(shape, dtype, args.input_len, args.output_len, args.kv_tokens)
+    workload = side_workload(args.model, args.num_prompts, args.input_len, args.output_len, args.kv_tokens)
+    prompts, engine_args = workload.prompts, workload.engine_args
 
     def params(extra=None):
         return lambda: SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
                                       detokenize=False, extra_args=extra)
 
     results = []
-    stock = LLM(model=path, **engine_args)
+    stock = LLM(model=workload.path, **engine_args)
     bench._warmup(stock, params()())
     results.append(profile_run(stock, prompts, params(), "stock vLLM", args.stats_dir))
     bench._shutdown(stock)
-    kvc = kvcompress.LLM(path, kv_compress_protected_window=8, kv_compress_block_size=args.block_size, **engine_args)
+    kvc = kvcompress.LLM(workload.path, kv_compress_protected_window=8, kv_compress_block_size=args.block_size, **engine_args)
     bench._warmup(kvc, params({"kv_compress_rate": 1})())
     for rate in args.rates:
         results.append(profile_run(kvc, prompts, params({"kv_compress_rate": rate}), f"kvcompress rate {rate:g}",
@@ -156,7 +150,7 @@ def _profile(args) -> list[dict]:
         cells.append(f"{r['seconds']['engine step']:.1f} s")
         lines.append(f"| {r['label']} | {r['output_tokens_per_s']:.1f} | {r['max_decode_batch']} | " + " | ".join(cells) + " |")
     table = "\n".join(lines)
-    title = (f"{description}; {args.num_prompts} prompts x {args.input_len} tokens, output {args.output_len}, "
+    title = (f"{workload.description}; {args.num_prompts} prompts x {args.input_len} tokens, output {args.output_len}, "
              f"KV {args.kv_tokens} tokens; {bench.machine_description()}")
     print(title)
     print(table)

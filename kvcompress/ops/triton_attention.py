@@ -26,6 +26,10 @@ Kernels:
   of its head's pages with online softmax, causal by stored position (positions are
   not monotonic in slot order after compaction, so no tile is skipped).
 
+Each tensor's strides reach a kernel as one tuple (``q_strides``, ``k_strides``, ...,
+in the tensor's dimension order), which the JIT specialises element by element as it
+does scalar arguments (a stride of 1 becomes a constant).
+
 Importable without triton (``HAS_TRITON`` is then False and the launchers raise).
 Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors (tests); there bf16
 ``tl.dot`` is emulated (operands rounded to bf16, multiplied in float32) because the
@@ -87,6 +91,29 @@ if HAS_TRITON:
         return tl.dot(a, b, input_precision=PRECISION)
 
     @triton.jit
+    def _offset2(strides, i, j):
+        """Element offset of index ``(i, j)`` of a 2-D tensor with ``strides`` (the
+        indices broadcast)."""
+        return i * strides[0] + j * strides[1]
+
+    @triton.jit
+    def _offset3(strides, i, j, k):
+        """Element offset of index ``(i, j, k)`` of a 3-D tensor with ``strides``."""
+        return i * strides[0] + j * strides[1] + k * strides[2]
+
+    @triton.jit
+    def _decode_program(dec_seq_ptr, dec_tok_ptr, lens_ptr, len_strides):
+        """This decode program's ``(row, KV head, partition, sequence, query token, head
+        length)``: grid axes 0-2, the row's sequence and token, the head's KVs."""
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        part = tl.program_id(2)
+        seq = tl.load(dec_seq_ptr + b).to(tl.int64)
+        tok = tl.load(dec_tok_ptr + b).to(tl.int64)
+        head_len = tl.load(lens_ptr + _offset2(len_strides, seq, h)).to(tl.int64)
+        return b, h, part, seq, tok, head_len
+
+    @triton.jit
     def _page_ids(bt_base, chunk_ptr, slot, held, stride_bp, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr):
         """Page ids of logical slots ``slot`` of a head whose table starts at ``bt_base``:
         one level (``CHUNK == 0``) or two (chunk ids, then ``[num_chunks, CHUNK]`` pages)."""
@@ -110,32 +137,37 @@ if HAS_TRITON:
         return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
 
     @triton.jit
-    def _load_group_query(q_ptr, tok, qh, row_ok, d, d_ok, stride_qt, stride_qh, stride_qd):
+    def _load_group_query(q_ptr, tok, qh, row_ok, d, d_ok, q_strides):
         """Query token ``tok``'s heads ``qh`` (the group of one KV head) ``[GROUP_PAD, HEAD_PAD]``."""
         return tl.load(
-            q_ptr + tok * stride_qt + qh[:, None] * stride_qh + d[None, :] * stride_qd,
+            q_ptr + _offset3(q_strides, tok, qh[:, None], d[None, :]),
             mask=row_ok[:, None] & d_ok[None, :],
             other=0.0,
         )
 
     @triton.jit
-    def _key_tile(
-        k_ptr, pos_ptr, bt_base, chunk_ptr, slot, part_end, qpos, d, d_ok,
-        stride_kn, stride_kb, stride_kd, stride_pn, stride_pb, stride_bp,
-        BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr,
+    def _score_tile(
+        q, k_ptr, pos_ptr, bt_base, chunk_ptr, start, end, qpos, d, d_ok, scale,
+        k_strides, pos_strides, stride_bp,
+        BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, CHUNK: tl.constexpr,
+        DOT_DTYPE: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
     ):
-        """One tile of a head's logical slots ``slot`` (those below ``part_end`` held):
-        ``(page, offset, held, visible to a query at qpos, keys [TILE, HEAD_PAD])``."""
-        held = slot < part_end
+        """Scores of the query rows ``q [rows, HEAD_PAD]`` against the keys of a head's
+        logical slots ``[start, start + TILE)`` (those below ``end`` held; the head's table
+        row at ``bt_base``): ``(page, offset, held [TILE], visible to queries at qpos,
+        scale * q @ k^T [rows, TILE])``; ``qpos`` a scalar (visible ``[TILE]``) or a
+        column ``[rows, 1]`` (visible ``[rows, TILE]``)."""
+        slot = start + tl.arange(0, TILE)
+        held = slot < end
         page = _page_ids(bt_base, chunk_ptr, slot, held, stride_bp, BLOCK_SIZE, CHUNK)
         off = slot % BLOCK_SIZE
-        kpos = tl.load(pos_ptr + page * stride_pn + off * stride_pb, mask=held, other=0)
+        kpos = tl.load(pos_ptr + _offset2(pos_strides, page, off), mask=held, other=0)
         visible = held & (kpos <= qpos)
         k = tl.load(
-            k_ptr + page[:, None] * stride_kn + off[:, None] * stride_kb + d[None, :] * stride_kd,
+            k_ptr + _offset3(k_strides, page[:, None], off[:, None], d[None, :]),
             mask=held[:, None] & d_ok[None, :], other=0.0,
         )
-        return page, off, held, visible, k
+        return page, off, held, visible, _dot(q, tl.trans(k), DOT_DTYPE, EMULATE, PRECISION) * scale
 
     @triton.jit
     def _decode_kernel(
@@ -143,13 +175,7 @@ if HAS_TRITON:
         dec_seq_ptr, dec_tok_ptr,
         out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
         scale,
-        stride_qt, stride_qh, stride_qd,
-        stride_kn, stride_kb, stride_kd,
-        stride_vn, stride_vb, stride_vd,
-        stride_pn, stride_pb,
-        stride_bs, stride_bh, stride_bp,
-        stride_ls, stride_lh,
-        stride_ot, stride_oh, stride_od,
+        q_strides, k_strides, v_strides, pos_strides, table_strides, len_strides, out_strides,
         num_q_heads, num_parts,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
@@ -158,12 +184,7 @@ if HAS_TRITON:
         DOT_DTYPE: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
         CHUNK: tl.constexpr,
     ):
-        b = tl.program_id(0)
-        h = tl.program_id(1)
-        part = tl.program_id(2)
-        seq = tl.load(dec_seq_ptr + b).to(tl.int64)
-        tok = tl.load(dec_tok_ptr + b).to(tl.int64)
-        head_len = tl.load(lens_ptr + seq * stride_ls + h * stride_lh).to(tl.int64)
+        b, h, part, seq, tok, head_len = _decode_program(dec_seq_ptr, dec_tok_ptr, lens_ptr, len_strides)
         part_start = part.to(tl.int64) * PART_TOKENS
         if (part > 0) & (part_start >= head_len):
             return  # a partition past the head (most of a fixed grid): no loads at all
@@ -174,25 +195,23 @@ if HAS_TRITON:
         qh = h * GROUP + rows
         d = tl.arange(0, HEAD_PAD)
         d_ok = d < HEAD_DIM
-        q = _load_group_query(q_ptr, tok, qh, row_ok, d, d_ok, stride_qt, stride_qh, stride_qd)
+        q = _load_group_query(q_ptr, tok, qh, row_ok, d, d_ok, q_strides)
         qpos = tl.load(qpos_ptr + tok)
 
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
-        cols = tl.arange(0, TILE)
-        bt_base = bt_ptr + seq * stride_bs + h * stride_bh
+        bt_base = bt_ptr + _offset2(table_strides, seq, h)
         for start in range(part_start, part_end, TILE):
-            page, off, held, visible, k = _key_tile(
-                k_ptr, pos_ptr, bt_base, chunk_ptr, start + cols, part_end, qpos, d, d_ok,
-                stride_kn, stride_kb, stride_kd, stride_pn, stride_pb, stride_bp, BLOCK_SIZE, CHUNK,
+            page, off, held, visible, s = _score_tile(
+                q, k_ptr, pos_ptr, bt_base, chunk_ptr, start, part_end, qpos, d, d_ok, scale, k_strides, pos_strides,
+                table_strides[2], BLOCK_SIZE, TILE, CHUNK, DOT_DTYPE, EMULATE, PRECISION,
             )
             kv_mask = held[:, None] & d_ok[None, :]
-            s = _dot(q, tl.trans(k), DOT_DTYPE, EMULATE, PRECISION) * scale
             p, alpha, l_i, m_new = _online_softmax(tl.where(visible[None, :], s, float("-inf")), m_i, l_i)
             if WRITE_OUT:  # a metric pass needs only the maxima and sums: no V read
                 v = tl.load(
-                    v_ptr + page[:, None] * stride_vn + off[:, None] * stride_vb + d[None, :] * stride_vd,
+                    v_ptr + _offset3(v_strides, page[:, None], off[:, None], d[None, :]),
                     mask=kv_mask, other=0.0,
                 )
                 acc = acc * alpha[:, None] + _dot(p, v, DOT_DTYPE, EMULATE, PRECISION)
@@ -203,7 +222,7 @@ if HAS_TRITON:
         if WRITE_OUT:
             if SINGLE_PARTITION:
                 tl.store(
-                    out_ptr + tok * stride_ot + qh[:, None] * stride_oh + d[None, :] * stride_od,
+                    out_ptr + _offset3(out_strides, tok, qh[:, None], d[None, :]),
                     result.to(out_ptr.dtype.element_ty),
                     mask=row_ok[:, None] & d_ok[None, :],
                 )
@@ -225,8 +244,7 @@ if HAS_TRITON:
     def _decode_reduce_kernel(
         lens_ptr, dec_seq_ptr, dec_tok_ptr,
         out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
-        stride_ls, stride_lh,
-        stride_ot, stride_oh, stride_od,
+        len_strides, out_strides,
         num_q_heads, num_parts,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
         PART_TOKENS: tl.constexpr, PART_BLOCK: tl.constexpr,
@@ -235,7 +253,7 @@ if HAS_TRITON:
         qh = tl.program_id(1)
         seq = tl.load(dec_seq_ptr + b).to(tl.int64)
         tok = tl.load(dec_tok_ptr + b).to(tl.int64)
-        head_len = tl.load(lens_ptr + seq * stride_ls + (qh // GROUP) * stride_lh).to(tl.int64)
+        head_len = tl.load(lens_ptr + _offset2(len_strides, seq, qh // GROUP)).to(tl.int64)
         used = (head_len + PART_TOKENS - 1) // PART_TOKENS
         base = (b.to(tl.int64) * num_q_heads + qh) * num_parts
         parts = tl.arange(0, PART_BLOCK)
@@ -264,7 +282,7 @@ if HAS_TRITON:
         norm = tl.sum(total, 0)
         result = acc / tl.where(norm > 0.0, norm, 1.0)
         tl.store(
-            out_ptr + tok * stride_ot + qh * stride_oh + d * stride_od,
+            out_ptr + _offset3(out_strides, tok, qh, d),
             result.to(out_ptr.dtype.element_ty),
             mask=d_ok,
         )
@@ -275,12 +293,7 @@ if HAS_TRITON:
         dec_seq_ptr, dec_tok_ptr, flag_ptr,
         part_max_ptr, part_sum_ptr, metric_ptr,
         scale, power,
-        stride_qt, stride_qh, stride_qd,
-        stride_kn, stride_kb, stride_kd,
-        stride_pn, stride_pb,
-        stride_bs, stride_bh, stride_bp,
-        stride_ls, stride_lh,
-        stride_mn, stride_mb,
+        q_strides, k_strides, pos_strides, table_strides, len_strides, metric_strides,
         num_q_heads, num_parts,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
@@ -289,13 +302,8 @@ if HAS_TRITON:
         DOT_DTYPE: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
         CHUNK: tl.constexpr,
     ):
-        b = tl.program_id(0)
-        h = tl.program_id(1)
-        part = tl.program_id(2)
-        seq = tl.load(dec_seq_ptr + b).to(tl.int64)
-        tok = tl.load(dec_tok_ptr + b).to(tl.int64)
+        b, h, part, seq, tok, head_len = _decode_program(dec_seq_ptr, dec_tok_ptr, lens_ptr, len_strides)
         flag = tl.load(flag_ptr + seq)
-        head_len = tl.load(lens_ptr + seq * stride_ls + h * stride_lh).to(tl.int64)
         part_start = part.to(tl.int64) * PART_TOKENS
         if (flag == 0) | (part_start >= head_len):
             return  # unflagged row or a partition past the head: no work, no loads
@@ -329,16 +337,14 @@ if HAS_TRITON:
 
         d = tl.arange(0, HEAD_PAD)
         d_ok = d < HEAD_DIM
-        q = _load_group_query(q_ptr, tok, qh, row_ok, d, d_ok, stride_qt, stride_qh, stride_qd)
+        q = _load_group_query(q_ptr, tok, qh, row_ok, d, d_ok, q_strides)
         qpos = tl.load(qpos_ptr + tok)
-        cols = tl.arange(0, TILE)
-        bt_base = bt_ptr + seq * stride_bs + h * stride_bh
+        bt_base = bt_ptr + _offset2(table_strides, seq, h)
         for start in range(part_start, part_end, TILE):
-            page, off, held, visible, k = _key_tile(
-                k_ptr, pos_ptr, bt_base, chunk_ptr, start + cols, part_end, qpos, d, d_ok,
-                stride_kn, stride_kb, stride_kd, stride_pn, stride_pb, stride_bp, BLOCK_SIZE, CHUNK,
+            page, off, held, visible, s = _score_tile(
+                q, k_ptr, pos_ptr, bt_base, chunk_ptr, start, part_end, qpos, d, d_ok, scale, k_strides, pos_strides,
+                table_strides[2], BLOCK_SIZE, TILE, CHUNK, DOT_DTYPE, EMULATE, PRECISION,
             )
-            s = _dot(q, tl.trans(k), DOT_DTYPE, EMULATE, PRECISION) * scale
             prob = tl.exp(s - m_safe[:, None]) * inv_norm[:, None]
             prob = tl.where(row_ok[:, None] & visible[None, :], prob, 0.0)
             if INT_POWER > 0:
@@ -348,7 +354,7 @@ if HAS_TRITON:
             else:
                 gained = tl.where(prob > 0.0, tl.exp2(power * tl.log2(tl.where(prob > 0.0, prob, 1.0))), 0.0)
             tl.atomic_add(
-                metric_ptr + page * stride_mn + off * stride_mb,
+                metric_ptr + _offset2(metric_strides, page, off),
                 tl.sum(gained, 0),
                 mask=visible,
             )
@@ -359,13 +365,7 @@ if HAS_TRITON:
         blk_seq_ptr, blk_start_ptr, blk_end_ptr,
         out_ptr,
         scale,
-        stride_qt, stride_qh, stride_qd,
-        stride_kn, stride_kb, stride_kd,
-        stride_vn, stride_vb, stride_vd,
-        stride_pn, stride_pb,
-        stride_bs, stride_bh, stride_bp,
-        stride_ls, stride_lh,
-        stride_ot, stride_oh, stride_od,
+        q_strides, k_strides, v_strides, pos_strides, table_strides, len_strides, out_strides,
         GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
@@ -376,7 +376,7 @@ if HAS_TRITON:
         seq = tl.load(blk_seq_ptr + blk).to(tl.int64)
         q_start = tl.load(blk_start_ptr + blk).to(tl.int64)
         q_end = tl.load(blk_end_ptr + blk).to(tl.int64)
-        head_len = tl.load(lens_ptr + seq * stride_ls + h * stride_lh).to(tl.int64)
+        head_len = tl.load(lens_ptr + _offset2(len_strides, seq, h)).to(tl.int64)
 
         rows = tl.arange(0, BLOCK_M)
         tok = q_start + rows // GROUP
@@ -385,7 +385,7 @@ if HAS_TRITON:
         d = tl.arange(0, HEAD_PAD)
         d_ok = d < HEAD_DIM
         q = tl.load(
-            q_ptr + tok[:, None] * stride_qt + qh[:, None] * stride_qh + d[None, :] * stride_qd,
+            q_ptr + _offset3(q_strides, tok[:, None], qh[:, None], d[None, :]),
             mask=row_ok[:, None] & d_ok[None, :],
             other=0.0,
         )
@@ -394,24 +394,17 @@ if HAS_TRITON:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-        cols = tl.arange(0, TILE)
-        bt_base = bt_ptr + seq * stride_bs + h * stride_bh
+        bt_base = bt_ptr + _offset2(table_strides, seq, h)
         for start in range(0, head_len, TILE):
-            slot = start + cols
-            held = slot < head_len
-            page = tl.load(bt_base + (slot // BLOCK_SIZE) * stride_bp, mask=held, other=0).to(tl.int64)
-            off = slot % BLOCK_SIZE
-            kpos = tl.load(pos_ptr + page * stride_pn + off * stride_pb, mask=held, other=0)
-            visible = held[None, :] & (kpos[None, :] <= qpos[:, None]) & row_ok[:, None]
-            kv_mask = held[:, None] & d_ok[None, :]
-            k = tl.load(
-                k_ptr + page[:, None] * stride_kn + off[:, None] * stride_kb + d[None, :] * stride_kd,
-                mask=kv_mask, other=0.0,
+            page, off, held, visible, s = _score_tile(
+                q, k_ptr, pos_ptr, bt_base, bt_ptr, start, head_len, qpos[:, None], d, d_ok, scale, k_strides,
+                pos_strides, table_strides[2], BLOCK_SIZE, TILE, 0, DOT_DTYPE, EMULATE, PRECISION,
             )
-            s = _dot(q, tl.trans(k), DOT_DTYPE, EMULATE, PRECISION) * scale
+            visible = visible & row_ok[:, None]
+            kv_mask = held[:, None] & d_ok[None, :]
             p, alpha, l_i, m_new = _online_softmax(tl.where(visible, s, float("-inf")), m_i, l_i)
             v = tl.load(
-                v_ptr + page[:, None] * stride_vn + off[:, None] * stride_vb + d[None, :] * stride_vd,
+                v_ptr + _offset3(v_strides, page[:, None], off[:, None], d[None, :]),
                 mask=kv_mask, other=0.0,
             )
             acc = acc * alpha[:, None] + _dot(p, v, DOT_DTYPE, EMULATE, PRECISION)
@@ -419,7 +412,7 @@ if HAS_TRITON:
 
         result = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(
-            out_ptr + tok[:, None] * stride_ot + qh[:, None] * stride_oh + d[None, :] * stride_od,
+            out_ptr + _offset3(out_strides, tok[:, None], qh[:, None], d[None, :]),
             result.to(out_ptr.dtype.element_ty),
             mask=row_ok[:, None] & d_ok[None, :],
         )
@@ -505,15 +498,11 @@ def _dot_config(query: torch.Tensor, key_cache: torch.Tensor):
     return dot_dtype, emulate, ("ieee" if dot_dtype == tl.float32 else None)
 
 
-def _common_strides(pool: KVPool, block_tables, head_lens, out) -> tuple[int, ...]:
-    """Strides of K, V, positions, tables, lengths and output, in the kernels' order."""
-    return (
-        *pool.key_cache.stride(), *pool.value_cache.stride(),
-        *pool.slot_positions.stride(),
-        *block_tables.stride(),
-        *head_lens.stride(),
-        *out.stride(),
-    )
+def _attention_strides(query, pool: KVPool, block_tables, head_lens, out) -> tuple[tuple[int, ...], ...]:
+    """The strides of query, K, V, positions, tables, lengths and output: the
+    ``*_strides`` arguments of the decode and varlen kernels, in their order."""
+    tensors = (query, pool.key_cache, pool.value_cache, pool.slot_positions, block_tables, head_lens, out)
+    return tuple(t.stride() for t in tensors)
 
 
 def paged_attention_triton(
@@ -577,8 +566,7 @@ def paged_attention_triton(
             blocks[0], blocks[1], blocks[2],
             out,
             float(scale),
-            *query.stride(),
-            *_common_strides(pool, block_tables, head_lens, out),
+            *_attention_strides(query, pool, block_tables, head_lens, out),
             GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m,
             HEAD_DIM=head_dim, HEAD_PAD=head_pad,
             BLOCK_SIZE=block_size, TILE=tile,
@@ -786,8 +774,7 @@ def _launch_decode(
         query_positions, dec_seq, dec_tok,
         out, part_out, part_max, part_sum,
         float(scale),
-        *query.stride(),
-        *_common_strides(pool, block_tables, head_lens, out),
+        *_attention_strides(query, pool, block_tables, head_lens, out),
         shape.num_q_heads, shape.num_parts,
         GROUP=shape.group, GROUP_PAD=shape.group_pad,
         HEAD_DIM=shape.head_dim, HEAD_PAD=shape.head_pad,
@@ -800,8 +787,7 @@ def _launch_decode(
         _decode_reduce_kernel[(shape.num_rows, shape.num_q_heads)](
             head_lens, dec_seq, dec_tok,
             out, part_out, part_max, part_sum,
-            *head_lens.stride(),
-            *out.stride(),
+            head_lens.stride(), out.stride(),
             shape.num_q_heads, shape.num_parts,
             GROUP=shape.group, HEAD_DIM=shape.head_dim, HEAD_PAD=shape.head_pad,
             PART_TOKENS=shape.part_tokens, PART_BLOCK=shape.part_block,
@@ -835,12 +821,8 @@ def _launch_decode_metrics(
         dec_seq, dec_tok, metric_flags,
         *stats, slot_metrics,
         float(scale), power,
-        *query.stride(),
-        *pool.key_cache.stride(),
-        *slot_positions.stride(),
-        *block_tables.stride(),
-        *head_lens.stride(),
-        *slot_metrics.stride(),
+        query.stride(), pool.key_cache.stride(), slot_positions.stride(), block_tables.stride(),
+        head_lens.stride(), slot_metrics.stride(),
         shape.num_q_heads, shape.num_parts,
         GROUP=shape.group, GROUP_PAD=shape.group_pad,
         HEAD_DIM=shape.head_dim, HEAD_PAD=shape.head_pad,
