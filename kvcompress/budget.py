@@ -177,7 +177,7 @@ def protected_tokens(context_len: int, protected_window: int, sink_tokens: int) 
     return min(context_len, sink_tokens + protected_window)
 
 
-def keep_tokens(context_len: int, budget: RequestBudget) -> int:
+def kept_per_head(context_len: int, budget: RequestBudget) -> int:
     """Tokens' worth of KVs kept per (layer, KV head) on average (module docstring)."""
     if not budget.compresses:
         return context_len
@@ -193,7 +193,7 @@ def keep_tokens(context_len: int, budget: RequestBudget) -> int:
 
 def target_pages(context_len: int, budget: RequestBudget, num_heads: int, block_size: int) -> int:
     """Pages a sequence may hold after compression; ``num_heads`` = layers x KV heads."""
-    return -(-keep_tokens(context_len, budget) * num_heads // block_size)
+    return -(-kept_per_head(context_len, budget) * num_heads // block_size)
 
 
 def evictable_blocks(head_lens: np.ndarray, protected: int, block_size: int) -> int:

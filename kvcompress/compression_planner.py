@@ -83,7 +83,7 @@ class PlannedRequest:
 
 @dataclass
 class PlannerStats:
-    """Counters for tests, logs and benchmarks (``kvcompress_page_stats``)."""
+    """Counters for tests, logs and benchmarks (``kvc_page_stats``)."""
 
     steps_checked: int = 0
     mismatches: int = 0

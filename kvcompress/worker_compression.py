@@ -25,7 +25,7 @@ from kvcompress.worker_requests import WorkerRequests
 
 @dataclass
 class WorkerStats:
-    """Worker-side counters (``kvcompress_pages_used``: tests, benchmarks)."""
+    """Worker-side counters (``kvc_pages_used``: tests, benchmarks)."""
 
     max_pages_used: int = 0
     compressions: int = 0

@@ -24,7 +24,7 @@ from vllm.v1.attention.backends.registry import (
     register_backend,
 )
 
-BACKEND_PATH = "kvcompress.vllm_glue.attention_backend.PerHeadAttentionBackend"
+BACKEND_PATH = "kvcompress.vllm_glue.attention_backend.KVCompressAttentionBackend"
 
 
 class AttentionBackendConflictError(RuntimeError):

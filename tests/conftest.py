@@ -141,7 +141,7 @@ def load_benchmark(name: str):
 
 def worker_page_stats(llm) -> dict:
     """Worker-side page counters (model-runner process)."""
-    return llm.collective_rpc("kvcompress_pages_used")[0]
+    return llm.collective_rpc("kvc_pages_used")[0]
 
 
 @pytest.fixture(scope="module")

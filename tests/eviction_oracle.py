@@ -1,7 +1,7 @@
 """An engine-level oracle for eviction (tests only): run one request in a real kvcompress
 engine until the worker compresses it, read what the compression was given (the
-worker's opt-in record of every KV's position and metric, ``kvcompress_record_compressions``)
-and what survived (``kvcompress_kept_positions``), and check the survivors against a
+worker's opt-in record of every KV's position and metric, ``kvc_record_compressions``)
+and what survived (``kvc_kept_positions``), and check the survivors against a
 recount in plain Python (no kvcompress op):
 
 - every head holds its sinks / shared prefix and its protected window, by position;
@@ -24,7 +24,7 @@ def compress_one_and_read(llm, prompt: list[int], policy: str, rate: float = 4.0
     from vllm.inputs import TokensPrompt
 
     engine = llm.llm_engine
-    llm.collective_rpc("kvcompress_record_compressions", args=(True,))
+    llm.collective_rpc("kvc_record_compressions", args=(True,))
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True,
                             extra_args={"kv_compress_rate": rate, "kv_compress_policy": policy})
     request_id = f"oracle-{policy}-{len(prompt)}"
@@ -36,13 +36,13 @@ def compress_one_and_read(llm, prompt: list[int], policy: str, rate: float = 4.0
             # The engine core keeps stepping between these calls: read the positions
             # after the record, so they are never those from before its compression
             # (later steps only append positions past the context).
-            inputs = llm.collective_rpc("kvcompress_record_compressions", args=(True,))[0]
+            inputs = llm.collective_rpc("kvc_record_compressions", args=(True,))[0]
             if inputs:
                 (recorded,) = inputs.values()
-                (heads,) = llm.collective_rpc("kvcompress_kept_positions")[0].values()
+                (heads,) = llm.collective_rpc("kvc_kept_positions")[0].values()
                 kept = [{p for p in head if p < recorded["context_len"]} for head in heads]
     finally:
-        llm.collective_rpc("kvcompress_record_compressions", args=(False,))
+        llm.collective_rpc("kvc_record_compressions", args=(False,))
         engine.abort_request([request_id])
         while engine.has_unfinished_requests():
             engine.step()

@@ -203,7 +203,7 @@ def test_every_option_runs_in_the_engine(tiny_model):
             _assert_exact_accounting(stats)
             # The worker's own view (the engine core keeps stepping between the calls):
             # a request is compressed when a head holds fewer KVs than its context.
-            for heads in llm.collective_rpc("kvcompress_kept_positions")[0].values():
+            for heads in llm.collective_rpc("kvc_kept_positions")[0].values():
                 context = max(max(positions) for positions in heads) + 1
                 if min(len(positions) for positions in heads) == context:
                     continue
@@ -235,8 +235,8 @@ def _check_deferred_decode_metrics(llm) -> None:
     stride = 8  # the default decode metric stride: the query at position p adds when p % 8 == 0
 
     def run(tag: str, batch: int) -> tuple[dict, int, int]:
-        previous_passes = llm.collective_rpc("kvcompress_defer_decode_metrics", args=(batch,))[0]
-        llm.collective_rpc("kvcompress_record_compressions", args=(True,))
+        previous_passes = llm.collective_rpc("kvc_defer_decode_metrics", args=(batch,))[0]
+        llm.collective_rpc("kvc_record_compressions", args=(True,))
         engine = llm.llm_engine
         engine.add_request(f"{tag}-a", _prompt(300, 77), _params(80))
         # Another prompt joins after the decoding request's 3rd and 12th token: 900
@@ -255,7 +255,7 @@ def _check_deferred_decode_metrics(llm) -> None:
                     generated = len(output.outputs[0].token_ids)
                 if output.outputs[0].token_ids:
                     prefilling.discard(output.request_id)
-        recorded = llm.collective_rpc("kvcompress_record_compressions", args=(False,))[0]
+        recorded = llm.collective_rpc("kvc_record_compressions", args=(False,))[0]
         # vLLM appends a suffix to each request id: "{tag}-{name}-{suffix}"
         by_request = {key.split("-")[1]: value for key, value in recorded.items()}
         return by_request, previous_passes, due_in_prompt_steps
@@ -266,7 +266,7 @@ def _check_deferred_decode_metrics(llm) -> None:
     assert due >= 2  # the queue's path for steps with prompt rows ran
     every_step, _, _ = run("queue1", 1)
     deferred, passes_every_step, _ = run("queue4", 4)
-    passes_deferred = llm.collective_rpc("kvcompress_defer_decode_metrics", args=(4,))[0]
+    passes_deferred = llm.collective_rpc("kvc_defer_decode_metrics", args=(4,))[0]
     assert 0 < passes_deferred < passes_every_step
     assert sorted(oracle) == sorted(every_step) == sorted(deferred) == ["a", "b", "c"]
     for name in oracle:

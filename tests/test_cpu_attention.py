@@ -16,7 +16,7 @@ from kvcompress.ops import KVPool, MetricSink, PagedBatch, SlotBatch
 from kvcompress.ops import cpu_attention
 from kvcompress.ops.decode_by_slot import paged_decode_by_slot_reference
 from kvcompress.ops.flattened import flat_query_starts
-from kvcompress.ops.paged_attention import paged_attention
+from kvcompress.ops.reference_attention import reference_paged_attention
 from paged_cases import make_case
 
 
@@ -56,7 +56,7 @@ def test_kernel_equals_reference(shape, kind):
     pool, batch, query = make_case(query_lens, num_kv_heads, group, head_dim, block_size, torch.float32, seed=sum(shape))
     scale = head_dim ** -0.5
     assert cpu_attention.supports(query, pool)
-    want = paged_attention(query, pool, batch, scale)
+    want = reference_paged_attention(query, pool, batch, scale)
     got = cpu_attention.paged_attention_cpu(query, pool, batch, scale)
     assert (got - want).abs().max().item() < TOLERANCE[torch.float32]
 
@@ -72,7 +72,7 @@ def test_a_call_per_kv_head_equals_the_flattened_call_and_the_reference(shape, d
     num_kv_heads, group, head_dim, block_size = shape
     pool, batch, query = make_case([1, 70, 1, 1, 33, 1], num_kv_heads, group, head_dim, block_size, dtype, seed=head_dim)
     scale = head_dim ** -0.5
-    want = paged_attention(query, pool, batch, scale)
+    want = reference_paged_attention(query, pool, batch, scale)
     flat = paged_attention_flat(cpu_attention._attend, query, pool, batch, scale)
     by_head = paged_attention_flat(cpu_attention._attend, query, pool, batch, scale, by_head_from=1)
     assert (flat.float() - want.float()).abs().max().item() < TOLERANCE[dtype]
@@ -97,7 +97,7 @@ def test_per_step_flat_starts_give_the_same_attention(query_lens):
     scale = 0.125
     flat = torch.from_numpy(flat_query_starts(batch.query_start_loc, 3))
     with_starts = dataclasses.replace(batch, flat_query_start_loc=flat)
-    want = paged_attention(query, pool, batch, scale)
+    want = reference_paged_attention(query, pool, batch, scale)
     got = cpu_attention.paged_attention_cpu(query, pool, with_starts, scale)
     assert (got - want).abs().max().item() < TOLERANCE[torch.float32]
     # and they are what the kernel reads: starts of the first two sequences' lengths
@@ -120,7 +120,7 @@ def test_a_strided_query_gives_the_reference_attention(query_lens):
     strided = fused[:, : num_q_heads * head_dim].view(num_rows, num_q_heads, head_dim)
     assert not strided.is_contiguous()
     scale = 0.125
-    want = paged_attention(query, pool, batch, scale)
+    want = reference_paged_attention(query, pool, batch, scale)
     got = cpu_attention.paged_attention_cpu(strided, pool, batch, scale)
     assert (got - want).abs().max().item() < TOLERANCE[torch.float32]
 
@@ -130,7 +130,7 @@ def test_the_kernel_reads_a_strided_query_but_writes_rows_g_times_d_apart():
     # save the regrouping copy, but its output must then go through a contiguous buffer).
     num_kv_heads, group, head_dim = 2, 4, 64
     pool, batch, query = make_case([300], num_kv_heads, group, head_dim, 64, torch.float32, seed=1)
-    want = paged_attention(query, pool, batch, 0.125)
+    want = reference_paged_attention(query, pool, batch, 0.125)
     by_head = query.view(300, num_kv_heads, group, head_dim)
     starts = torch.tensor(batch.query_start_loc, dtype=torch.int32)
     max_len = int(batch.head_lens.max())
@@ -151,7 +151,7 @@ def test_the_kernel_reads_a_strided_query_but_writes_rows_g_times_d_apart():
 def test_bf16_decode_and_prefill():
     pool, batch, query = make_case([1, 30, 1, 12], 2, 4, 64, 16, torch.bfloat16, seed=5)
     scale = 0.125
-    want = paged_attention(query, pool, batch, scale).float()
+    want = reference_paged_attention(query, pool, batch, scale).float()
     got = cpu_attention.paged_attention_cpu(query, pool, batch, scale).float()
     assert (got - want).abs().max().item() < TOLERANCE[torch.bfloat16]
 
@@ -159,7 +159,7 @@ def test_bf16_decode_and_prefill():
 def test_uncompressed_heads_equal_dense_causal_attention():
     """Without eviction the pages hold a plain causal prefix: the kernel equals a float64
     dense causal attention of the same KVs (an oracle independent of the reference)."""
-    from kvcompress.ops.paged_attention import dense_causal_attention
+    from kvcompress.ops.reference_attention import dense_causal_attention
 
     pool, batch, query = make_case([48], 2, 4, 64, 16, torch.float32, seed=11, ragged=False, max_context=1)
     # A prefill from position 0 of one sequence: rebuild K/V in token order.
@@ -177,7 +177,7 @@ def test_decode_metrics_equal_the_reference_decode(power):
     pool, batch, query = make_case([1] * 6, 3, 3, 64, 16, torch.float32, seed=power)
     selected = torch.tensor([True, False, True, True, False, True])
     reference_pool = KVPool(pool.key_cache, pool.value_cache, pool.slot_positions, torch.zeros_like(pool.slot_metrics))
-    paged_attention(query, reference_pool, batch, 0.125, metrics=MetricSink(selected, power))
+    reference_paged_attention(query, reference_pool, batch, 0.125, metrics=MetricSink(selected, power))
     cpu_attention.paged_attention_cpu(query, pool, batch, 0.125, metrics=MetricSink(selected, power))
     assert reference_pool.slot_metrics.abs().sum() > 0
     assert torch.allclose(pool.slot_metrics, reference_pool.slot_metrics, atol=1e-6)
@@ -272,7 +272,7 @@ def test_slot_order_invariant_and_kernel_on_a_compressed_cache():
     order, and every older slot holds an earlier position; the kernel then equals the
     reference (which masks by stored position) on prefill, chunked-prefill and decode
     steps of that cache."""
-    from kvcompress.ops import PerHeadPagedCache, compress_sequences, write_kv
+    from kvcompress.ops import PerHeadPagedCache, compress_sequences, reference_write_kv
 
     gen = torch.Generator().manual_seed(7)
     num_layers, num_kv_heads, group, head_dim, block_size = 2, 2, 3, 64, 16
@@ -296,7 +296,7 @@ def test_slot_order_invariant_and_kernel_on_a_compressed_cache():
         plan = cache.append(slots, torch.tensor(step), positions)
         for layer in range(num_layers):
             new = torch.randn(2, len(positions), num_kv_heads, head_dim, generator=gen)
-            write_kv(pool.key_cache, pool.value_cache, new[0], new[1],
+            reference_write_kv(pool.key_cache, pool.value_cache, new[0], new[1],
                      plan.write_pages[layer], plan.write_offsets[layer])
         starts = [0]
         for s, n in enumerate(step):
@@ -314,7 +314,7 @@ def test_slot_order_invariant_and_kernel_on_a_compressed_cache():
                 cache.flat_page_tables()[slots, layer], cache.head_lens[slots, layer], starts, positions
             )
             query = torch.randn(len(positions), num_kv_heads * group, head_dim, generator=gen)
-            want = paged_attention(query, pool, batch, 0.125)
+            want = reference_paged_attention(query, pool, batch, 0.125)
             got = cpu_attention.paged_attention_cpu(query, pool, batch, 0.125)
             assert (got - want).abs().max().item() < 2e-5
         context = [c + n for c, n in zip(context, step)]
@@ -343,15 +343,15 @@ def _kv_write_case(num_tokens, num_kv_heads, head_dim, block_size, dtype, seed, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kv_writes_by_vllms_op_equal_the_indexed_copy(num_kv_heads, head_dim, block_size, dtype):
     """``write_kv_cpu`` (vLLM's ``cpu_attn_reshape_and_cache`` over (token, head) rows)
-    stores every new K and V where ``paged_attention.write_kv`` does, from strided
+    stores every new K and V where ``reference_attention.reference_write_kv`` does, from strided
     ``[T, H, D]`` slices of a fused QKV row as the model gives them; nothing else moves."""
-    from kvcompress.ops.paged_attention import write_kv
+    from kvcompress.ops.reference_attention import reference_write_kv
 
     pools, key, value, write_pages, write_offsets = _kv_write_case(
         37, num_kv_heads, head_dim, block_size, dtype, seed=head_dim + block_size, pool_seed=3,
     )
     assert not key.is_contiguous()
-    write_kv(pools[0].key_cache, pools[0].value_cache, key, value, write_pages, write_offsets)
+    reference_write_kv(pools[0].key_cache, pools[0].value_cache, key, value, write_pages, write_offsets)
     cpu_attention.write_kv_cpu(pools[1], key, value, write_pages, write_offsets.to(torch.int32))
     assert torch.equal(pools[0].key_cache, pools[1].key_cache)
     assert torch.equal(pools[0].value_cache, pools[1].value_cache)
@@ -363,8 +363,8 @@ def test_kv_writes_by_vllms_op_equal_the_indexed_copy(num_kv_heads, head_dim, bl
 def test_writes_at_flat_slots_equal_the_indexed_copy(planned, dtype):
     """``write_kv_at_slots`` and a decode step's ``write_kv_planned`` (one copy and one
     op call at ``page * b + offset`` slots, into the layer's kernel caches) store what
-    ``write_kv`` stores at the pages and offsets; nothing else moves."""
-    from kvcompress.ops.paged_attention import write_kv
+    ``reference_write_kv`` stores at the pages and offsets; nothing else moves."""
+    from kvcompress.ops.reference_attention import reference_write_kv
 
     block_size = 64
     pools, key, value, write_pages, write_offsets = _kv_write_case(
@@ -379,7 +379,7 @@ def test_writes_at_flat_slots_equal_the_indexed_copy(planned, dtype):
         cpu_attention.write_kv_planned(layer, key, value)
     else:
         cpu_attention.write_kv_at_slots(pools[0], key, value, flat_slots)
-    write_kv(pools[1].key_cache, pools[1].value_cache, key, value, write_pages, write_offsets)
+    reference_write_kv(pools[1].key_cache, pools[1].value_cache, key, value, write_pages, write_offsets)
     assert torch.equal(pools[0].key_cache, pools[1].key_cache)
     assert torch.equal(pools[0].value_cache, pools[1].value_cache)
     assert torch.equal(pools[0].value_cache[write_pages, write_offsets], value)
@@ -387,11 +387,11 @@ def test_writes_at_flat_slots_equal_the_indexed_copy(planned, dtype):
 
 @pytest.mark.parametrize("num_tokens", [3, 700])
 def test_engine_ops_write_prompt_batches_by_vllms_op_and_decode_rows_by_indexed_copy(num_tokens, monkeypatch):
-    """The engine's ``write_kv`` on the kernel layout: batches of at least
+    """The engine's ``reference_write_kv`` on the kernel layout: batches of at least
     ``KERNEL_WRITE_MIN_ROWS`` (token, head) rows go to vLLM's op, a decode step's few rows
     to the indexed copy; either way every K / V lands where the indexed copy puts it."""
     from kvcompress.ops.dispatch import resolve_ops
-    from kvcompress.ops.paged_attention import write_kv
+    from kvcompress.ops.reference_attention import reference_write_kv
 
     ops = resolve_ops(torch.device("cpu"))
     if not ops.kernel_page_layout:
@@ -403,7 +403,7 @@ def test_engine_ops_write_prompt_batches_by_vllms_op_and_decode_rows_by_indexed_
     original = cpu_attention.write_kv_cpu
     monkeypatch.setattr(cpu_attention, "write_kv_cpu", lambda *args: calls.append(1) or original(*args))
     ops.write_kv(pools[0], key, value, write_pages, write_offsets)
-    write_kv(pools[1].key_cache, pools[1].value_cache, key, value, write_pages, write_offsets)
+    reference_write_kv(pools[1].key_cache, pools[1].value_cache, key, value, write_pages, write_offsets)
     assert (num_tokens == 700) == bool(calls)
     assert torch.equal(pools[0].key_cache, pools[1].key_cache)
     assert torch.equal(pools[0].value_cache, pools[1].value_cache)

@@ -39,7 +39,7 @@ avx512, bf16, library = json.loads(sys.argv[1])
 torch.cpu._is_avx512_supported = lambda: avx512
 torch.cpu._is_avx512_bf16_supported = lambda: bf16
 from kvcompress.ops import cpu_attention
-from kvcompress.ops.paged_attention import paged_attention
+from kvcompress.ops.reference_attention import reference_paged_attention
 from paged_cases import make_case
 
 reason = cpu_attention.unavailable_reason()
@@ -52,7 +52,7 @@ for shape in [(2, 4, 64, 16), (3, 3, 64, 64), (4, 1, 80, 16), (1, 8, 128, 32)]:
             num_kv_heads, group, head_dim, block_size = shape
             pool, batch, query = make_case(query_lens, num_kv_heads, group, head_dim, block_size, dtype, seed=sum(shape))
             scale = head_dim ** -0.5
-            want = paged_attention(query, pool, batch, scale).float()
+            want = reference_paged_attention(query, pool, batch, scale).float()
             got = cpu_attention.paged_attention_cpu(query, pool, batch, scale).float()
             errors.append([list(shape), kind, str(dtype), (got - want).abs().max().item()])
 print("RESULT " + json.dumps({"loaded": loaded, "errors": errors}))

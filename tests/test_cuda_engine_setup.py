@@ -142,14 +142,14 @@ def test_custom_backend_registration_and_h100_validation(clean_registry):
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     from kvcompress.patches.attention_registry import BACKEND_PATH, register_cuda_backend
-    from kvcompress.vllm_glue.attention_backend import PerHeadAttentionBackend
+    from kvcompress.vllm_glue.attention_backend import KVCompressAttentionBackend
 
     clean_registry.pop(AttentionBackendEnum.CUSTOM, None)
     register_cuda_backend()
     register_cuda_backend()  # idempotent
     assert AttentionBackendEnum.CUSTOM.get_path() == BACKEND_PATH
     backend = AttentionBackendEnum.CUSTOM.get_class()
-    assert backend is PerHeadAttentionBackend
+    assert backend is KVCompressAttentionBackend
 
     def reasons(**overrides):
         # What CudaPlatform.get_attn_backend_cls asks a selected backend.
@@ -211,7 +211,7 @@ def test_cudagraph_mode_resolution(cuda_platform, monkeypatch):
         return config.resolve_cudagraph_mode_and_sizes(support, "CUSTOM")
 
     assert current_platform.is_cpu()
-    builder = attention_backend.PerHeadAttentionMetadataBuilder
+    builder = attention_backend.KVCompressAttentionMetadataBuilder
     assert builder.get_cudagraph_support(None, None) == AttentionCGSupport.NEVER
     assert resolve(AttentionCGSupport.NEVER) == CUDAGraphMode.PIECEWISE
 
@@ -234,14 +234,14 @@ def test_gpu_worker_refuses_v2_runner():
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from kvcompress.vllm_glue.gpu_worker import KVCompressGPUModelRunner, KVCompressGPUWorker
-    from kvcompress.vllm_glue.runner import PerHeadRunnerMixin
+    from kvcompress.vllm_glue.runner import KVCompressRunnerMixin
 
     # The mixin's hooks must win over GPUModelRunner's.
     mro = KVCompressGPUModelRunner.__mro__
-    assert mro.index(PerHeadRunnerMixin) < mro.index(GPUModelRunner)
+    assert mro.index(KVCompressRunnerMixin) < mro.index(GPUModelRunner)
     for hook in ("initialize_kv_cache", "_update_states", "execute_model", "sample_tokens", "_dummy_run",
                  "_cleanup_profiling_kv_cache"):
-        assert getattr(KVCompressGPUModelRunner, hook) is getattr(PerHeadRunnerMixin, hook), hook
+        assert getattr(KVCompressGPUModelRunner, hook) is getattr(KVCompressRunnerMixin, hook), hook
     worker = KVCompressGPUWorker.__new__(KVCompressGPUWorker)
     worker.use_v2_model_runner = True
     with pytest.raises(ValueError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
@@ -251,6 +251,6 @@ def test_gpu_worker_refuses_v2_runner():
 def test_backend_name_maps_back_to_the_cpu_override_here():
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    from kvcompress.vllm_glue.attention_backend import PerHeadAttentionBackend
+    from kvcompress.vllm_glue.attention_backend import KVCompressAttentionBackend
 
-    assert AttentionBackendEnum[PerHeadAttentionBackend.get_name()] is AttentionBackendEnum.CPU_ATTN
+    assert AttentionBackendEnum[KVCompressAttentionBackend.get_name()] is AttentionBackendEnum.CPU_ATTN

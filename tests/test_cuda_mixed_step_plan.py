@@ -82,12 +82,12 @@ def _forward_all_layers(state, step, names, seed: int = 1) -> list[torch.Tensor]
     """Every layer's attention of ``step`` through the backend's impl (new K / V and
     queries random); the layers' outputs ``[T, Hq * D]``."""
     from kvcompress.vllm_glue import step as step_state
-    from kvcompress.vllm_glue.attention_backend import PerHeadAttentionImpl, PerHeadAttentionMetadata
+    from kvcompress.vllm_glue.attention_backend import KVCompressAttentionImpl, KVCompressAttentionMetadata
 
-    impl = PerHeadAttentionImpl(NUM_KV_HEADS * GROUP, HEAD_DIM, HEAD_DIM ** -0.5, NUM_KV_HEADS, None, None, "auto")
+    impl = KVCompressAttentionImpl(NUM_KV_HEADS * GROUP, HEAD_DIM, HEAD_DIM ** -0.5, NUM_KV_HEADS, None, None, "auto")
     generator = torch.Generator().manual_seed(seed)
     tokens = step.num_tokens
-    metadata = PerHeadAttentionMetadata(tokens, step)
+    metadata = KVCompressAttentionMetadata(tokens, step)
     outputs = []
     step_state.set_worker_state(state)
     try:

@@ -187,7 +187,7 @@ def test_the_bound_stays_modest_at_the_largest_flags():
 def _worker(available: int, device_type: str, kv_cache_memory_bytes: int | None):
     """A worker with the budget mixin over a stand-in of vLLM's (its profiled memory
     ``available``) and the config :meth:`PerHeadLayout.from_vllm_config` reads."""
-    from kvcompress.vllm_glue.memory import PerHeadMemoryBudget
+    from kvcompress.vllm_glue.memory import KVCompressWorkerMemory
 
     layout = _layout()
     model = SimpleNamespace(
@@ -209,7 +209,7 @@ def _worker(available: int, device_type: str, kv_cache_memory_bytes: int | None)
         def determine_available_memory(self) -> int:
             return available
 
-    class Worker(PerHeadMemoryBudget, VllmWorker):
+    class Worker(KVCompressWorkerMemory, VllmWorker):
         vllm_config = config
 
     return Worker(), layout

@@ -44,9 +44,9 @@ def _decode_step(num_reqs: int, decode_only: bool, kernel_decode=None):
 
 @pytest.fixture
 def builder():
-    from kvcompress.vllm_glue.attention_backend import PerHeadAttentionMetadataBuilder
+    from kvcompress.vllm_glue.attention_backend import KVCompressAttentionMetadataBuilder
 
-    return PerHeadAttentionMetadataBuilder(None, ["layers.0.attn"], None, torch.device("cpu"))
+    return KVCompressAttentionMetadataBuilder(None, ["layers.0.attn"], None, torch.device("cpu"))
 
 
 def test_padded_decode_batch_of_a_full_cuda_graph_is_accepted(builder):
@@ -177,18 +177,18 @@ def test_prompt_metric_workspace_is_bounded():
 
 
 def _impl():
-    from kvcompress.vllm_glue.attention_backend import PerHeadAttentionImpl
+    from kvcompress.vllm_glue.attention_backend import KVCompressAttentionImpl
 
-    return PerHeadAttentionImpl(4, 64, 0.125, 2, None, None, "auto")
+    return KVCompressAttentionImpl(4, 64, 0.125, 2, None, None, "auto")
 
 
 @pytest.mark.parametrize("metadata", ["profile-run", "warm-up-without-plan"])
 def test_runs_without_a_plan_leave_a_defined_output(metadata):
     """Item 9: vLLM's profile run passes no metadata and reads the output; it was left
     uninitialised. Now it is zeros, as vLLM's own backends give."""
-    from kvcompress.vllm_glue.attention_backend import PerHeadAttentionMetadata
+    from kvcompress.vllm_glue.attention_backend import KVCompressAttentionMetadata
 
-    attn_metadata = None if metadata == "profile-run" else PerHeadAttentionMetadata(5, None, False)
+    attn_metadata = None if metadata == "profile-run" else KVCompressAttentionMetadata(5, None, False)
     output = torch.full((5, 4 * 64), float("nan"))
     query, kv = torch.randn(5, 4, 64), torch.randn(5, 2, 64)
     result = _impl().forward(None, query, kv, kv, None, attn_metadata, output)
@@ -238,7 +238,7 @@ def test_a_second_kv_cache_initialisation_drops_the_first_pool_first():
     then the real one. The first pool's tables and worker state must be gone when vLLM
     allocates the second buffer (inside ``super().initialize_kv_cache``)."""
     from kvcompress.vllm_glue import step as step_state
-    from kvcompress.vllm_glue.runner import PerHeadRunnerMixin
+    from kvcompress.vllm_glue.runner import KVCompressRunnerMixin
 
     seen = []
 
@@ -247,7 +247,7 @@ def test_a_second_kv_cache_initialisation_drops_the_first_pool_first():
             seen.append((step_state.get_worker_state(), step_state.current_step(), self.kvc_cache))
             self.kv_cache_config = kv_cache_config
 
-    class Runner(PerHeadRunnerMixin, VllmRunner):
+    class Runner(KVCompressRunnerMixin, VllmRunner):
         def _kvc_build_pool(self, kv_cache_config):  # the pool a real build leaves behind
             self.kvc_cache = PerHeadPagedCache(8, 1, 1, 16, max_seqs=2, max_pages_per_head=2)
             step_state.set_worker_state(object())

@@ -145,7 +145,7 @@ def test_triton_decode_metric_pass_waits_for_nothing_on_a_steps_first_layer(quer
     on the host and copied without a stream wait; the metrics equal the reference's."""
     from kvcompress.ops import triton_attention
     from kvcompress.ops.kv_pool import MetricSink
-    from kvcompress.ops.paged_attention import paged_attention
+    from kvcompress.ops.reference_attention import reference_paged_attention
     from paged_cases import make_case, moved_to
 
     pool, batch, query = make_case(query_lens, 2, 4, 64, 16, torch.float32, 11, max_context=1500,
@@ -153,7 +153,7 @@ def test_triton_decode_metric_pass_waits_for_nothing_on_a_steps_first_layer(quer
     batch = dataclasses.replace(batch, block_tables=batch.block_tables.to(torch.int32))
     selected = torch.tensor([s % 2 == 0 for s in range(len(query_lens))])
     want = KVPool(pool.key_cache, pool.value_cache, pool.slot_positions, torch.zeros_like(pool.slot_metrics))
-    paged_attention(query, want, batch, 64 ** -0.5, metrics=MetricSink(selected))
+    reference_paged_attention(query, want, batch, 64 ** -0.5, metrics=MetricSink(selected))
     gpu_pool, gpu_batch, gpu_query = moved_to((pool, batch, query), CUDA)
     gpu_pool = KVPool(gpu_pool.key_cache, gpu_pool.value_cache, gpu_pool.slot_positions,
                       torch.zeros_like(gpu_pool.slot_metrics))

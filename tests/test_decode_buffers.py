@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcompress.ops import KVPool, MetricSink, PagedBatch, PerHeadPagedCache, SlotBatch, write_kv
+from kvcompress.ops import KVPool, MetricSink, PagedBatch, PerHeadPagedCache, SlotBatch, reference_write_kv
 from kvcompress.ops.dispatch import paged_attention, paged_decode_by_slot
 
 LAYERS, KV_HEADS, GROUP, HEAD_DIM, BLOCK = 2, 2, 2, 64, 16
@@ -67,8 +67,8 @@ def test_decode_buffers_match_the_eager_step(power):
     for layer in range(LAYERS):
         # Eager path (what mixed steps do): gathered tables, host query_start_loc.
         eager_pool, eager_metrics = pool.clone(), cache.slot_metrics.clone()
-        write_kv(eager_pool[:, 0], eager_pool[:, 1], key[:num_rows], value[:num_rows],
-                 plan.write_pages[layer], plan.write_offsets[layer])
+        reference_write_kv(eager_pool[:, 0], eager_pool[:, 1], key[:num_rows], value[:num_rows],
+                           plan.write_pages[layer], plan.write_offsets[layer])
         tables = cache.flat_page_tables()[batch, layer]
         lens = cache.head_lens[batch, layer]
         expected = paged_attention(
@@ -78,7 +78,7 @@ def test_decode_buffers_match_the_eager_step(power):
         )
         # Buffer path, padded rows included.
         buffer_pool, buffer_metrics = pool.clone(), cache.slot_metrics.clone()
-        write_kv(buffer_pool[:, 0], buffer_pool[:, 1], key, value,
+        reference_write_kv(buffer_pool[:, 0], buffer_pool[:, 1], key, value,
                  buffers.write_pages[layer, :padded], buffers.write_offsets[layer, :padded])
         out = torch.full_like(query, float("nan"))
         # The engine's two-level tables, as the attention backend passes them.

@@ -10,7 +10,7 @@ import torch
 
 from kvcompress.ops import backend_cuda, backend_triton, backend_vllm_triton, cpu_attention, dispatch
 from kvcompress.ops.backend import KernelBackend
-from kvcompress.ops.paged_attention import paged_attention as reference_attention
+from kvcompress.ops.reference_attention import reference_paged_attention as reference_attention
 
 from paged_cases import make_case
 

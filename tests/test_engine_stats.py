@@ -136,7 +136,7 @@ def test_counts_travel_as_deltas_and_gauges_follow_the_accounting():
     assert (later.steps_checked, later.page_mismatches, later.evict_mismatches) == (1, 1, 1)
     assert later.kvs_held == LAYERS * HEADS * 176 and later.kvs_logical == LAYERS * HEADS * 640
 
-    # Cumulative counters (kvcompress_page_stats) keep everything.
+    # Cumulative counters (kvc_page_stats) keep everything.
     stats = planner.stats
     assert stats.compressions_by_policy == {"kvc": 1, "snapkv": 1}
     assert stats.reported["snapkv"] == PolicyTotals(1, 116, 2560, 1856, 0.25)

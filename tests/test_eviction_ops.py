@@ -21,7 +21,7 @@ from kvcompress.ops import (
     protected_count,
     protected_slots,
     schedule_evictions,
-    write_kv,
+    reference_write_kv,
 )
 
 # ---------------------------------------------------------------------------
@@ -312,7 +312,7 @@ def test_move_cache_moves_every_field_through_strided_views():
 
 
 class _Model:
-    """A cache filled through ``append`` + ``write_kv`` and a plain-Python reader."""
+    """A cache filled through ``append`` + ``reference_write_kv`` and a plain-Python reader."""
 
     def __init__(self, seed, num_seqs, num_layers, num_heads, block_size, head_dim=4, num_pages=400):
         self.rng = np.random.default_rng(seed)
@@ -342,7 +342,7 @@ class _Model:
         for layer in range(num_layers):
             keys = torch.randn(len(positions), num_heads, head_dim, generator=self.generator)
             values = torch.randn(len(positions), num_heads, head_dim, generator=self.generator)
-            write_kv(self.key_cache, self.value_cache, keys, values,
+            reference_write_kv(self.key_cache, self.value_cache, keys, values,
                      plan.write_pages[layer], plan.write_offsets[layer])
         self.context = [c + n for c, n in zip(self.context, num_new)]
         # New random metrics everywhere (as if attention had been accumulated).

@@ -13,13 +13,13 @@ from kvcompress.budget import (
     RequestFieldError,
     blocks_to_evict,
     evictable_blocks,
-    keep_tokens,
+    kept_per_head,
     protected_tokens,
     request_budget,
     target_pages,
 )
 from kvcompress.config import KVCompressConfig
-from kvcompress.ops import MetricSink, PagedBatch, PerHeadPagedCache, paged_attention, write_kv
+from kvcompress.ops import MetricSink, PagedBatch, PerHeadPagedCache, reference_paged_attention, reference_write_kv
 from kvcompress.ops.kv_pool import KVPool
 from kvcompress.ops.metrics import (
     accumulate_metrics,
@@ -41,7 +41,7 @@ def _filled_cache(length: int, seed: int = 0):
     keys = torch.randn(length, KV_HEADS, DIM)
     values = torch.randn(length, KV_HEADS, DIM)
     plan = cache.append(slot, torch.tensor([length]), torch.arange(length))
-    write_kv(key_cache, value_cache, keys, values, plan.write_pages[0], plan.write_offsets[0])
+    reference_write_kv(key_cache, value_cache, keys, values, plan.write_pages[0], plan.write_offsets[0])
     return cache, key_cache, value_cache, slot, keys, values
 
 
@@ -162,7 +162,7 @@ def test_decode_attention_adds_squared_probabilities_to_slot_metrics():
     query = torch.randn(1, KV_HEADS * GROUP, DIM)
     before = cache.slot_metrics.clone()
     batch = PagedBatch(cache.flat_page_tables()[slot, 0], cache.head_lens[slot, 0], [0, 1], torch.tensor([length - 1]))
-    paged_attention(
+    reference_paged_attention(
         query, cache.kv_pool(key_cache, value_cache), batch, 0.25,
         metrics=MetricSink(torch.tensor([True]), power=2),
     )
@@ -221,10 +221,10 @@ def _budget(**overrides):
 
 def test_rate_budget_is_max_of_min_cache_and_share_plus_protected():
     budget = _budget(rate=8, protected_window=64, min_cache_tokens=128)
-    assert keep_tokens(4096, budget) == 4096 // 8 + 64
-    assert keep_tokens(1024, budget) == 128 + 64  # 1024 / 8 = 128
-    assert keep_tokens(512, budget) == 128 + 64  # the floor wins
-    assert keep_tokens(100, budget) == 100  # never more than the context
+    assert kept_per_head(4096, budget) == 4096 // 8 + 64
+    assert kept_per_head(1024, budget) == 128 + 64  # 1024 / 8 = 128
+    assert kept_per_head(512, budget) == 128 + 64  # the floor wins
+    assert kept_per_head(100, budget) == 100  # never more than the context
     # pages: ceil(keep * layers * heads / b)
     assert target_pages(4096, budget, 30 * 3, 16) == math.ceil((512 + 64) * 90 / 16)
 
@@ -232,11 +232,11 @@ def test_rate_budget_is_max_of_min_cache_and_share_plus_protected():
 def test_max_cache_tokens_budget_counts_protected_tokens():
     budget = _budget(max_cache_tokens=300, protected_window=32, sink_tokens=4)
     assert protected_tokens(5000, 32, 4) == 36
-    assert keep_tokens(5000, budget) == 300
-    assert keep_tokens(5000, _budget(max_cache_tokens=10, protected_window=32)) == 32
+    assert kept_per_head(5000, budget) == 300
+    assert kept_per_head(5000, _budget(max_cache_tokens=10, protected_window=32)) == 32
     both = _budget(rate=2, max_cache_tokens=300, protected_window=0, min_cache_tokens=0)
-    assert keep_tokens(5000, both) == 300 and keep_tokens(400, both) == 200
-    assert keep_tokens(5000, _budget(rate=1)) == 5000  # rate 1 keeps everything
+    assert kept_per_head(5000, both) == 300 and kept_per_head(400, both) == 200
+    assert kept_per_head(5000, _budget(rate=1)) == 5000  # rate 1 keeps everything
 
 
 def test_blocks_to_evict_is_capped_by_what_the_schedule_may_evict():
@@ -318,7 +318,7 @@ def test_a_shared_prefix_is_kept_whole_and_the_rate_applies_to_the_rest():
     import dataclasses
     import math
 
-    from kvcompress.budget import blocks_to_evict, keep_tokens, protected_tokens
+    from kvcompress.budget import blocks_to_evict, kept_per_head, protected_tokens
 
     base = request_budget(KVCompressConfig(enabled=True, rate=4, min_cache_tokens=16,
                                            protected_window=8), None)
@@ -329,7 +329,7 @@ def test_a_shared_prefix_is_kept_whole_and_the_rate_applies_to_the_rest():
             budget = dataclasses.replace(base, shared_prefix_tokens=shared)
             protected = min(context, max(base.sink_tokens, shared) + 8)
             expected = min(context, max(16, math.ceil((context - shared) / 4)) + protected)
-            assert keep_tokens(context, budget) == expected
+            assert kept_per_head(context, budget) == expected
             assert protected_tokens(context, 8, budget.protected_prefix) == protected
             lens = np.full((2, 2), context)
             evict = blocks_to_evict(lens, context, budget, 16)

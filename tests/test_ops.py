@@ -14,10 +14,10 @@ from kvcompress.ops import (
     PageAllocator,
     PagedBatch,
     PerHeadPagedCache,
-    paged_attention,
-    write_kv,
+    reference_paged_attention,
+    reference_write_kv,
 )
-from kvcompress.ops.paged_attention import dense_causal_attention
+from kvcompress.ops.reference_attention import dense_causal_attention
 from kvcompress.ops.paged_cache import pages_for
 from kvcompress.page_accounting import PageAccounting
 
@@ -241,7 +241,7 @@ def test_paged_attention_matches_float64_dense_oracle(dtype, tolerance, block_si
     query = torch.randn(query_start[-1], num_kv_heads * group, head_dim, generator=generator).to(dtype)
     scale = head_dim**-0.5
     batch = PagedBatch(tables, lengths, query_start, query_positions)
-    out = paged_attention(query, pool, batch, scale, max_query_chunk=4)
+    out = reference_paged_attention(query, pool, batch, scale, max_query_chunk=4)
     for s in range(3):
         for t in range(query_start[s], query_start[s + 1]):
             for qh in range(num_kv_heads * group):
@@ -271,11 +271,11 @@ def test_write_then_attend_equals_dense_causal_attention():
     outputs = torch.empty_like(queries)
     for start, end in [(0, 20), (20, 44), (44, 45)]:
         plan = cache.append(seq, torch.tensor([end - start]), torch.arange(start, end))
-        write_kv(key_cache, value_cache, keys[start:end], values[start:end],
+        reference_write_kv(key_cache, value_cache, keys[start:end], values[start:end],
                  plan.write_pages[0], plan.write_offsets[0])
         batch = PagedBatch(cache.flat_page_tables()[seq, 0], cache.head_lens[seq, 0], [0, end - start],
                            torch.arange(start, end))
-        paged_attention(queries[start:end], pool, batch, head_dim**-0.5, out=outputs[start:end])
+        reference_paged_attention(queries[start:end], pool, batch, head_dim**-0.5, out=outputs[start:end])
     expected = dense_causal_attention(queries, keys, values, head_dim**-0.5)
     assert torch.allclose(outputs.double(), expected, atol=1e-5)
 

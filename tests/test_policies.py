@@ -77,8 +77,8 @@ def reference_keep(policy, metrics, n, window, sinks, wanted, block_size):
     pages = math.ceil(n / block_size)
     evictable = max(0, (pages * block_size - p) // block_size)
     take = min(wanted, evictable * num_layers * num_heads)
-    keep_tokens = (num_layers * num_heads * pages - take) * block_size
-    free = max(keep_tokens - num_layers * num_heads * p, 0)
+    kept_slots = (num_layers * num_heads * pages - take) * block_size
+    free = max(kept_slots - num_layers * num_heads * p, 0)
     per_head = free / (num_layers * num_heads)
     split = policy.split
     candidates = [i for i in range(n) if i not in protected]

@@ -99,7 +99,7 @@ def _prompt_positions_kept(llm, window: int | None, tag: str, policy: str = "sna
     while kept is None and engine.has_unfinished_requests():
         engine.step()
         if worker_page_stats(llm)["compressions"] > before:
-            (heads,) = llm.collective_rpc("kvcompress_kept_positions")[0].values()
+            (heads,) = llm.collective_rpc("kvc_kept_positions")[0].values()
             kept = [frozenset(p for p in positions if p < PROMPT_TOKENS) for positions in heads]
     engine.abort_request([request_id])
     while engine.has_unfinished_requests():

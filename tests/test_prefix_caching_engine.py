@@ -167,7 +167,7 @@ def test_shared_pages_survive_random_interleavings_and_all_free_after_reset(pres
                 hits += output.num_cached_tokens or 0
                 if output.request_id in live:
                     live.remove(output.request_id)
-        dump = llm.collective_rpc("kvcompress_page_dump")[0]
+        dump = llm.collective_rpc("kvc_page_dump")[0]
         _check_pages(dump, previous)
         previous = dump
     while engine.has_unfinished_requests():
@@ -179,14 +179,14 @@ def test_shared_pages_survive_random_interleavings_and_all_free_after_reset(pres
     assert stats["num_preemptions"] + stats["compressions_instead_of_preemption"] > 0, "no KV pressure"
     assert previous["groups"], "nothing stayed cached"
     # Idle cached groups hold pages until the cache is cleared.
-    dump = llm.collective_rpc("kvcompress_page_dump")[0]
+    dump = llm.collective_rpc("kvc_page_dump")[0]
     assert len(dump["free"]) < dump["num_pages"]
     assert llm.reset_prefix_cache()
     # The worker lets go of the groups at its next step: one request that caches nothing.
     llm.generate([{"prompt_token_ids": [7] * 70}],
                  SamplingParams(max_tokens=2, extra_args={"kv_compress_shared_prefix_tokens": 0}),
                  use_tqdm=False)
-    dump = llm.collective_rpc("kvcompress_page_dump")[0]
+    dump = llm.collective_rpc("kvc_page_dump")[0]
     _check_pages(dump, None)
     assert not dump["groups"] and len(dump["free"]) == dump["num_pages"]
     stats = page_stats(llm)

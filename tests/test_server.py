@@ -162,7 +162,7 @@ def test_per_request_compression_over_http(server):
 
 
 def _worker_stats(server: str) -> dict:
-    reply = _post(f"{server}/collective_rpc", {"method": "kvcompress_pages_used"})
+    reply = _post(f"{server}/collective_rpc", {"method": "kvc_pages_used"})
     return reply["results"][0]
 
 

@@ -81,7 +81,7 @@ def kvc_tp_llm(tiny_model, stock_tp_outputs):  # after stock's engine is gone (2
 
 
 def _worker_stats(llm):
-    return llm.collective_rpc("kvcompress_pages_used")
+    return llm.collective_rpc("kvc_pages_used")
 
 
 def test_rate_one_and_compression_off_are_token_exact_with_stock_at_the_same_tp(kvc_tp_llm, stock_tp_outputs):
@@ -163,7 +163,7 @@ def test_scheduler_holds_every_ranks_own_head_lengths_mid_run(kvc_tp_llm):
     for _ in range(40):
         engine.step()
         scheduler = page_stats(kvc_tp_llm)["requests"]
-        ranks = engine.collective_rpc("kvcompress_head_lens")
+        ranks = engine.collective_rpc("kvc_head_lens")
         for request_id, state in scheduler.items():
             if all(request_id in rank for rank in ranks):
                 per_rank = [np.array(rank[request_id]) for rank in ranks]
@@ -179,19 +179,19 @@ def test_scheduler_holds_every_ranks_own_head_lengths_mid_run(kvc_tp_llm):
 
 def _first_compression_per_rank(llm, prompt, policy: str) -> list[dict]:
     """Run one request of ``policy`` at rate 4 to its end; every rank's recorded inputs
-    of its first compression (``kvcompress_record_compressions``), in rank order."""
+    of its first compression (``kvc_record_compressions``), in rank order."""
     engine = llm.llm_engine
-    llm.collective_rpc("kvcompress_record_compressions", args=(True,))
+    llm.collective_rpc("kvc_record_compressions", args=(True,))
     engine.add_request(f"{policy}-tp", prompt, _params(8, kv_compress_rate=4, kv_compress_policy=policy))
     recorded = None
     try:
         while engine.has_unfinished_requests():
             engine.step()
-            per_rank = llm.collective_rpc("kvcompress_record_compressions", args=(True,))
+            per_rank = llm.collective_rpc("kvc_record_compressions", args=(True,))
             if recorded is None and all(per_rank):
                 recorded = [next(iter(rank.values())) for rank in per_rank]
     finally:
-        llm.collective_rpc("kvcompress_record_compressions", args=(False,))
+        llm.collective_rpc("kvc_record_compressions", args=(False,))
     assert recorded is not None, f"{policy}: no compression"
     return recorded
 
@@ -269,7 +269,7 @@ def ray_tp_llm(tiny_model, kvc_tp_llm, mp_pressure_run):
 def test_ray_executor_runs_a_ray_worker_per_rank_bound_like_mp(ray_tp_llm):
     """The workers are Ray actors (one per TP rank), each bound to its own core as
     vLLM's mp executor binds its workers (kvcompress's default binding: one core each)."""
-    workers = ray_tp_llm.collective_rpc("kvcompress_process_info")
+    workers = ray_tp_llm.collective_rpc("kvc_process_info")
     assert len(workers) == TP
     assert all(w["ray_actor_id"] for w in workers)
     assert len({w["pid"] for w in workers}) == TP

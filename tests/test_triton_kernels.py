@@ -40,7 +40,7 @@ triton = pytest.importorskip("triton")
 from kvcompress.ops import dispatch  # noqa: E402
 from kvcompress.ops.kv_pool import KVPool, MetricSink, PagedBatch, SlotBatch  # noqa: E402
 from kvcompress.ops.move_cache import move_cache as reference_move_cache  # noqa: E402
-from kvcompress.ops.paged_attention import paged_attention as reference_attention  # noqa: E402
+from kvcompress.ops.reference_attention import reference_paged_attention as reference_attention  # noqa: E402
 
 if _WANT_CUDA and not torch.cuda.is_available():
     pytest.skip("KVCOMPRESS_TRITON_TEST_DEVICE=cuda but no CUDA device", allow_module_level=True)
@@ -439,7 +439,7 @@ def test_mixed_prefill_and_decode_batch(group, dtype):
 def test_write_then_attend_through_the_paged_cache_in_chunks():
     """End to end with the real page tables: a prompt written in two chunks (the second a
     continuation) then one decode; each step's Triton output equals the reference's."""
-    from kvcompress.ops import PerHeadPagedCache, write_kv
+    from kvcompress.ops import PerHeadPagedCache, reference_write_kv as write_kv
 
     triton_attention, _ = _kernels()
     torch.manual_seed(3)

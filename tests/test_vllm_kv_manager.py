@@ -1,4 +1,4 @@
-"""``PerHeadKVCacheManager`` over vLLM's real ``KVCacheManager`` and ``Request``s, driven
+"""``KVCompressKVCacheManager`` over vLLM's real ``KVCacheManager`` and ``Request``s, driven
 with vLLM 0.32's two call shapes of ``allocate_slots`` (the waiting-request call with
 every keyword, and the running-request call ``(request, n, num_lookahead_tokens=k)``
 that takes the dict-only fast path when the heads have room): every answer and every
@@ -57,7 +57,7 @@ def _manager(num_blocks: int | None = None):
     inner = KVCacheManager(config, max_model_len=MAX_LEN, scheduler_block_size=BLOCK,
                            hash_block_size=BLOCK, enable_caching=False)
     accounting = PageAccounting(PAGES, LAYERS, HEADS, BLOCK, max_requests=4)
-    return kv_manager.PerHeadKVCacheManager(inner, accounting, max_model_len=MAX_LEN, watermark_pages=0)
+    return kv_manager.KVCompressKVCacheManager(inner, accounting, max_model_len=MAX_LEN, watermark_pages=0)
 
 
 def _pages(tokens: int) -> int:

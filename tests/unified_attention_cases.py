@@ -119,7 +119,7 @@ def main() -> None:
     _hand_vllm_the_real_triton()
     from kvcompress.ops import KVPool, MetricSink, SlotBatch, triton_attention, unified_attention
     from kvcompress.ops.decode_by_slot import paged_decode_by_slot_reference
-    from kvcompress.ops.paged_attention import paged_attention
+    from kvcompress.ops.reference_attention import reference_paged_attention
 
     from paged_cases import make_case, moved_to
 
@@ -142,7 +142,7 @@ def main() -> None:
             scale = head_dim ** -0.5
             selected = torch.tensor([(s % 2 == 0) for s in range(len(query_lens))], device=device)
             want_pool = KVPool(pool.key_cache, pool.value_cache, pool.slot_positions, torch.zeros_like(pool.slot_metrics))
-            want = paged_attention(query, want_pool, batch, scale, metrics=MetricSink(selected))
+            want = reference_paged_attention(query, want_pool, batch, scale, metrics=MetricSink(selected))
             # A step's first layer copies its decode rows to the device; the others reuse them.
             triton_attention._decode_rows(batch.query_start_loc, device)
             watch = watches["watch"] = MetricPassWatch()

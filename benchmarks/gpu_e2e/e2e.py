@@ -325,7 +325,7 @@ def case_rate1(profile: Profile, out: CaseOutput) -> None:
     shutdown(stock)
     kvc = kvcompress.LLM(model, kv_compress_rate=1, **args, **profile.graph_args(TINY_MAX_SEQS))
     kvc_tokens, kvc_logprobs = _generate(kvc, prompts, _greedy(96))
-    out["backend"] = kvc.collective_rpc("kvcompress_pages_used")[0].get("attention_backend")
+    out["backend"] = kvc.collective_rpc("kvc_pages_used")[0].get("attention_backend")
     shutdown(kvc)
     out.update(token_agreement(stock_tokens, kvc_tokens))
     out["max_logprob_diff"] = logprob_gap(stock_tokens, kvc_tokens, stock_logprobs, kvc_logprobs)
@@ -345,7 +345,7 @@ def _rate8_run(model: str, prompts, engine_args: dict[str, Any], profile: Profil
         # The worker lets go of a request's pages when the next step names it finished:
         # one more (empty) engine step hands it the last ones.
         llm.llm_engine.step()
-        worker = llm.collective_rpc("kvcompress_pages_used")[0]
+        worker = llm.collective_rpc("kvc_pages_used")[0]
         sched = page_stats(llm)
     finally:
         if counter:

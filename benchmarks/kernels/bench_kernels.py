@@ -76,7 +76,7 @@ from kvcompress.ops.compress import compress_sequences, gather_logical  # noqa: 
 from kvcompress.ops.eviction import schedule_evictions  # noqa: E402
 from kvcompress.ops.kv_pool import KVPool, MetricSink, PagedBatch, SlotBatch  # noqa: E402
 from kvcompress.ops.move_cache import move_cache as reference_move_cache  # noqa: E402
-from kvcompress.ops.paged_attention import paged_attention as reference_paged_attention  # noqa: E402
+from kvcompress.ops.reference_attention import reference_paged_attention  # noqa: E402
 from kvcompress.ops.paged_cache import PerHeadPagedCache, pages_for  # noqa: E402
 
 # Llama-3.1-8B

@@ -10,7 +10,7 @@ One stock ``vllm.LLM`` answers every prompt; then one ``kvcompress.LLM`` engine 
 the same prompts once per rate, the rate set per request
 (``SamplingParams(extra_args={"kv_compress_rate": r})``; rate 1 evicts nothing and must
 be token-identical to stock). Pages held after compression are read from the scheduler
-(``kvcompress_page_stats``): per request the fewest pages held while decoding, i.e. just
+(``kvc_page_stats``): per request the fewest pages held while decoding, i.e. just
 after its prompt was compressed; "full" is what it would hold uncompressed.
 
     python benchmarks/quality/passkey.py                                  # ~15 prompts, rates 1 4 8 16

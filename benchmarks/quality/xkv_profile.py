@@ -39,7 +39,7 @@ def collect_profile(llm, prompts: list[list[int]], rate: float) -> dict:
     from vllm.inputs import TokensPrompt
 
     def kept() -> list[int]:
-        stats = llm.collective_rpc("kvcompress_pages_used")[0]
+        stats = llm.collective_rpc("kvc_pages_used")[0]
         return stats["kept_unprotected_by_layer"].get("xkv", [])
 
     before = kept()

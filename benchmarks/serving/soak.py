@@ -18,7 +18,7 @@ Outcomes: ``ok``; ``cancelled`` (deliberate client disconnect); ``bad_request_ex
 unexpected status, 5xx, reset connection, malformed answer); ``hung`` (sent, not
 answered by the deadline); ``not_sent`` (the deadline came first). Also: ``/metrics``
 before and after (``vllm:*`` counters, every ``kvcompress*`` metric present), worker
-pages (``kvcompress_pages_used``) and the scheduler's KV usage (``vllm:kv_cache_usage_perc``,
+pages (``kvc_pages_used``) and the scheduler's KV usage (``vllm:kv_cache_usage_perc``,
 which kvcompress computes from its own page accounting) at idle, RSS of the server's
 process tree, ERROR lines of the server log (page-mismatch lines counted apart), and
 whether SIGTERM stopped the whole process group. Exits 1 on any error, hung or unsent
@@ -885,8 +885,8 @@ def _is_counter(name: str) -> bool:
 
 
 def worker_pages(base: str) -> dict[str, Any] | None:
-    """The worker's page counters (``kvcompress_pages_used`` over ``/collective_rpc``)."""
-    reply = requests.post(f"{base}/collective_rpc", json={"method": "kvcompress_pages_used"}, timeout=60)
+    """The worker's page counters (``kvc_pages_used`` over ``/collective_rpc``)."""
+    reply = requests.post(f"{base}/collective_rpc", json={"method": "kvc_pages_used"}, timeout=60)
     reply.raise_for_status()
     results = reply.json().get("results") or [None]
     return results[0] or None

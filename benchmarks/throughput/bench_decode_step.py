@@ -98,7 +98,7 @@ def host_breakdown(engines: dict, prompts, output_len: int) -> dict[str, float]:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from kvcompress.vllm_glue.runner import PerHeadRunnerMixin
+    from kvcompress.vllm_glue.runner import KVCompressRunnerMixin
     from kvcompress.vllm_glue.scheduler import KVCompressScheduler
 
     timers = HookTimers()
@@ -106,8 +106,8 @@ def host_breakdown(engines: dict, prompts, output_len: int) -> dict[str, float]:
     timers.wrap(KVCompressScheduler, "update_from_output", "kvc scheduler")
     timers.wrap(Scheduler, "schedule", "vllm scheduler")
     timers.wrap(Scheduler, "update_from_output", "vllm scheduler")
-    timers.wrap(PerHeadRunnerMixin, "_update_states", "kvc worker")
-    timers.wrap(PerHeadRunnerMixin, "_kvc_attach_report", "kvc worker")
+    timers.wrap(KVCompressRunnerMixin, "_update_states", "kvc worker")
+    timers.wrap(KVCompressRunnerMixin, "_kvc_attach_report", "kvc worker")
     timers.wrap(GPUModelRunner, "_update_states", "vllm worker")
     timers.wrap(GPUModelRunner, "_build_attention_metadata", "metadata")
     result = {}
@@ -142,8 +142,8 @@ def own_code_ms(llm, extra, prompts, output_len: int) -> dict[str, float]:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from kvcompress.vllm_glue.kv_manager import PerHeadKVCacheManager
-    from kvcompress.vllm_glue.runner import PerHeadRunnerMixin
+    from kvcompress.vllm_glue.kv_manager import KVCompressKVCacheManager
+    from kvcompress.vllm_glue.runner import KVCompressRunnerMixin
     from kvcompress.vllm_glue.scheduler import KVCompressScheduler
 
     proxy = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
@@ -152,11 +152,11 @@ def own_code_ms(llm, extra, prompts, output_len: int) -> dict[str, float]:
         timers.wrap(KVCompressScheduler, name, "scheduler hooks")
         timers.wrap(Scheduler, name, "-scheduler hooks")
     for name in ("allocate_slots", "free", "pop_blocks_for_free"):
-        timers.wrap(PerHeadKVCacheManager, name, "kv manager proxy")
+        timers.wrap(KVCompressKVCacheManager, name, "kv manager proxy")
         timers.wrap(KVCacheManager, name, "-kv manager proxy")
     timers.wrap(proxy, "_inner_allocate", "-kv manager proxy")  # bound at construction
-    timers.wrap(PerHeadRunnerMixin, "_update_states", "worker bookkeeping")
-    timers.wrap(PerHeadRunnerMixin, "_kvc_attach_report", "worker bookkeeping")
+    timers.wrap(KVCompressRunnerMixin, "_update_states", "worker bookkeeping")
+    timers.wrap(KVCompressRunnerMixin, "_kvc_attach_report", "worker bookkeeping")
     timers.wrap(GPUModelRunner, "_update_states", "-worker bookkeeping")
     per_run = []
     try:

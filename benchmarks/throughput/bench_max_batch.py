@@ -79,7 +79,7 @@ def _pages_after_compression(llm, prompt, params) -> int:
     held = None
     while engine.has_unfinished_requests():
         engine.step()
-        stats = engine.engine_core.call_utility("kvcompress_page_stats")
+        stats = engine.engine_core.call_utility("kvc_page_stats")
         for request in stats["requests"].values():
             if min(min(layer) for layer in request["head_lens"]) < request["logical_len"]:
                 held = request["pages_held"] if held is None else held
@@ -141,10 +141,10 @@ def measure(
     kvc = kvcompress.LLM(model, kv_compress_protected_window=protected_window, **args)
     for rate in rates:
         held = _pages_after_compression(kvc, prompts[0], params({"kv_compress_rate": rate}))
-        worker_before = kvc.collective_rpc("kvcompress_pages_used")[0]
+        worker_before = kvc.collective_rpc("kvc_pages_used")[0]
         run = _run_batch(kvc, prompts, [params({"kv_compress_rate": rate}) for _ in prompts])
-        worker_after = kvc.collective_rpc("kvcompress_pages_used")[0]
-        stats = kvc.llm_engine.engine_core.call_utility("kvcompress_page_stats")
+        worker_after = kvc.collective_rpc("kvc_pages_used")[0]
+        stats = kvc.llm_engine.engine_core.call_utility("kvc_page_stats")
         run["pages_per_request_after_prefill_compression"] = held
         run["pages_per_request_uncompressed"] = stats["num_layers"] * stats["num_kv_heads"] * (
             -(-(prompt_len + 1) // stats["block_size"])

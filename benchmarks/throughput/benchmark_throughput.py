@@ -624,10 +624,10 @@ def _kvcompress_phase(
         for rate in rates:
             extra = {"kv_compress_rate": rate}
             sched_before = page_stats(kvc)
-            worker_before = kvc.collective_rpc("kvcompress_pages_used")[0]
+            worker_before = kvc.collective_rpc("kvc_pages_used")[0]
             run = run_batch(kvc, batch, [params(extra) for _ in batch], f"kvcompress L={n} r={rate:g}", progress)
             sched = page_stats(kvc)
-            worker = kvc.collective_rpc("kvcompress_pages_used")[0]
+            worker = kvc.collective_rpc("kvc_pages_used")[0]
             step_seconds = worker["step_seconds"] - worker_before["step_seconds"]
             run.update(
                 compress_share_of_step_time=(worker["compress_seconds"] - worker_before["compress_seconds"])

@@ -57,7 +57,7 @@ CATEGORIES = [
                      ("kvcompress/ops/metrics.py", "pool_metrics")], []),
     ("compression", [("kvcompress/vllm_glue/runner.py", "_kvc_compress")], []),
     ("kvcompress step planning", [("kvcompress/vllm_glue/runner.py", "_kvc_plan_step"),
-                                  ("kvcompress/ops/paged_attention.py", "write_kv")], []),
+                                  ("kvcompress/ops/reference_attention.py", "write_kv")], []),
     ("kvcompress scheduler", [("kvcompress/vllm_glue/scheduler.py", "schedule"),
                               ("kvcompress/vllm_glue/scheduler.py", "update_from_output")],
      [("vllm/v1/core/sched/scheduler.py", "schedule"),

@@ -16,7 +16,7 @@ from kvcompress.ops.eviction import (
 from kvcompress.ops.kv_pool import KVPool, MetricSink, PagedBatch, SlotBatch
 from kvcompress.ops.move_cache import move_cache, plan_moves
 from kvcompress.ops.page_tables import fill_page_tables
-from kvcompress.ops.paged_attention import paged_attention, write_kv
+from kvcompress.ops.reference_attention import reference_paged_attention, reference_write_kv
 from kvcompress.ops.paged_cache import AppendPlan, PerHeadPagedCache, pages_for
 
 __all__ = [
@@ -37,11 +37,11 @@ __all__ = [
     "gather_logical",
     "move_cache",
     "pages_for",
-    "paged_attention",
+    "reference_paged_attention",
     "plan_moves",
     "protected_count",
     "protected_slots",
     "resolve_ops",
     "schedule_evictions",
-    "write_kv",
+    "reference_write_kv",
 ]

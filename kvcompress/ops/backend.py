@@ -27,8 +27,8 @@ from kvcompress.ops.decode_by_slot import paged_decode_by_slot_reference
 from kvcompress.ops.kv_pool import KVPool, MetricSink, PagedBatch, SlotBatch
 from kvcompress.ops.move_cache import move_cache as reference_move_cache
 from kvcompress.ops.page_tables import fill_page_tables as reference_fill_page_tables
-from kvcompress.ops.paged_attention import paged_attention as reference_paged_attention
-from kvcompress.ops.paged_attention import write_kv as reference_write_kv
+from kvcompress.ops.reference_attention import reference_paged_attention
+from kvcompress.ops.reference_attention import reference_write_kv
 
 # Every op a backend may implement.
 ATTENTION_OPS = ("paged_attention", "paged_decode_by_slot")
@@ -87,7 +87,7 @@ class KernelBackend:
         self, query: torch.Tensor, pool: KVPool, batch: PagedBatch, scale: float,
         out: torch.Tensor | None, metrics: MetricSink | None, *, max_query_chunk: int, partition_size: int,
     ) -> torch.Tensor:
-        """As :func:`kvcompress.ops.paged_attention.paged_attention`."""
+        """As :func:`kvcompress.ops.reference_attention.reference_paged_attention`."""
         return reference_paged_attention(query, pool, batch, scale, out, metrics, max_query_chunk)
 
     def decode_by_slot(
@@ -101,7 +101,7 @@ class KernelBackend:
         self, pool: KVPool, key: torch.Tensor, value: torch.Tensor,
         write_pages: torch.Tensor, write_offsets: torch.Tensor,
     ) -> None:
-        """As :func:`kvcompress.ops.paged_attention.write_kv` (``key`` / ``value``
+        """As :func:`kvcompress.ops.reference_attention.reference_write_kv` (``key`` / ``value``
         ``[T, H, D]``, targets ``[T, H]``)."""
         reference_write_kv(pool.key_cache, pool.value_cache, key, value, write_pages, write_offsets)
 

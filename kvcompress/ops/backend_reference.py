@@ -9,7 +9,7 @@ from kvcompress.ops.backend import KernelBackend
 
 
 class ReferenceBackend(KernelBackend):
-    """The PyTorch ops (:mod:`kvcompress.ops.paged_attention`, ``decode_by_slot``,
+    """The PyTorch ops (:mod:`kvcompress.ops.reference_attention`, ``decode_by_slot``,
     ``move_cache``, ``page_tables``)."""
 
     name = "reference"

@@ -46,7 +46,7 @@ from kvcompress.policies import AdaSplit, BudgetSplit, PyramidSplit, UniformSpli
 
 
 @dataclass(frozen=True)
-class SplitBudget:
+class SplitInputs:
     """What a split rule reads, batched over ``S`` sequences.
 
     Attributes:
@@ -80,7 +80,7 @@ class SplitBudget:
 class SplitRule:
     """The torch rule of a budget split class."""
 
-    def shares(self, split: BudgetSplit, budget: SplitBudget) -> torch.Tensor:
+    def shares(self, split: BudgetSplit, inputs: SplitInputs) -> torch.Tensor:
         """``[S, L, H]`` float64 non-protected tokens each head keeps (sum ``F``)."""
         raise NotImplementedError
 
@@ -88,13 +88,13 @@ class SplitRule:
 class LayerRule(SplitRule):
     """A rule whose heads of a layer keep alike."""
 
-    def layer_shares(self, split: BudgetSplit, budget: SplitBudget) -> torch.Tensor:
+    def layer_shares(self, split: BudgetSplit, inputs: SplitInputs) -> torch.Tensor:
         """``[S, L]`` float64 non-protected tokens per head of each layer."""
         raise NotImplementedError
 
-    def shares(self, split: BudgetSplit, budget: SplitBudget) -> torch.Tensor:
-        layers = self.layer_shares(split, budget)
-        return layers.unsqueeze(-1).expand(budget.num_seqs, budget.num_layers, budget.num_heads)
+    def shares(self, split: BudgetSplit, inputs: SplitInputs) -> torch.Tensor:
+        layers = self.layer_shares(split, inputs)
+        return layers.unsqueeze(-1).expand(inputs.num_seqs, inputs.num_layers, inputs.num_heads)
 
 
 SPLIT_RULES: dict[type[BudgetSplit], SplitRule] = {}
@@ -146,28 +146,28 @@ def _top_count(values: torch.Tensor, candidate: torch.Tensor, count: torch.Tenso
 
 @split_rule(UniformSplit)
 class _Uniform(LayerRule):
-    def layer_shares(self, split: UniformSplit, budget: SplitBudget) -> torch.Tensor:
-        return budget.per_head.view(-1, 1).expand(budget.num_seqs, budget.num_layers)
+    def layer_shares(self, split: UniformSplit, inputs: SplitInputs) -> torch.Tensor:
+        return inputs.per_head.view(-1, 1).expand(inputs.num_seqs, inputs.num_layers)
 
 
 @split_rule(PyramidSplit)
 class _Pyramid(LayerRule):
-    def layer_shares(self, split: PyramidSplit, budget: SplitBudget) -> torch.Tensor:
-        return pyramid_layers(budget.per_head, budget.num_layers, split.beta)
+    def layer_shares(self, split: PyramidSplit, inputs: SplitInputs) -> torch.Tensor:
+        return pyramid_layers(inputs.per_head, inputs.num_layers, split.beta)
 
 
 @split_rule(AdaSplit)
 class _Ada(SplitRule):
-    def shares(self, split: AdaSplit, budget: SplitBudget) -> torch.Tensor:
+    def shares(self, split: AdaSplit, inputs: SplitInputs) -> torch.Tensor:
         layer_rule = rule_for(split.layers)
         if not isinstance(layer_rule, LayerRule):
             raise ValueError(f"Ada-KV needs layer totals; budget split {split.layers.kind!r} has none")
-        base = layer_rule.layer_shares(split.layers, budget)  # [S, L]
-        num_seqs, num_layers, num_heads, num_slots = budget.metrics.shape
+        base = layer_rule.layer_shares(split.layers, inputs)  # [S, L]
+        num_seqs, num_layers, num_heads, num_slots = inputs.metrics.shape
         count = torch.round(base * num_heads).to(torch.int64)  # [S, L]
         winners = _top_count(
-            budget.metrics.reshape(num_seqs * num_layers, -1),
-            budget.candidate.reshape(num_seqs * num_layers, num_heads * num_slots),
+            inputs.metrics.reshape(num_seqs * num_layers, -1),
+            inputs.candidate.reshape(num_seqs * num_layers, num_heads * num_slots),
             count.reshape(-1),
         )
         wins = winners.view(num_seqs, num_layers, num_heads, num_slots).sum(dim=-1)
@@ -177,9 +177,9 @@ class _Ada(SplitRule):
 
 @split_rule(XKVSplit)
 class _XKV(LayerRule):
-    def layer_shares(self, split: XKVSplit, budget: SplitBudget) -> torch.Tensor:
-        num_seqs, num_layers = budget.num_seqs, budget.num_layers
-        free, device = budget.free, budget.metrics.device
+    def layer_shares(self, split: XKVSplit, inputs: SplitInputs) -> torch.Tensor:
+        num_seqs, num_layers = inputs.num_seqs, inputs.num_layers
+        free, device = inputs.free, inputs.metrics.device
         if split.layer_profile is not None:
             if len(split.layer_profile) != num_layers:
                 raise ValueError(
@@ -188,8 +188,8 @@ class _XKV(LayerRule):
             shares = torch.tensor(split.layer_profile, dtype=torch.float64, device=device)
             layer_tokens = free.view(-1, 1) * shares.view(1, -1)  # [S, L]
         else:
-            candidate = budget.candidate
-            values = torch.where(candidate, budget.metrics.to(torch.float64), torch.zeros((), dtype=torch.float64, device=device))
+            candidate = inputs.candidate
+            values = torch.where(candidate, inputs.metrics.to(torch.float64), torch.zeros((), dtype=torch.float64, device=device))
             layer_sum = values.sum(dim=(2, 3), keepdim=True)  # [S, L, 1, 1]
             normalised = torch.where(layer_sum > 0, values / layer_sum.clamp(min=1e-300), torch.zeros_like(values))
             count = torch.round(free).to(torch.int64)
@@ -197,7 +197,7 @@ class _XKV(LayerRule):
                 normalised.reshape(num_seqs, -1), candidate.reshape(num_seqs, -1), count
             )
             layer_tokens = winners.view(num_seqs, num_layers, -1).sum(dim=-1).to(torch.float64)
-        return layer_tokens / budget.num_heads
+        return layer_tokens / inputs.num_heads
 
 
 def keep_targets(
@@ -205,7 +205,7 @@ def keep_targets(
     metrics: torch.Tensor,
     held: torch.Tensor,
     protected: torch.Tensor,
-    keep_tokens: torch.Tensor,
+    kept_slots: torch.Tensor,
 ) -> torch.Tensor:
     """Target KVs kept per (layer, head), in tokens (module docstring).
 
@@ -214,7 +214,7 @@ def keep_targets(
         metrics: ``[S, L, H, K]`` float, metric of each logical slot (>= 0, finite).
         held: ``[S, L, H, K]`` bool, slots holding a KV.
         protected: ``[S, L, H, K]`` bool, held KVs that are never evicted.
-        keep_tokens: ``[S]`` ``T``, slots' worth of KVs each sequence keeps.
+        kept_slots: ``[S]`` ``T``, slots' worth of KVs each sequence keeps.
 
     Returns:
         ``[S, L, H]`` float64 targets, summing to ``T`` per sequence.
@@ -222,6 +222,6 @@ def keep_targets(
     rule = rule_for(split)
     protected = protected & held
     prot = protected.sum(dim=-1).to(torch.float64)  # [S, L, H]
-    free = (keep_tokens.to(metrics.device, torch.float64) - prot.sum(dim=(1, 2))).clamp(min=0)  # [S]
-    budget = SplitBudget(metrics=metrics, candidate=held & ~protected, free=free)
-    return prot + rule.shares(split, budget)
+    free = (kept_slots.to(metrics.device, torch.float64) - prot.sum(dim=(1, 2))).clamp(min=0)  # [S]
+    inputs = SplitInputs(metrics=metrics, candidate=held & ~protected, free=free)
+    return prot + rule.shares(split, inputs)

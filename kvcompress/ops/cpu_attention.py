@@ -180,7 +180,7 @@ KERNEL_WRITE_MIN_ROWS = 1024
 def write_kv_cpu(
     pool: KVPool, key: torch.Tensor, value: torch.Tensor, write_pages: torch.Tensor, write_offsets: torch.Tensor,
 ) -> None:
-    """:func:`kvcompress.ops.paged_attention.write_kv` by vLLM's ``cpu_attn_reshape_and_cache``
+    """:func:`kvcompress.ops.reference_attention.reference_write_kv` by vLLM's ``cpu_attn_reshape_and_cache``
     (``pool`` in the kernel layout, :func:`supports`): each (token, KV head) is one row of
     one head whose slot is ``page * b + offset`` in the ``[N, 1, b, D]`` caches.
 
@@ -274,7 +274,7 @@ def paged_attention_cpu(
     query: torch.Tensor, pool: KVPool, batch: PagedBatch, scale: float,
     out: torch.Tensor | None = None, metrics: MetricSink | None = None,
 ) -> torch.Tensor:
-    """:func:`kvcompress.ops.paged_attention.paged_attention` on vLLM's CPU kernel
+    """:func:`kvcompress.ops.reference_attention.reference_paged_attention` on vLLM's CPU kernel
     (``pool`` in the kernel layout, :func:`supports`). Same arguments and result; the
     decode queries selected by ``metrics`` add to ``pool.slot_metrics`` through
     :func:`kvcompress.ops.decode_metrics.decode_metrics`. Batches with a prompt chunk of at

@@ -1,6 +1,6 @@
 """Decode attention that reads the page tables of all sequence slots (graph-capturable).
 
-The batched decode of :func:`kvcompress.ops.paged_attention.paged_attention` takes
+The batched decode of :func:`kvcompress.ops.reference_attention.reference_paged_attention` takes
 tables gathered for the step's batch and a host-side ``query_start_loc``; both
 change every step. A CUDA graph needs every tensor it reads at a fixed address and
 every launch shape fixed. Here the kernel reads the cache's own per-slot state
@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from kvcompress.ops.kv_pool import KVPool, MetricSink, SlotBatch
-from kvcompress.ops.paged_attention import paged_attention
+from kvcompress.ops.reference_attention import reference_paged_attention
 
 
 MAX_GRAPH_PARTITIONS = 64
@@ -88,5 +88,5 @@ def paged_decode_by_slot_reference(
     # Rows sharing a (padding) slot read nothing, so per-row metrics stay exact.
     gathered = batch.gathered(pool.block_size)
     row_metrics = None if metrics is None else MetricSink(metrics.selected[rows], metrics.power)
-    paged_attention(query[:num_rows], pool, gathered, scale, out=out[:num_rows], metrics=row_metrics)
+    reference_paged_attention(query[:num_rows], pool, gathered, scale, out=out[:num_rows], metrics=row_metrics)
     return out

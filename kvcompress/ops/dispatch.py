@@ -310,7 +310,7 @@ class KernelOps:
         max_query_chunk: int = 512, partition_size: int = 512,
     ) -> torch.Tensor:
         """Attention of one layer over per-head paged KVs; arguments and result as
-        :func:`kvcompress.ops.paged_attention.paged_attention`. ``partition_size``: keys
+        :func:`kvcompress.ops.reference_attention.reference_paged_attention`. ``partition_size``: keys
         per decode partition (CUDA and Triton; a multiple of the block size)."""
         backend = self._backend_for_call("paged_attention", query, pool, batch, out)
         return backend.paged_attention(
@@ -345,7 +345,7 @@ class KernelOps:
         write_pages: torch.Tensor, write_offsets: torch.Tensor,
     ) -> None:
         """Store new KVs in their pages, by the attention's backend (its page layout);
-        arguments as :func:`kvcompress.ops.paged_attention.write_kv` (``key`` / ``value``
+        arguments as :func:`kvcompress.ops.reference_attention.reference_write_kv` (``key`` / ``value``
         ``[T, H, D]``, targets ``[T, H]``)."""
         backend = self.backend("paged_attention") if "paged_attention" in self.backends else backend_reference.BACKEND
         backend.write_kv(pool, key, value, write_pages, write_offsets)

@@ -221,8 +221,8 @@ def schedule_evictions(
     if split is not None and not split.is_global:
         # Order candidates by how far their head is above its target before losing them.
         held_pages = padded_lens.squeeze(-1) // block_size  # [S, L, H]
-        keep_tokens = (held_pages.sum(dim=(1, 2)) - take) * block_size
-        targets = keep_targets(split, values, held, protected, keep_tokens)
+        kept_slots = (held_pages.sum(dim=(1, 2)) - take) * block_size
+        targets = keep_targets(split, values, held, protected, kept_slots)
         pages_left = held_pages.unsqueeze(-1) - torch.arange(num_rows, device=device)
         excess = pages_left.to(torch.float64) * block_size - targets.unsqueeze(-1)
         cost = torch.where(torch.isfinite(cost), -excess, torch.tensor(float("inf"), dtype=torch.float64, device=device))

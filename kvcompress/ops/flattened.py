@@ -175,7 +175,7 @@ def paged_attention_flat(
     out: torch.Tensor | None = None, metrics: MetricSink | None = None,
     metric_pass: PagedMetricPass | None = None, by_head_from: int | None = None,
 ) -> torch.Tensor:
-    """:func:`kvcompress.ops.paged_attention.paged_attention` through ``attend``; the
+    """:func:`kvcompress.ops.reference_attention.reference_paged_attention` through ``attend``; the
     decode queries selected by ``metrics`` add to ``pool.slot_metrics`` through
     ``metric_pass`` (default :func:`torch_decode_metrics`). ``by_head_from``: batches
     with a prompt chunk of at least this many rows run :func:`flat_prompt_by_head`

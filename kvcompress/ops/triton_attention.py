@@ -1,7 +1,7 @@
 """Triton attention over the per-(layer, KV head) paged cache.
 
 Same call and semantics as the PyTorch reference
-:func:`kvcompress.ops.paged_attention.paged_attention` (the oracle), taking the
+:func:`kvcompress.ops.reference_attention.reference_paged_attention` (the oracle), taking the
 :mod:`kvcompress.ops.kv_pool` arguments: one layer of a mixed batch, block tables
 ``[S, H_kv, P]``, per-head lengths ``[S, H_kv]``, a key is
 visible to a query iff its slot index is ``< head_len`` and its stored token position
@@ -510,7 +510,7 @@ def paged_attention_triton(
     out: torch.Tensor | None = None, metrics: MetricSink | None = None, *,
     partition_size: int = DEFAULT_PARTITION_SIZE, block_m: int | None = None, varlen_tile: int | None = None,
 ) -> torch.Tensor:
-    """Triton version of :func:`kvcompress.ops.paged_attention.paged_attention`.
+    """Triton version of :func:`kvcompress.ops.reference_attention.reference_paged_attention`.
 
     Same arguments and result (no ``max_query_chunk``: the kernels tile queries
     themselves). ``batch.max_head_len``, when given, sizes the decode partition grid

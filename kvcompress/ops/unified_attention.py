@@ -183,7 +183,7 @@ def paged_attention_unified(
     query: torch.Tensor, pool: KVPool, batch: PagedBatch, scale: float,
     out: torch.Tensor | None = None, metrics: MetricSink | None = None,
 ) -> torch.Tensor:
-    """:func:`kvcompress.ops.paged_attention.paged_attention` on vLLM's Triton unified
+    """:func:`kvcompress.ops.reference_attention.reference_paged_attention` on vLLM's Triton unified
     attention (:func:`supports`); the decode queries selected by ``metrics`` add to
     ``pool.slot_metrics`` through the project's Triton metric pass (``torch``'s where
     the pool's pages are not a power of two)."""

@@ -5,7 +5,7 @@ vLLM's ``CUSTOM`` backend, selected for kvcompress engines (see
 ``patches/attention_registry.py``). The model runner (``runner.py``) plans each
 step (pages allocated, where every new KV goes) and publishes it with
 ``set_current_step``; the metadata builder hands that plan to every layer, and
-the impl writes the layer's new KVs and runs ``kvcompress.ops.paged_attention``.
+the impl writes the layer's new KVs and runs ``kvcompress.ops.reference_attention``.
 vLLM's own ``kv_cache`` views and ``slot_mapping`` are not used: the whole KV
 buffer is one pool of pages, reached through ``WorkerCacheState`` (its ``pool``, and
 its ``ops``: the kernels' backends, resolved once for the engine).
@@ -53,7 +53,7 @@ def supported_head_sizes(platform=None) -> tuple[int, ...]:
 
 
 @dataclass
-class PerHeadAttentionMetadata:
+class KVCompressAttentionMetadata:
     """``step`` is None for warm-up and profiling runs (nothing is read or written).
     ``decode_only``: attend over the ``DecodeBuffers`` (a decode-only step, or the
     capture of a decode CUDA graph, whose buffers then hold only padding rows). A
@@ -99,7 +99,7 @@ def warms_up_decode(common_attn_metadata: CommonAttentionMetadata) -> bool:
     )
 
 
-class PerHeadAttentionMetadataBuilder(AttentionMetadataBuilder[PerHeadAttentionMetadata]):
+class KVCompressAttentionMetadataBuilder(AttentionMetadataBuilder[KVCompressAttentionMetadata]):
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
         # Decode-only steps read fixed-address buffers (DecodeBuffers); mixed steps
@@ -122,7 +122,7 @@ class PerHeadAttentionMetadataBuilder(AttentionMetadataBuilder[PerHeadAttentionM
         common_prefix_len: int,
         common_attn_metadata: CommonAttentionMetadata,
         fast_build: bool = False,
-    ) -> PerHeadAttentionMetadata:
+    ) -> KVCompressAttentionMetadata:
         step = step_state.current_step()
         if step is not None and not batch_matches_step(step, common_attn_metadata.num_reqs):
             raise RuntimeError(
@@ -133,12 +133,12 @@ class PerHeadAttentionMetadataBuilder(AttentionMetadataBuilder[PerHeadAttentionM
             # Warm-up and profiling runs: nothing real is read or written; a uniform
             # single-token batch runs the graph-captured decode over padding rows, so
             # its kernels compile here rather than inside the graph capture.
-            return PerHeadAttentionMetadata(
+            return KVCompressAttentionMetadata(
                 num_actual_tokens=common_attn_metadata.num_actual_tokens,
                 step=None,
                 decode_only=warms_up_decode(common_attn_metadata),
             )
-        return PerHeadAttentionMetadata(
+        return KVCompressAttentionMetadata(
             num_actual_tokens=common_attn_metadata.num_actual_tokens,
             step=step,
             decode_only=step.decode_only,
@@ -146,18 +146,18 @@ class PerHeadAttentionMetadataBuilder(AttentionMetadataBuilder[PerHeadAttentionM
 
     def build_for_cudagraph_capture(
         self, common_attn_metadata: CommonAttentionMetadata
-    ) -> PerHeadAttentionMetadata:
+    ) -> KVCompressAttentionMetadata:
         # The graph records the decode-buffer path; the runner reset the buffers to
         # padding rows, so warm-up runs of the capture read and write nothing real.
         state = step_state.get_worker_state()
-        return PerHeadAttentionMetadata(
+        return KVCompressAttentionMetadata(
             num_actual_tokens=common_attn_metadata.num_actual_tokens,
             step=None,
             decode_only=state is not None and state.decode_buffers is not None,
         )
 
 
-class PerHeadAttentionImpl(AttentionImpl):
+class KVCompressAttentionImpl(AttentionImpl):
     def __init__(
         self,
         num_heads: int,
@@ -211,7 +211,7 @@ class PerHeadAttentionImpl(AttentionImpl):
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: torch.Tensor,
-        attn_metadata: PerHeadAttentionMetadata | None,
+        attn_metadata: KVCompressAttentionMetadata | None,
         output: torch.Tensor,
         output_scale: torch.Tensor | None = None,
         output_block_scale: torch.Tensor | None = None,
@@ -366,7 +366,7 @@ class PerHeadAttentionImpl(AttentionImpl):
                     ))
 
 
-class PerHeadAttentionBackend(AttentionBackend):
+class KVCompressAttentionBackend(AttentionBackend):
     """Attention over per-(layer, KV head) pages (ops picked by ``kvcompress.ops.dispatch``:
     CUDA extension, Triton or the PyTorch reference)."""
 
@@ -405,9 +405,9 @@ class PerHeadAttentionBackend(AttentionBackend):
         return attn_type == AttentionType.DECODER
 
     @staticmethod
-    def get_impl_cls() -> type[PerHeadAttentionImpl]:
-        return PerHeadAttentionImpl
+    def get_impl_cls() -> type[KVCompressAttentionImpl]:
+        return KVCompressAttentionImpl
 
     @staticmethod
-    def get_builder_cls() -> type[PerHeadAttentionMetadataBuilder]:
-        return PerHeadAttentionMetadataBuilder
+    def get_builder_cls() -> type[KVCompressAttentionMetadataBuilder]:
+        return KVCompressAttentionMetadataBuilder

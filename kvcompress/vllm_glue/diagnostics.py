@@ -2,7 +2,7 @@
 (``worker_rpcs.py``): page counts, per-head lengths and kept positions, a dump of every
 page reference, the opt-in record of each compression's inputs, the decode-metric queue.
 
-Functions of a per-head runner (``runner.PerHeadRunnerMixin``), kept out of it: none of
+Functions of a per-head runner (``runner.KVCompressRunnerMixin``), kept out of it: none of
 this runs in a step unless a test switched recording on.
 """
 

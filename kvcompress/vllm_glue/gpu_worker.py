@@ -2,9 +2,9 @@
 
 Selected through vLLM's public ``--worker-cls`` when kvcompress runs on vLLM's CUDA
 platform (``engine_setup.prepare_engine_args``). The per-head work is the same
-``PerHeadRunnerMixin`` as on CPU; what differs is where vLLM gets the attention
+``KVCompressRunnerMixin`` as on CPU; what differs is where vLLM gets the attention
 backend: on CUDA it honours the engine's ``attention_backend``, which kvcompress
-sets to ``CUSTOM`` and registers as ``PerHeadAttentionBackend``
+sets to ``CUSTOM`` and registers as ``KVCompressAttentionBackend``
 (``patches/attention_registry.register_cuda_backend``). That backend calls
 ``kvcompress.ops.dispatch``: the ``kvcompress._C`` decode kernel when built, Triton
 for prefill / chunked-prefill batches, the PyTorch reference otherwise.
@@ -29,16 +29,16 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
 
 from kvcompress.patches.shutdown import WorkerProcessGuard
-from kvcompress.vllm_glue.memory import PerHeadMemoryBudget
-from kvcompress.vllm_glue.runner import PerHeadRunnerMixin
-from kvcompress.vllm_glue.worker_rpcs import PerHeadWorkerRPCs
+from kvcompress.vllm_glue.memory import KVCompressWorkerMemory
+from kvcompress.vllm_glue.runner import KVCompressRunnerMixin
+from kvcompress.vllm_glue.worker_rpcs import KVCompressWorkerRPCs
 
 
-class KVCompressGPUModelRunner(PerHeadRunnerMixin, GPUModelRunner):
+class KVCompressGPUModelRunner(KVCompressRunnerMixin, GPUModelRunner):
     """vLLM's V1 GPU model runner over the per-(layer, KV head) page pool."""
 
 
-class KVCompressGPUWorker(WorkerProcessGuard, PerHeadWorkerRPCs, PerHeadMemoryBudget, Worker):
+class KVCompressGPUWorker(WorkerProcessGuard, KVCompressWorkerRPCs, KVCompressWorkerMemory, Worker):
     """vLLM's worker building the per-head runner; bounded exit (patches/shutdown.py);
     the per-head metadata inside the KV memory (``memory.py``)."""
 

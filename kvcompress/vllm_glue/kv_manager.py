@@ -70,7 +70,7 @@ _BOUND_ONCE = frozenset({
 })
 
 
-class PerHeadKVCacheManager:
+class KVCompressKVCacheManager:
     """Wraps vLLM's ``KVCacheManager``; capacity is decided in per-head pages.
 
     Every attribute not defined here is the inner manager's.

@@ -43,8 +43,8 @@ def page_stats(llm) -> dict:
     this one with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
     client = llm.llm_engine.engine_core
     if hasattr(client, "call_utility"):
-        return client.call_utility("kvcompress_page_stats")
-    return client.engine_core.kvcompress_page_stats()
+        return client.call_utility("kvc_page_stats")
+    return client.engine_core.kvc_page_stats()
 
 
 def shutdown(llm) -> None:

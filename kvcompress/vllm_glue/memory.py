@@ -176,7 +176,7 @@ def profiled_on_gpu(vllm_config) -> bool:
     return vllm_config.device_config.device_type == "cuda" and not vllm_config.cache_config.kv_cache_memory_bytes
 
 
-class PerHeadMemoryBudget:
+class KVCompressWorkerMemory:
     """Worker mixin: the KV memory vLLM counts blocks in is what is left for pages after
     the per-head metadata (``PerHeadLayout.page_bytes_for``) and, where vLLM profiled it
     on a GPU, the attention workspaces its profile run does not see

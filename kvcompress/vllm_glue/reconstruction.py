@@ -28,7 +28,7 @@ from vllm.logger import init_logger
 
 from kvcompress.ops.metrics import accumulate_metrics, pool_metrics
 from kvcompress.policies import MetricSpec
-from kvcompress.vllm_glue.attention_backend import PerHeadAttentionMetadata
+from kvcompress.vllm_glue.attention_backend import KVCompressAttentionMetadata
 from kvcompress.vllm_glue.scoring_kind import PromptChunk, ScoringContext, ScoringKindGlue
 from kvcompress.vllm_glue.step import ReconstructionStep, StepTables
 
@@ -178,7 +178,7 @@ class ReconstructionPass(ScoringKindGlue):
         device = step.head_lens.device
         num_tokens = len(token_ids)
         first_position = max(0, min(first_position, self.max_model_len - num_tokens))
-        metadata = PerHeadAttentionMetadata(num_actual_tokens=num_tokens, step=step)
+        metadata = KVCompressAttentionMetadata(num_actual_tokens=num_tokens, step=step)
         with set_forward_context({name: metadata for name in self.layer_names}, runner.vllm_config, num_tokens=num_tokens):
             runner._model_forward(
                 input_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),

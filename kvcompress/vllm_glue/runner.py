@@ -51,7 +51,7 @@ from kvcompress.worker_requests import WorkerRequests
 logger = init_logger(f"vllm.{__name__}")
 
 
-class PerHeadRunnerMixin:
+class KVCompressRunnerMixin:
     """Adds the per-(layer, KV head) page pool to a vLLM V1 model runner.
 
     Its parts, set when the pool is built: ``kvc_state`` (the pool, published for the

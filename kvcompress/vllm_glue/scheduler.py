@@ -2,7 +2,7 @@
 
 A thin adapter: the decisions (which request to compress, when, how many pages)
 are ``kvcompress.compression_planner.CompressionPlanner``'s, testable without vLLM;
-capacity is ``kv_manager.PerHeadKVCacheManager``'s. This module only connects them
+capacity is ``kv_manager.KVCompressKVCacheManager``'s. This module only connects them
 to vLLM's hooks and carries the step's :class:`~kvcompress.contract.StepCompression`
 to the worker and its :class:`~kvcompress.contract.WorkerReport` back
 (``outputs.py``).
@@ -21,7 +21,7 @@ from kvcompress.config import KVCompressConfig
 from kvcompress.contract import StepCompression
 from kvcompress.page_accounting import PageAccounting, live_sequence_limit
 from kvcompress.vllm_glue.kv_layout import pages_in_pool
-from kvcompress.vllm_glue.kv_manager import PerHeadKVCacheManager, logical_block_count
+from kvcompress.vllm_glue.kv_manager import KVCompressKVCacheManager, logical_block_count
 from kvcompress.vllm_glue.metrics import with_kvcompress_stats
 from kvcompress.vllm_glue.outputs import report_of, with_step_compression
 from kvcompress.vllm_glue.prefix_cache import PrefixCacheGlue
@@ -47,7 +47,7 @@ class KVCompressScheduler(Scheduler):
             pages_per_token_block=num_layers * heads_per_rank,  # of one rank's pool
         )
         super().__init__(vllm_config, logical_config, *args, **kwargs)
-        self.kvcompress_config = settings
+        self.kvc_settings = settings
         accounting = PageAccounting(
             num_pages=num_pages,
             num_layers=num_layers,
@@ -67,23 +67,23 @@ class KVCompressScheduler(Scheduler):
                 live_limit, live_limit, max_num_seqs,
             )
             self.max_num_active_reqs = live_limit
-        self.planner = CompressionPlanner(settings, accounting)
+        self.kvc_planner = CompressionPlanner(settings, accounting)
         if self.log_stats:  # vLLM takes stats every step (make_stats): count for them
-            self.planner.enable_metrics()
-        self.prefix_cache: PrefixCacheGlue | None = None
+            self.kvc_planner.enable_metrics()
+        self.kvc_prefix_cache: PrefixCacheGlue | None = None
         if self.cache_config.enable_prefix_caching:
-            self.prefix_cache = PrefixCacheGlue(
-                self.kv_cache_manager.block_pool, accounting, block_size, self.planner
+            self.kvc_prefix_cache = PrefixCacheGlue(
+                self.kv_cache_manager.block_pool, accounting, block_size, self.kvc_planner
             )
-        self.kv_cache_manager = PerHeadKVCacheManager(
+        self.kv_cache_manager = KVCompressKVCacheManager(
             self.kv_cache_manager,
             accounting,
             max_model_len=max_model_len,
             watermark_pages=int(self.scheduler_config.watermark * num_pages),
             relieve=self._relieve if settings.enabled else None,
-            on_admission_short=self.planner.note_admission_short if settings.enabled else None,
-            on_release=self.planner.on_released,
-            prefix_cache=self.prefix_cache,
+            on_admission_short=self.kvc_planner.note_admission_short if settings.enabled else None,
+            on_release=self.kvc_planner.on_released,
+            prefix_cache=self.kvc_prefix_cache,
         )
         logger.info(
             "kvcompress scheduler: %d pages per rank x %d TP rank(s) (%d layers x %d KV "
@@ -97,14 +97,14 @@ class KVCompressScheduler(Scheduler):
         # scheduled yet, which vLLM would preempt next.
         running = self.running
         after = running.index(request) + 1 if request in running else 0
-        self.planner.relieve(request, running[after:], pages_short)
+        self.kvc_planner.relieve(request, running[after:], pages_short)
 
     # ------------------------------------------------------------------ vLLM hooks
 
     def schedule(self, *args, **kwargs):
-        planner = self.planner
+        planner = self.kvc_planner
         planner.begin_step()
-        if self.kvcompress_config.enabled:
+        if self.kvc_settings.enabled:
             # Every running request was resolved in the step that admitted it
             # (_step_compression).
             planner.compress_due(self.running, all_resolved=True)
@@ -119,8 +119,8 @@ class KVCompressScheduler(Scheduler):
         pages the worker (re)builds this step."""
         admitted_ids = [new.req_id for new in output.scheduled_new_reqs]
         admitted_ids += list(output.scheduled_cached_reqs.resumed_req_ids or ())
-        planner = self.planner
-        prefix_cache = self.prefix_cache
+        planner = self.kvc_planner
+        prefix_cache = self.kvc_prefix_cache
         prefix_step = None
         if prefix_cache is not None:
             for request_id in admitted_ids:
@@ -145,7 +145,7 @@ class KVCompressScheduler(Scheduler):
     def update_from_output(self, scheduler_output, model_runner_output):
         report = report_of(model_runner_output)
         if report is not None:
-            self.planner.adopt(report)
+            self.kvc_planner.adopt(report)
         return super().update_from_output(scheduler_output, model_runner_output)
 
     def make_stats(self, *args, **kwargs):
@@ -153,27 +153,27 @@ class KVCompressScheduler(Scheduler):
         stats = super().make_stats(*args, **kwargs)
         if stats is None:
             return None
-        return with_kvcompress_stats(stats, self.planner.take_metrics())
+        return with_kvcompress_stats(stats, self.kvc_planner.take_metrics())
 
     def _preempt_request(self, request, *args, **kwargs) -> None:
-        self.planner.on_preempted(request.request_id)
+        self.kvc_planner.on_preempted(request.request_id)
         super()._preempt_request(request, *args, **kwargs)
 
     def _free_request(self, request, *args, **kwargs):
-        self.planner.on_finished(request.request_id)
+        self.kvc_planner.on_finished(request.request_id)
         return super()._free_request(request, *args, **kwargs)
 
     # ------------------------------------------------------------------ utility RPCs
 
-    def kvcompress_page_stats(self) -> dict:
+    def kvc_page_stats(self) -> dict:
         """Scheduler-side page counts per running request (for tests and logs)."""
         return {
-            **self.planner.page_stats(),
+            **self.kvc_planner.page_stats(),
             "running": [request.request_id for request in self.running],
             "waiting": len(self.waiting),
             "running_limit": self.max_num_active_reqs,  # admission bound (live_sequence_limit)
         }
 
-    def kvcompress_reset_peaks(self) -> None:
+    def kvc_reset_peaks(self) -> None:
         """Zero the max-batch counters (benchmarks measure one batch at a time)."""
-        self.planner.reset_peaks()
+        self.kvc_planner.reset_peaks()

@@ -28,7 +28,7 @@ class ScoringContext:
     """What a kind's glue may use, one per pool.
 
     Attributes:
-        runner: vLLM's model runner with ``PerHeadRunnerMixin`` (its ``model``,
+        runner: vLLM's model runner with ``KVCompressRunnerMixin`` (its ``model``,
             ``_model_forward``, ``vllm_config`` and ``execute_model_state``).
         state: the worker's pool.
         layer_names: the attention layers' names, in layer order.

@@ -80,16 +80,16 @@ def warm_up_mixed_steps(state: WorkerCacheState, num_q_heads: int, head_dim: int
 
 def _run_plan(state: WorkerCacheState, rows: tuple[WarmUpRow, ...], num_q_heads: int,
               head_dim: int, dtype: torch.dtype, metric_power: int) -> None:
-    from kvcompress.vllm_glue.attention_backend import PerHeadAttentionImpl, PerHeadAttentionMetadata
+    from kvcompress.vllm_glue.attention_backend import KVCompressAttentionImpl, KVCompressAttentionMetadata
 
     scratch, step = _scratch_step(state, rows, head_dim, dtype, metric_power)
     num_kv_heads = scratch.cache.num_kv_heads
-    impl = PerHeadAttentionImpl(num_q_heads, head_dim, head_dim ** -0.5, num_kv_heads, None, None, "auto")
+    impl = KVCompressAttentionImpl(num_q_heads, head_dim, head_dim ** -0.5, num_kv_heads, None, None, "auto")
     device = scratch.pool.device
     query = torch.zeros(step.num_tokens, num_q_heads, head_dim, dtype=dtype, device=device)
     kv = torch.zeros(step.num_tokens, num_kv_heads, head_dim, dtype=dtype, device=device)
     output = torch.empty_like(query)
-    metadata = PerHeadAttentionMetadata(num_actual_tokens=step.num_tokens, step=step)
+    metadata = KVCompressAttentionMetadata(num_actual_tokens=step.num_tokens, step=step)
     step_state.set_worker_state(scratch)
     try:
         impl.forward(SimpleNamespace(layer_name=WARM_UP_LAYER), query, kv, kv, None, metadata, output)

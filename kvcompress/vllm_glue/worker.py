@@ -13,17 +13,17 @@ from kvcompress.patches.attention_registry import per_head_attention_backend
 from kvcompress.patches.cpu_sampling import CPUSeededChunkRewind
 from kvcompress.patches.shutdown import WorkerProcessGuard
 from kvcompress.patches.util import swapped_attribute
-from kvcompress.vllm_glue.memory import PerHeadMemoryBudget
-from kvcompress.vllm_glue.runner import PerHeadRunnerMixin
-from kvcompress.vllm_glue.worker_rpcs import PerHeadWorkerRPCs
+from kvcompress.vllm_glue.memory import KVCompressWorkerMemory
+from kvcompress.vllm_glue.runner import KVCompressRunnerMixin
+from kvcompress.vllm_glue.worker_rpcs import KVCompressWorkerRPCs
 
 
-class KVCompressCPUModelRunner(CPUSeededChunkRewind, PerHeadRunnerMixin, CPUModelRunner):
+class KVCompressCPUModelRunner(CPUSeededChunkRewind, KVCompressRunnerMixin, CPUModelRunner):
     """vLLM's CPU model runner over the per-(layer, KV head) page pool (with the fix
     for seeded sampling under chunked prefill, ``patches/cpu_sampling.py``)."""
 
 
-class KVCompressCPUWorker(WorkerProcessGuard, PerHeadWorkerRPCs, PerHeadMemoryBudget, CPUWorker):
+class KVCompressCPUWorker(WorkerProcessGuard, KVCompressWorkerRPCs, KVCompressWorkerMemory, CPUWorker):
     """vLLM's worker building the per-head runner; bounded exit (patches/shutdown.py);
     the per-head metadata inside the KV memory (``memory.py``)."""
 
@@ -42,7 +42,7 @@ class KVCompressCPUWorker(WorkerProcessGuard, PerHeadWorkerRPCs, PerHeadMemoryBu
         with per_head_attention_backend():
             super().load_model(*args, **kwargs)
 
-    def kvcompress_process_info(self) -> dict[str, object]:
+    def kvc_process_info(self) -> dict[str, object]:
         """Where this worker runs: pid, the cores it may use, torch's thread count, and
         the Ray actor id when it is a Ray worker (None under the mp executor)."""
         import os

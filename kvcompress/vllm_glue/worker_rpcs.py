@@ -7,23 +7,23 @@ from __future__ import annotations
 from kvcompress.vllm_glue import diagnostics
 
 
-class PerHeadWorkerRPCs:
+class KVCompressWorkerRPCs:
     """Mixed into a vLLM worker whose ``model_runner`` is a per-head runner."""
 
-    def kvcompress_pages_used(self) -> dict[str, int]:
+    def kvc_pages_used(self) -> dict[str, int]:
         return diagnostics.pages_used(self.model_runner)
 
-    def kvcompress_head_lens(self) -> dict[str, list]:
+    def kvc_head_lens(self) -> dict[str, list]:
         return diagnostics.head_lens(self.model_runner)
 
-    def kvcompress_page_dump(self) -> dict:
+    def kvc_page_dump(self) -> dict:
         return diagnostics.page_dump(self.model_runner)
 
-    def kvcompress_kept_positions(self) -> dict[str, list[list[int]]]:
+    def kvc_kept_positions(self) -> dict[str, list[list[int]]]:
         return diagnostics.kept_positions(self.model_runner)
 
-    def kvcompress_record_compressions(self, on: bool) -> dict[str, dict]:
+    def kvc_record_compressions(self, on: bool) -> dict[str, dict]:
         return diagnostics.record_compressions(self.model_runner, on)
 
-    def kvcompress_defer_decode_metrics(self, batch: int) -> int:
+    def kvc_defer_decode_metrics(self, batch: int) -> int:
         return diagnostics.defer_decode_metrics(self.model_runner, batch)

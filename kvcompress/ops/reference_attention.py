@@ -15,7 +15,7 @@ from kvcompress.ops.decode_metrics import decode_metrics
 from kvcompress.ops.kv_pool import KVPool, MetricSink, PagedBatch
 
 
-def write_kv(
+def reference_write_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     key: torch.Tensor,
@@ -87,7 +87,7 @@ def _gather_heads(
     return gathered.reshape(batch, heads, pages * cache.shape[1], cache.shape[2])
 
 
-def paged_attention(
+def reference_paged_attention(
     query: torch.Tensor, pool: KVPool, batch: PagedBatch, scale: float,
     out: torch.Tensor | None = None, metrics: MetricSink | None = None, max_query_chunk: int = 512,
 ) -> torch.Tensor:
