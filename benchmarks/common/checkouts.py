@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -70,7 +71,8 @@ def open_checkout(label: str, rev: str, scratch: Path) -> Checkout:
 @contextlib.contextmanager
 def opened_checkouts(before: str, after: str) -> Iterator[tuple[list[Checkout], Path]]:
     """The two checkouts (before, after) and a scratch folder for the runs' outputs; the
-    temporary worktrees are removed on the way out, whatever happened."""
+    temporary worktrees and the scratch folder are removed on the way out, whatever happened
+    (read the runs' outputs inside)."""
     scratch = Path(tempfile.mkdtemp(prefix="kvc-compare-"))
     checkouts: list[Checkout] = []
     try:
@@ -81,6 +83,7 @@ def opened_checkouts(before: str, after: str) -> Iterator[tuple[list[Checkout], 
         for c in checkouts:
             if c.root != ROOT:
                 _git("worktree", "remove", "--force", str(c.root))
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def checkout_env(checkout: Checkout) -> dict[str, str]:

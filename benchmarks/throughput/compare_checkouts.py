@@ -4,9 +4,9 @@
 runs it ``--repeats`` times on each of two commits (``--before``, ``--after``; ``.`` is this
 working tree), alternating which goes first (B A, A B, B A, ...), so both see the same
 machine drift. Each run is the commit's own benchmark script (``benchmarks/throughput/`` or,
-before the regrouping, ``benchmarks/``) in a temporary ``git worktree``, with ``PYTHONPATH``
-pointing at that checkout (the editable install then loads that checkout's ``kvcompress``;
-``kvcompress/patches`` is linked to its ``patches/`` so the patches package follows too).
+before the regrouping, ``benchmarks/``) in a temporary ``git worktree`` with its own
+``kvcompress`` (``benchmarks/common/checkouts.py``). ``quality/compare_quality_checkouts.py``
+is the quality counterpart.
 
 Reported per (input length, engine, rate): each commit's median output tokens/s, the median
 of the paired after/before ratios (each pair ran back to back), and each commit's median
