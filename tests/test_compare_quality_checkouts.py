@@ -14,8 +14,8 @@ SAMPLES = [{"task": "ppl", "length": 2048, "index": 0},
 
 
 def _run(texts, nll, kept=None) -> dict:
-    return {"texts": list(texts), "nll": copy.deepcopy(nll), "kv_kept": kept, "compressions": 4, "compressions_on_interval": 1,
-            "pages_freed": 10, "num_preemptions": 0, "seconds": 1.0}
+    return {"texts": list(texts), "nll": copy.deepcopy(nll), "kv_kept": kept, "compressions": 4,
+            "compressions_on_interval": 1, "pages_freed": 10, "num_preemptions": 0, "seconds": 1.0}
 
 
 def _row(policy, rate, task, length, score, metric="string_match_all", n=2, pct=100.0) -> dict:
