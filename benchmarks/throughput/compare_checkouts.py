@@ -4,9 +4,9 @@
 runs it ``--repeats`` times on each of two commits (``--before``, ``--after``; ``.`` is this
 working tree), alternating which goes first (B A, A B, B A, ...), so both see the same
 machine drift. Each run is the commit's own benchmark script (``benchmarks/throughput/`` or,
-before the regrouping, ``benchmarks/``) in a temporary ``git worktree``, with ``PYTHONPATH``
-pointing at that checkout (the editable install then loads that checkout's ``kvcompress``;
-``kvcompress/patches`` is linked to its ``patches/`` so the patches package follows too).
+before the regrouping, ``benchmarks/``) in a temporary ``git worktree`` with its own
+``kvcompress`` (``benchmarks/common/checkouts.py``). ``quality/compare_quality_checkouts.py``
+is the quality counterpart.
 
 Reported per (input length, engine, rate): each commit's median output tokens/s, the median
 of the paired after/before ratios (each pair ran back to back), and each commit's median
@@ -25,33 +25,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:  # run as a file: `benchmarks` imports from the repository root
+    sys.path.append(str(REPO_ROOT))  # last: the installed kvcompress still wins
+
+from benchmarks.common.checkouts import (  # noqa: E402
+    Checkout, fmt, opened_checkouts, run_order, run_script, split_argv,
+)
+
 SCRIPT_PATHS = ("benchmarks/throughput/benchmark_throughput.py", "benchmarks/benchmark_throughput.py")
-
-
-@dataclass(frozen=True)
-class Checkout:
-    label: str  # "before" / "after"
-    rev: str  # what was asked for ("." = this working tree)
-    commit: str
-    root: Path
-
-
-def run_order(repeats: int) -> list[tuple[int, str]]:
-    """(repetition, label) in run order: before first on even repetitions, after on odd."""
-    order = []
-    for rep in range(repeats):
-        pair = ("before", "after") if rep % 2 == 0 else ("after", "before")
-        order.extend((rep, label) for label in pair)
-    return order
 
 
 def row_key(row: dict) -> tuple[int, str, float]:
@@ -91,10 +77,6 @@ def summarize(runs: dict[str, list[dict]]) -> list[dict]:
     return summary
 
 
-def _fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def render_markdown(checkouts: list[Checkout], summary: list[dict], meta: dict) -> str:
     lines = [f"# Throughput before / after ({meta['date']})", "",
              f"Host: {meta['machine']}. {meta['repeats']} interleaved repetitions per commit; "
@@ -104,51 +86,20 @@ def render_markdown(checkouts: list[Checkout], summary: list[dict], meta: dict) 
               "after / before (paired median) | before vs stock | after vs stock |",
               "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for e in summary:
-        lines.append(f"| {e['input_len']} | {e['engine']} | {e['rate']:g} | {_fmt(e['before_median'], '.1f')} | "
-                     f"{_fmt(e['after_median'], '.1f')} | {_fmt(e['paired_after_over_before'], '.3f')} | "
-                     f"{_fmt(e.get('before_vs_stock'), '.3f')} | {_fmt(e.get('after_vs_stock'), '.3f')} |")
+        lines.append(f"| {e['input_len']} | {e['engine']} | {e['rate']:g} | {fmt(e['before_median'], '.1f')} | "
+                     f"{fmt(e['after_median'], '.1f')} | {fmt(e['paired_after_over_before'], '.3f')} | "
+                     f"{fmt(e.get('before_vs_stock'), '.3f')} | {fmt(e.get('after_vs_stock'), '.3f')} |")
     return "\n".join(lines) + "\n"
 
 
-def _git(*args: str, cwd: Path = ROOT) -> str:
-    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
-
-
-def open_checkout(label: str, rev: str, scratch: Path) -> Checkout:
-    if rev == ".":
-        return Checkout(label, rev, _git("rev-parse", "HEAD") + " + working tree", ROOT)
-    root = scratch / label
-    _git("worktree", "add", "--detach", str(root), rev)
-    link = root / "kvcompress" / "patches"
-    if (root / "patches").is_dir() and not link.exists():
-        link.symlink_to("../patches")
-    return Checkout(label, rev, _git("rev-parse", rev), root)
-
-
-def check_imports_from(checkout: Checkout, env: dict) -> None:
-    """Refuse to measure if ``kvcompress`` or its patches would load from another checkout."""
-    probe = "import kvcompress, kvcompress.patches as p; print(kvcompress.__file__); print(p.__file__)"
-    files = subprocess.run([sys.executable, "-c", probe], cwd=checkout.root, env=env, check=True,
-                           capture_output=True, text=True).stdout.split()
-    outside = [f for f in files if not Path(f).resolve().is_relative_to(checkout.root.resolve())]
-    if outside:
-        raise RuntimeError(f"{checkout.label} ({checkout.rev}) would import {outside} from outside {checkout.root}")
-
-
 def run_benchmark(checkout: Checkout, benchmark_args: list[str], prefix: Path) -> dict:
-    script = next(checkout.root / path for path in SCRIPT_PATHS if (checkout.root / path).exists())
-    env = dict(os.environ, PYTHONPATH=str(checkout.root))
-    check_imports_from(checkout, env)
-    command = [sys.executable, str(script), *benchmark_args, "--repeats", "1", "--no-plots",
-               "--no-progress", "--output-prefix", str(prefix)]
-    print(f"[{checkout.label}] {' '.join(command)}", flush=True)
-    subprocess.run(command, cwd=checkout.root, env=env, check=True)
+    run_script(checkout, SCRIPT_PATHS, [*benchmark_args, "--repeats", "1", "--no-plots", "--no-progress",
+                                        "--output-prefix", str(prefix)])
     return json.loads(prefix.with_suffix(".json").read_text())
 
 
 def main(argv: list[str] | None = None) -> dict:
-    argv = sys.argv[1:] if argv is None else argv
-    own, benchmark_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    own, benchmark_args = split_argv(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--before", required=True, help="commit to compare against")
     parser.add_argument("--after", default=".", help="commit measured against it ('.' = this working tree)")
@@ -156,24 +107,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", required=True, help="output prefix for .json and .md")
     args = parser.parse_args(own)
 
-    scratch = Path(tempfile.mkdtemp(prefix="kvc-compare-"))
-    checkouts = [open_checkout("before", args.before, scratch), open_checkout("after", args.after, scratch)]
-    by_label = {c.label: c for c in checkouts}
     runs: dict[str, list[dict]] = {"before": [], "after": []}
-    try:
+    with opened_checkouts(args.before, args.after) as (checkouts, scratch):
+        by_label = {c.label: c for c in checkouts}
         for rep, label in run_order(args.repeats):
             runs[label].append(run_benchmark(by_label[label], benchmark_args, scratch / f"{label}-{rep}"))
-    finally:
-        for c in checkouts:
-            if c.root != ROOT:
-                _git("worktree", "remove", "--force", str(c.root))
     meta = {"date": runs["after"][0]["date"], "machine": runs["after"][0]["machine"], "repeats": args.repeats,
             "benchmark_args": benchmark_args}
     summary = summarize(runs)
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(
-        {**meta, "checkouts": [{"label": c.label, "rev": c.rev, "commit": c.commit} for c in checkouts],
-         "summary": summary, "runs": runs}, indent=1))
+        {**meta, "checkouts": [c.record() for c in checkouts], "summary": summary, "runs": runs}, indent=1))
     out.with_suffix(".md").write_text(render_markdown(checkouts, summary, meta))
     print(out.with_suffix(".md").read_text())
     return {"summary": summary}
