@@ -1,30 +1,17 @@
 """Decode metrics: what decode queries add to the eviction metrics, and one owner of when.
 
-The formula: each decode query adds ``softmax(q . K * scale) ** power``, summed over its
-query group, into ``pool.slot_metrics`` at the slots its head holds (KVs at positions up
-to its own). :func:`decode_metrics_by_head` is its one torch definition (
-:func:`decode_metrics` its per-row view); every kernel that accumulates decode metrics
-(the fused CUDA decode, the Triton decode's metric kernel, the Triton unified path,
-vLLM's CPU kernel's pass) is tested against it.
+What: each decode query adds ``softmax(q . K * scale) ** power``, summed over its query
+group, into ``pool.slot_metrics`` at the slots its head holds (positions up to its own).
+:func:`decode_metrics_by_head` is the one torch definition (:func:`decode_metrics` its
+per-row view; the reference attention calls it), which every kernel is tested against.
 
-When: CUDA and Triton add them during the forward. On vLLM's CPU kernel the pass is
-one of its own and costs the copy of every page a head holds, not the arithmetic (one
-query set of a 4-layer step: 0.26 ms; four: 0.41 ms), so a sequence's metric queries
-wait in :class:`DeferredDecodeQueries`, all layers of each, until it has ``batch`` of
-them; then one pass scores them with those of every other sequence of the step that
-holds some. Deferring changes nothing the eviction reads: a decode query sees the KVs
-its head held in its own step (the pass masks later positions), and a sequence's
-pending queries are scored before anything reads or evicts its metrics; a released
-sequence drops them. ``tests/test_deferred_metrics.py`` checks this against the pass
-run every step.
-
-:class:`DecodeMetrics` is the one object the runner and the step planner call:
-``record_step`` / ``record_kernel_step`` (a step's queries), ``after_forward``,
-``flush`` (before a compression reads them), ``drop`` (released sequences).
-
-Memory: ``batch`` queries of every layer per sequence with pending queries,
-``batch * L * Hq * D`` of the model's dtype (tiny model 32 KiB, SmolLM2-135M 276 KiB in
-float32), outside the KV budget like the step's activations.
+When: CUDA and Triton add them during the forward. On vLLM's CPU kernel the pass costs
+the copy of every page a head holds, so a sequence's queries wait in
+:class:`DeferredDecodeQueries` until it has a few, then one pass scores those of every
+row holding some. That changes nothing the eviction reads: each query is masked to the
+KVs of its own step, and pending queries are scored before a compression reads them
+(``tests/test_deferred_metrics.py``). :class:`DecodeMetrics` is the one object the
+runner and step planner call: record, after_forward, flush, drop.
 """
 
 from __future__ import annotations
