@@ -40,22 +40,22 @@ def _attend(
     values: torch.Tensor,
     visible: torch.Tensor,
     scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Masked GQA attention in float32.
+) -> torch.Tensor:
+    """Masked GQA attention in float32 (decode metrics are :mod:`decode_metrics`' own pass).
 
     Args:
         query: ``[B, Tq, Hkv, G, D]``; keys, values: ``[B, Hkv, K, D]``;
         visible: ``[B, Hkv, Tq, K]`` bool.
 
     Returns:
-        ``([B, Tq, Hkv, G, D]`` float32 output, ``[B, Hkv, G, Tq, K]`` probabilities).
+        ``[B, Tq, Hkv, G, D]`` float32 output.
     """
     scores = torch.einsum("bthgd,bhkd->bhgtk", query.float(), keys.float()) * scale
     scores = scores.masked_fill(~visible.unsqueeze(2), float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     # A query that sees no key (padding rows) gets zeros, not NaN.
     probs = torch.nan_to_num(probs, nan=0.0)
-    return torch.einsum("bhgtk,bhkd->bthgd", probs, values.float()), probs
+    return torch.einsum("bhgtk,bhkd->bthgd", probs, values.float())
 
 
 def _attend_fused(
@@ -65,7 +65,7 @@ def _attend_fused(
     visible: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """``_attend`` without probabilities, through torch's fused SDPA (prefill chunks:
+    """``_attend`` through torch's fused SDPA (prefill chunks:
     several times faster on CPU, same float32 math). Shapes as ``_attend``."""
     batch, num_tokens, num_kv_heads, group, head_dim = query.shape
     q = query.float().permute(0, 2, 3, 1, 4).reshape(batch, num_kv_heads * group, num_tokens, head_dim)
@@ -142,7 +142,7 @@ def reference_paged_attention(
             key_pos <= q_pos.view(-1, 1, 1)
         )  # [B, H, K]
         q = query[token_rows].view(len(decode_rows), 1, num_kv_heads, group, head_dim)
-        result, _ = _attend(q, keys, values, visible.unsqueeze(2), scale)
+        result = _attend(q, keys, values, visible.unsqueeze(2), scale)
         out[token_rows] = result.reshape(len(decode_rows), num_q_heads, head_dim).to(
             out.dtype
         )
