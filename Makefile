@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test demo serve bench eval clean gpu-kit gpu-kit-rehearse
+.PHONY: setup test demo serve bench eval ruler ruler-setup clean gpu-kit gpu-kit-rehearse
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -30,6 +30,15 @@ bench: setup
 # Quality suite (SmolLM2-135M, RULER-style tasks) as % of the full cache; EVAL_ARGS=--limit 1 for a quick run.
 eval: setup
 	$(PY) benchmarks/quality/eval_quality.py $(EVAL_ARGS)
+
+# NVIDIA's packaged RULER (PyPI nvidia-long-context-eval) in its own venv (.venv-ruler, ~1 min once),
+# its sentence-splitter data and the quick samples; `make ruler` runs it against vllm serve, stock vs
+# kvcompress (benchmarks/quality/ruler.py; RULER_ARGS=--quick for a CI-sized run).
+ruler-setup: setup
+	$(PY) benchmarks/quality/ruler.py --quick --prepare-only
+
+ruler: ruler-setup
+	$(PY) benchmarks/quality/ruler.py $(RULER_ARGS)
 
 # The GPU end-to-end kit (benchmarks/gpu_e2e/README.md): vLLM 0.32.0's CUDA build packed into
 # the git-ignored .gpu-kit/ for the air-gapped H200 (downloads ~360 MB once; ~3 min on 2 cores).

