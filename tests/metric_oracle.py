@@ -51,10 +51,11 @@ class LayerQueriesKeys:
     scale: float
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """Llama's (GPT-NeoX) RoPE partner of each dimension: ``[-x2, x1]``."""
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x [heads, T, D]`` rotated by Llama's (GPT-NeoX) RoPE: dimension ``d`` pairs with
+    ``d + D/2``; ``cos``/``sin`` ``[T, D]`` are the model's angles."""
     half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
 def prompt_queries_keys(model_path: str, prompt: list[int]) -> list[LayerQueriesKeys]:
@@ -72,8 +73,7 @@ def prompt_queries_keys(model_path: str, prompt: list[int]) -> list[LayerQueries
         dim = attention.head_dim
         q = attention.q_proj(hidden)[0].view(hidden.shape[1], -1, dim).transpose(0, 1)  # [Hq, T, D]
         k = attention.k_proj(hidden)[0].view(hidden.shape[1], -1, dim).transpose(0, 1)  # [Hkv, T, D]
-        rotate = lambda x: x * cos[0] + _rotate_half(x) * sin[0]  # noqa: E731
-        layers.append(LayerQueriesKeys(rotate(q), rotate(k), float(attention.scaling)))
+        layers.append(LayerQueriesKeys(_rope(q, cos[0], sin[0]), _rope(k, cos[0], sin[0]), float(attention.scaling)))
 
     hooks = [layer.self_attn.register_forward_pre_hook(record, with_kwargs=True) for layer in model.model.layers]
     try:
