@@ -12,6 +12,7 @@ import pytest
 
 from conftest import TINY_KV_HEADS, TINY_LAYERS, load_benchmark, worker_page_stats
 from eviction_oracle import check_what_survived, compress_one_and_read
+from metric_oracle import AttentionMetricDefinition, prompt_metrics
 from reconstruction_oracle import reconstruction_scores, surprisal_nats
 from kvcompress.policies import POLICY_NAMES, load_layer_profile
 
@@ -186,3 +187,62 @@ def test_surprisal_scores_match_an_independent_forward(kvc_tiny_llm, tiny_model)
                 # later decode metrics only add attention probabilities (small) to it
                 assert expected[position] - 1e-4 <= metric <= expected[position] + 0.05, (position, metric)
     check_what_survived(recorded, kept, "surprisal", _block(kvc_tiny_llm))
+
+
+DOCUMENTED_METRICS = {
+    "kvc": AttentionMetricDefinition(power=2, observation_window=32, pool_kernel=31, prompt_weight=1 / 8),
+    "snapkv": AttentionMetricDefinition(power=1, observation_window=32, pool_kernel=7, prompt_weight=1 / 8),
+    "pyramidkv": AttentionMetricDefinition(power=1, observation_window=8, pool_kernel=7, prompt_weight=1 / 8),
+}
+"""Prompt metrics as ``kvcompress/policies.py``'s table documents them (kvc: L2, the last
+32 queries, max-pool 31; the tiny engine has no tokenizer, so no word spans), scaled by
+1 / ``decode_metric_stride`` (8, the default ``kvc_tiny_llm`` keeps)."""
+
+# The engine runs the model in float32 (its dtype), the oracle in float64. Float32
+# rounding grows through the layers (and a logit's error is magnified by its size in
+# the probability): Hugging Face's own float32 forward is up to 5.5e-5 (relative) off
+# the float64 kvc metrics of a 400-token prompt; the engine, on this prompt, up to
+# 1e-4 (layer 0: under 1e-5). 5e-4 leaves ~5x room; a changed definition moves the
+# values far more (one query less in the window: up to 62%; plain probabilities,
+# no GQA sum, no 1/8: factors).
+METRIC_RTOL, METRIC_ATOL = 5e-4, 1e-10
+
+
+@pytest.mark.parametrize("policy", sorted(DOCUMENTED_METRICS))
+def test_prompt_metrics_match_a_float64_recomputation(kvc_tiny_llm, tiny_model, policy):
+    """The metrics the worker held when it compressed a request equal a float64
+    recomputation from Hugging Face's queries and keys (``metric_oracle``: the policy's
+    last w queries, probabilities to its power, summed over each KV head's query group,
+    scaled by 1/8, max-pooled) in every (layer, KV head) and position, with the window
+    across two prefill chunks; and each head evicted the oracle's lowest-ranked
+    unprotected KVs (up to ties within the tolerance at the cut)."""
+    import torch
+
+    definition = DOCUMENTED_METRICS[policy]
+    prompt = _prompt(59)[:388]  # chunks of 128: both windows (356.., 380..) cross 384
+    chunk = kvc_tiny_llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    assert (len(prompt) - 1) // chunk != (len(prompt) - definition.observation_window) // chunk
+    recorded, kept = compress_one_and_read(kvc_tiny_llm, prompt, policy)
+    # Compressed right after its prefill: no decode query has added to the metrics yet.
+    assert recorded["context_len"] == len(prompt)
+    want = prompt_metrics(tiny_model, prompt, definition)
+    assert want.shape == (TINY_LAYERS * TINY_KV_HEADS, len(prompt))
+    # The record's heads are the cache's [layers, KV heads] flattened (diagnostics.head_slots):
+    # index layer * num_kv_heads + kv_head, the oracle's order.
+    got = torch.full_like(want, float("nan"))
+    for head, pairs in enumerate(recorded["heads"]):
+        positions, metrics = zip(*pairs)
+        assert sorted(positions) == list(range(len(prompt)))  # uncompressed: every KV once
+        got[head, list(positions)] = torch.tensor(metrics, dtype=torch.float64)
+    torch.testing.assert_close(got, want, rtol=METRIC_RTOL, atol=METRIC_ATOL)
+    context, window = recorded["context_len"], recorded["protected_window"]
+    unprotected = range(recorded["protected_prefix"], context - window)
+    evicted_any = False
+    for head, survivors in enumerate(kept):
+        evicted = [float(want[head, p]) for p in unprotected if p not in survivors]
+        held = [float(want[head, p]) for p in unprotected if p in survivors]
+        if evicted and held:
+            evicted_any = True
+            assert max(evicted) <= min(held) * (1 + 2 * METRIC_RTOL) + METRIC_ATOL, head
+    assert evicted_any
+    check_what_survived(recorded, kept, policy, _block(kvc_tiny_llm))
