@@ -11,7 +11,7 @@ $(PY):
 setup: $(PY)
 	bash scripts/install_cpu.sh $(VENV)
 
-test: setup
+test: setup ruler-setup
 	$(PY) -m pytest -q --durations=25 tests
 
 # Stock vLLM vs kvcompress at rates 1/4/8 on SmolLM2 long-document questions, same KV memory

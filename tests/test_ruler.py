@@ -83,6 +83,7 @@ def test_every_server_gets_the_same_kv_memory_and_context(tmp_path):
 @pytest.mark.parametrize("argv, named", [
     (["--tasks", "niah_single_2,needle"], "--tasks"),
     (["--rates", "0.5"], "--rates"),
+    (["--tasks", "vt,qa_1", "--length", "1000"], "--length >= 2000"),
 ])  # fmt: skip
 def test_bad_arguments_name_the_flag(argv, named, capsys):
     with pytest.raises(SystemExit):
@@ -92,5 +93,15 @@ def test_bad_arguments_name_the_flag(argv, named, capsys):
 
 def test_quick_is_ci_sized():
     args = ruler.parse_args(["--quick"])
-    assert args.tasks == list(ruler.QUICK_TASKS) and args.samples == 4 and args.length == 2000
+    assert args.tasks == list(ruler.QUICK_TASKS) and args.samples == 4 and args.length == 1000
     assert args.out.endswith("-quick")
+
+
+def test_the_summary_line_names_each_configuration_and_its_share():
+    tasks = ["vt"]
+    runs = {"stock": {"policy": None, "rate": None, "scores": {"vt": {0: 100.0, 1: 50.0}}},
+            "kvc r8": {"policy": "kvc", "rate": 8.0, "scores": {"vt": {0: 50.0, 1: 25.0}}}}
+    results = {"setup": {"length": 4000, "model": "SmolLM2-135M-Instruct (x)", "samples": 2}, "tasks": tasks,
+               "rows": ruler.summarize(runs, tasks)}
+    line = ruler.summary_line(results)
+    assert line.startswith("summary: RULER 4000, SmolLM2-135M-Instruct, 1 tasks x 2: stock 75.0; kvc r8 37.5 (50%")
