@@ -224,20 +224,30 @@ def predict(env: RulerEnv, data_dir: Path, pred_dir: Path, task: str, url: str, 
     pred_dir.mkdir(parents=True, exist_ok=True)
     with open(pred_dir / f"{task}.client.log", "ab") as client_log:
         client = subprocess.Popen(command, stdout=client_log, stderr=subprocess.STDOUT, env=env.environ())
-        seen, last_change = _lines(pred_file), time.monotonic()
-        while client.poll() is None:
-            time.sleep(1.0)
-            now_seen = _lines(pred_file)
-            if now_seen != seen:
-                progress(now_seen - seen)
-                seen, last_change = now_seen, time.monotonic()
-            elif time.monotonic() - last_change > stall_s:
+        try:
+            _follow(client, pred_file, progress, stall_s, task)
+        finally:  # stopped, stalled or interrupted: no client is left behind
+            if client.poll() is None:
                 client.kill()
-                raise RuntimeError(f"RULER client made no progress on {task} for {stall_s:.0f} s "
-                                   f"(see {pred_dir / f'{task}.client.log'})")
-        progress(_lines(pred_file) - seen)
+                client.wait()
     if client.returncode != 0:
         raise RuntimeError(f"RULER client failed on {task} (exit {client.returncode}); see {client_log.name}")
+
+
+def _follow(client: subprocess.Popen, pred_file: Path, progress: Callable[[int], None], stall_s: float,
+            task: str) -> None:
+    """Report new lines of ``pred_file`` while ``client`` runs; raise if none come for ``stall_s``."""
+    seen, last_change = _lines(pred_file), time.monotonic()
+    while client.poll() is None:
+        time.sleep(1.0)
+        now_seen = _lines(pred_file)
+        if now_seen != seen:
+            progress(now_seen - seen)
+            seen, last_change = now_seen, time.monotonic()
+        elif time.monotonic() - last_change > stall_s:
+            raise RuntimeError(f"RULER client made no progress on {task} for {stall_s:.0f} s "
+                               f"(see {pred_file.with_suffix('.client.log')})")
+    progress(_lines(pred_file) - seen)
 
 
 def _lines(path: Path) -> int:
