@@ -131,12 +131,13 @@ def aligned(scores: dict[int, float], indices: list[int]) -> list[float]:
     return [scores[i] for i in indices]
 
 
-def summarize(runs: dict[str, dict], tasks: list[str]) -> list[dict]:
+def summarize(runs: dict[str, dict], tasks: list[str], reference: str = "stock") -> list[dict]:
     """One row per configuration: per task and overall (mean of task means) the score
-    and % of stock, each with its 95% bootstrap interval (paired with stock)."""
+    and % of stock (the run labelled ``reference``), each with its 95% bootstrap interval
+    (paired with stock)."""
     from benchmarks.quality.eval_quality import bootstrap_interval
 
-    stock = runs["stock"]["scores"]
+    stock = runs[reference]["scores"]
     indices = {t: sorted(stock[t]) for t in tasks}
     full = [aligned(stock[t], indices[t]) for t in tasks]
     rows = []
