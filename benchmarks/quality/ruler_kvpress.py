@@ -30,6 +30,7 @@ Writes ``OUT.md`` and ``OUT.json``.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -150,8 +151,9 @@ def worker_environ() -> dict[str, str]:
     return env
 
 
-def generate(python: Path, job: dict, pred_dir: Path, progress) -> dict[tuple[str, int], str]:
-    """Run the worker over ``job`` (resuming ``pred_dir/answers.jsonl``); (task, index) -> answer."""
+def generate(python: Path, job: dict, pred_dir: Path, progress) -> dict[tuple[str, int], dict]:
+    """Run the worker over ``job`` (resuming ``pred_dir/answers.jsonl``); (task, index) ->
+    the worker's line (answer, context_tokens, kept_tokens)."""
     job_path, answers = pred_dir / "job.json", pred_dir / "answers.jsonl"
     job_path.write_text(json.dumps(job))
     seen = len(read_jsonl(answers)) if answers.exists() else 0
@@ -167,7 +169,7 @@ def generate(python: Path, job: dict, pred_dir: Path, progress) -> dict[tuple[st
     if worker.returncode != 0:
         raise RuntimeError(f"kvpress worker failed (exit {worker.returncode}); see {pred_dir / 'worker.log'}")
     progress(len(read_jsonl(answers)) - seen)
-    return {(line["task"], line["index"]): line["answer"] for line in read_jsonl(answers)}
+    return {(line["task"], line["index"]): line for line in read_jsonl(answers)}
 
 
 def run_configuration(config: PressConfig, python: Path, ruler, data_dir: Path, items: list[dict],
@@ -181,10 +183,18 @@ def run_configuration(config: PressConfig, python: Path, ruler, data_dir: Path, 
     answers = generate(python, job, pred_dir, bar.update)
     for task in args.tasks:
         samples = read_jsonl(data_dir / task / "validation.jsonl")[: args.samples]
-        write_predictions(pred_dir, task, samples, [answers[(task, s["index"])] for s in samples])
+        write_predictions(pred_dir, task, samples, [answers[(task, s["index"])]["answer"] for s in samples])
     return {"policy": config.press, "rate": config.rate, "compression_ratio": config.compression_ratio,
             "wall_s": round(time.monotonic() - started, 1), "pred_dir": str(pred_dir),
+            "kept_fraction": kept_fraction(list(answers.values())),
             "scores": score(ruler, pred_dir, args.tasks)}
+
+
+def kept_fraction(lines: list[dict]) -> float | None:
+    """The context KV pairs left after the press over all samples (the worker's counts)."""
+    counted = [line for line in lines if "kept_tokens" in line]
+    total = sum(line["context_tokens"] for line in counted)
+    return sum(line["kept_tokens"] for line in counted) / total if total else None
 
 
 # --------------------------------------------------------------------------------------
@@ -323,7 +333,10 @@ def main(argv: list[str] | None = None) -> dict:
     spec = SampleSet(args.checkpoint, args.length, args.samples, args.sample_set)
     data_dir = prepare_samples(ruler, spec, args.tasks, log=log)
     items = job_items(data_dir, args.tasks, args.samples, tokens_to_generate(ruler, args.tasks))
-    stamp = {"commit": git_commit(), "samples": spec.key, "requirements": list(KVPRESS_REQUIREMENTS)}
+    # What the answers depend on: not the commit (nothing of kvcompress runs), only the
+    # samples, the kvpress venv, the worker and the split; a changed one starts afresh.
+    stamp = {"samples": spec.key, "requirements": list(KVPRESS_REQUIREMENTS), "openings": QUESTION_OPENINGS,
+             "worker": hashlib.sha256(WORKER.read_bytes()).hexdigest()[:16]}
     configs = configurations(args)
     runs = {}
     with tqdm(total=len(configs) * len(items), desc="RULER kvpress", unit="sample", file=sys.stderr) as bar:
@@ -331,7 +344,7 @@ def main(argv: list[str] | None = None) -> dict:
             runs[config.label] = run_configuration(config, python, ruler, data_dir, items, args, stamp, bar)
     results = {
         "setup": {"model": description, "length": args.length, "samples": args.samples, "sample_set": args.sample_set,
-                  "commit": stamp["commit"], "presses": args.presses, "compression_ratios": args.compression_ratios,
+                  "commit": git_commit(), "presses": args.presses, "compression_ratios": args.compression_ratios,
                   "kvpress_requirements": list(KVPRESS_REQUIREMENTS), "question_openings": QUESTION_OPENINGS},
         "machine": machine_info(), "tasks": args.tasks, "runs": runs,
         "rows": summarize(runs, args.tasks, reference=REFERENCE),

@@ -20,7 +20,8 @@ template (or prepend BOS) and put a newline before the answer prefix, and the mo
 then read other tokens than stock vLLM read.
 
 One JSON line per answered sample is appended to ``ANSWERS.jsonl``
-(``{"task", "index", "answer"}``); samples already there are skipped, so a stopped run
+(``{"task", "index", "answer", "context_tokens", "kept_tokens"}``: the context's length and
+the KV pairs of it left in the cache, a check that the press did compress); samples already there are skipped, so a stopped run
 resumes. Float32 on the CPU.
 """
 
@@ -79,10 +80,16 @@ def split_ids(tokenizer, text: str, question_start: int):
     return as_tensor(ids[:cut]), as_tensor(ids[cut:])
 
 
-def answer(pipe, press, item: dict) -> str:
+def answer(pipe, press, item: dict) -> dict:
+    """The answer to ``item`` and the KV pairs kept of its context (first layer: the
+    pipeline trims the question and answer off the cache after generating)."""
+    from transformers import DynamicCache
+
     context_ids, question_ids = split_ids(pipe.tokenizer, item["input"], item["question_start"])
     inputs = {"context_ids": context_ids, "questions_ids": [question_ids]}
-    return pipe.forward(inputs, press=press, max_new_tokens=item["max_new_tokens"], cache=None)[0]
+    cache = DynamicCache()
+    text = pipe.forward(inputs, press=press, max_new_tokens=item["max_new_tokens"], cache=cache)[0]
+    return {"answer": text, "context_tokens": context_ids.shape[1], "kept_tokens": cache.get_seq_length(0)}
 
 
 def done_keys(path: Path) -> set[tuple[str, int]]:
@@ -103,8 +110,8 @@ def main(job_path: str, answers_path: str) -> None:
     press = make_press(job["press"], job["compression_ratio"])
     with open(out, "a", encoding="utf-8") as handle:
         for item in todo:
-            text = answer(pipe, press, item)
-            handle.write(json.dumps({"task": item["task"], "index": item["index"], "answer": text}) + "\n")
+            line = {"task": item["task"], "index": item["index"], **answer(pipe, press, item)}
+            handle.write(json.dumps(line) + "\n")
             handle.flush()  # the parent counts lines for its progress bar
 
 
