@@ -88,7 +88,9 @@ def test_an_input_without_the_question_opening_is_refused():
 
 
 def test_every_task_has_a_question_opening():
-    assert {ruler_kvpress.task_family(t) for t in ruler_kvpress.RULER_TASKS} == set(ruler_kvpress.QUESTION_OPENINGS)
+    from benchmarks.quality.ruler_harness import RULER_TASKS
+
+    assert {ruler_kvpress.task_family(t) for t in RULER_TASKS} == set(ruler_kvpress.QUESTION_OPENINGS)
 
 
 def test_the_worker_cuts_the_prompt_tokens_at_the_question():

@@ -44,9 +44,17 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:  # run as a file: `benchmarks` imports from the repository root
     sys.path.append(str(REPO_ROOT))
 
-from benchmarks.quality.ruler import QA_MIN_LENGTH, git_commit, model_dir, summarize, summary_line, table_lines  # noqa: E402
+from benchmarks.quality.ruler import (  # noqa: E402
+    add_sample_arguments,
+    check_tasks,
+    git_commit,
+    length_tag,
+    model_dir,
+    summarize,
+    summary_line,
+    table_lines,
+)
 from benchmarks.quality.ruler_harness import (  # noqa: E402
-    RULER_TASKS,
     SampleSet,
     _run_checked,
     prepare_samples,
@@ -268,11 +276,7 @@ def write_report(results: dict, prefix: str) -> list[str]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="benchmarks/quality/ruler_kvpress.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=("smollm2", "qwen"), default="smollm2")
-    parser.add_argument("--length", type=int, default=4000, help="RULER max_seq_length: prompt + answer tokens")
-    parser.add_argument("--tasks", default="all", help=f"comma-separated, or all ({', '.join(RULER_TASKS)})")
-    parser.add_argument("--samples", type=int, default=25, help="samples per task")
-    parser.add_argument("--sample-set", type=int, default=0, help="0: the package's samples; k: another draw")
+    add_sample_arguments(parser)
     parser.add_argument("--presses", nargs="+", default=["snapkv"], help=f"kvpress presses: {', '.join(PRESS_CLASSES)}")
     amount = parser.add_mutually_exclusive_group()
     amount.add_argument("--rates", nargs="+", type=float, default=None, help="kvcompress rates (default 8)")
@@ -285,19 +289,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", default=None, help="output prefix (default benchmarks/results/ruler-kvpress-<model>-<length>-cpu)")
     args = parser.parse_args(argv)
     check_args(parser, args)
-    length_tag = f"{args.length // 1000}k" if args.length % 1000 == 0 else str(args.length)
-    args.out = args.out or f"benchmarks/results/ruler-kvpress-{args.model}-{length_tag}-cpu"
+    args.out = args.out or f"benchmarks/results/ruler-kvpress-{args.model}-{length_tag(args.length)}-cpu"
     return args
 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Validate in place: tasks, presses, and rates / ratios into ``args.compression_ratios``."""
-    args.tasks = list(RULER_TASKS) if args.tasks == "all" else args.tasks.split(",")
-    unknown = sorted(set(args.tasks) - set(RULER_TASKS))
-    if unknown:
-        parser.error(f"--tasks: unknown {unknown}; RULER has {', '.join(RULER_TASKS)}")
-    if args.length < QA_MIN_LENGTH and any(t.startswith("qa_") for t in args.tasks):
-        parser.error(f"--tasks: qa_1 / qa_2 need --length >= {QA_MIN_LENGTH}")
+    check_tasks(parser, args)
     unknown = sorted(set(args.presses) - set(PRESS_CLASSES))
     if unknown:
         parser.error(f"--presses: unknown {unknown}; choose from {', '.join(PRESS_CLASSES)}")
