@@ -152,14 +152,17 @@ def job_items(data_dir: Path, tasks: list[str], samples: int, answer_tokens: dic
     return items
 
 
-def worker_environ() -> dict[str, str]:
+def worker_environ(threads: int | None) -> dict[str, str]:
+    """The worker's environment: quiet, offline, ``threads`` torch threads (None: torch's default)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(TRANSFORMERS_VERBOSITY="error", HF_HUB_DISABLE_PROGRESS_BARS="1", HF_HUB_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false")
+    if threads:  # on a shared, busy CPU one thread beats two that wait on each other
+        env["OMP_NUM_THREADS"] = str(threads)
     return env
 
 
-def generate(python: Path, job: dict, pred_dir: Path, progress) -> dict[tuple[str, int], dict]:
+def generate(python: Path, job: dict, pred_dir: Path, progress, threads: int | None = None) -> dict[tuple[str, int], dict]:
     """Run the worker over ``job`` (resuming ``pred_dir/answers.jsonl``); (task, index) ->
     the worker's line (answer, context_tokens, kept_tokens)."""
     job_path, answers = pred_dir / "job.json", pred_dir / "answers.jsonl"
@@ -168,7 +171,7 @@ def generate(python: Path, job: dict, pred_dir: Path, progress) -> dict[tuple[st
     progress(seen)
     with open(pred_dir / "worker.log", "ab") as log:
         worker = subprocess.Popen([str(python), str(WORKER), str(job_path), str(answers)],
-                                  stdout=log, stderr=subprocess.STDOUT, env=worker_environ())
+                                  stdout=log, stderr=subprocess.STDOUT, env=worker_environ(threads))
         while worker.poll() is None:
             time.sleep(2.0)
             now = len(read_jsonl(answers)) if answers.exists() else 0
@@ -188,7 +191,7 @@ def run_configuration(config: PressConfig, python: Path, ruler, data_dir: Path, 
     started = time.monotonic()
     job = {"model_dir": str(args.checkpoint), "press": config.press,
            "compression_ratio": config.compression_ratio, "items": items}
-    answers = generate(python, job, pred_dir, bar.update)
+    answers = generate(python, job, pred_dir, bar.update, args.threads)
     for task in args.tasks:
         samples = read_jsonl(data_dir / task / "validation.jsonl")[: args.samples]
         write_predictions(pred_dir, task, samples, [answers[(task, s["index"])]["answer"] for s in samples])
@@ -283,6 +286,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     amount.add_argument("--ratios", nargs="+", type=float, default=None, help="kvpress compression_ratio values")
     parser.add_argument("--vllm-results", default=None,
                         help="ruler.py result JSON (or stock prediction folder): report identical no-press answers")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads in the worker (default: torch's)")
     parser.add_argument("--kvpress-venv", default=str(REPO_ROOT / ".venv-kvpress"))
     parser.add_argument("--ruler-venv", default=str(REPO_ROOT / ".venv-ruler"))
     parser.add_argument("--work", default=None, help="prediction folders (default: <cache>/ruler-kvpress-runs/<out name>)")
