@@ -250,6 +250,11 @@ def agreement_line(agreement: dict) -> str:
 # Report
 
 
+def kept_summary(runs: dict[str, dict]) -> str:
+    kept = [(label, run.get("kept_fraction")) for label, run in runs.items()]
+    return ", ".join(f"{label} {100 * f:.1f}%" for label, f in kept if f is not None) or "not recorded"
+
+
 def write_report(results: dict, prefix: str) -> list[str]:
     rows, tasks, setup = results["rows"], results["tasks"], results["setup"]
     mapping = ", ".join(f"r{ratio_to_rate(r):.3g} = {r:g}" for r in setup["compression_ratios"])
@@ -261,6 +266,7 @@ def write_report(results: dict, prefix: str) -> list[str]:
         f"- press compresses the context only (kvpress's RULER split); the question and answer prefix are read "
         f"after; prompt tokens as `vllm serve` tokenizes them. compression_ratio = 1 - 1/rate ({mapping})",
         f"- reference for %: {REFERENCE} (full cache, same transformers path); kvpress prunes KVs, it frees no memory",
+        "- context KV pairs left after the press (measured, first layer): " + kept_summary(results["runs"]),
         f"- machine: {results['machine']['cpu']}, {results['machine']['cores']} cores",
         "- (lo-hi): 95% percentile-bootstrap interval over samples (paired with the reference for %)", "",
         "## Score (0-100)", "", *table_lines(rows, tasks, pct=False), "",
