@@ -142,3 +142,12 @@ def test_rows_use_the_no_press_run_as_reference():
     rows = ruler_kvpress.summarize(runs, ["vt"], reference="no press")
     assert [r["label"] for r in rows] == ["no press", "kvpress snapkv r8"]
     assert rows[1]["pct_of_stock"] == pytest.approx(50.0)
+
+
+def test_kept_fraction_pools_the_counted_samples():
+    lines = [{"context_tokens": 100, "kept_tokens": 12}, {"context_tokens": 300, "kept_tokens": 38},
+             {"answer": "from a worker that did not count"}]
+    assert ruler_kvpress.kept_fraction(lines) == pytest.approx(50 / 400)
+    assert ruler_kvpress.kept_fraction([{"answer": "x"}]) is None
+    runs = {"no press": {"kept_fraction": 1.0}, "kvpress snapkv r8": {"kept_fraction": 0.125}, "old": {}}
+    assert ruler_kvpress.kept_summary(runs) == "no press 100.0%, kvpress snapkv r8 12.5%"
