@@ -131,12 +131,13 @@ def aligned(scores: dict[int, float], indices: list[int]) -> list[float]:
     return [scores[i] for i in indices]
 
 
-def summarize(runs: dict[str, dict], tasks: list[str]) -> list[dict]:
+def summarize(runs: dict[str, dict], tasks: list[str], reference: str = "stock") -> list[dict]:
     """One row per configuration: per task and overall (mean of task means) the score
-    and % of stock, each with its 95% bootstrap interval (paired with stock)."""
+    and % of stock (the run labelled ``reference``), each with its 95% bootstrap interval
+    (paired with stock)."""
     from benchmarks.quality.eval_quality import bootstrap_interval
 
-    stock = runs["stock"]["scores"]
+    stock = runs[reference]["scores"]
     indices = {t: sorted(stock[t]) for t in tasks}
     full = [aligned(stock[t], indices[t]) for t in tasks]
     rows = []
@@ -226,13 +227,34 @@ def write_plot(rows: list[dict], path: str, title: str) -> str | None:
 # CLI
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="benchmarks/quality/ruler.py", description=__doc__.split("\n\n")[0])
+def add_sample_arguments(parser: argparse.ArgumentParser) -> None:
+    """Which model and RULER samples: the flags every RULER front-end shares."""
     parser.add_argument("--model", choices=("smollm2", "qwen"), default="smollm2")
     parser.add_argument("--length", type=int, default=4000, help="RULER max_seq_length: prompt + answer tokens")
     parser.add_argument("--tasks", default="all", help=f"comma-separated, or all ({', '.join(RULER_TASKS)})")
     parser.add_argument("--samples", type=int, default=25, help="samples per task")
     parser.add_argument("--sample-set", type=int, default=0, help="0: the package's samples; k: another draw (seed 42+k)")
+
+
+def check_tasks(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``args.tasks`` from its comma-separated form into a list of known tasks, in place."""
+    args.tasks = list(RULER_TASKS) if args.tasks == "all" else args.tasks.split(",")
+    unknown = sorted(set(args.tasks) - set(RULER_TASKS))
+    if unknown:
+        parser.error(f"--tasks: unknown {unknown}; RULER has {', '.join(RULER_TASKS)}")
+    if args.length < QA_MIN_LENGTH and any(t.startswith("qa_") for t in args.tasks):
+        parser.error(f"--tasks: qa_1 / qa_2 need --length >= {QA_MIN_LENGTH} (the package's QA generator "
+                     "never finishes below: its first 10 documents already exceed the length)")
+
+
+def length_tag(length: int) -> str:
+    """``--length`` as output names spell it: 4000 -> 4k."""
+    return f"{length // 1000}k" if length % 1000 == 0 else str(length)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="benchmarks/quality/ruler.py", description=__doc__.split("\n\n")[0])
+    add_sample_arguments(parser)
     parser.add_argument("--policies", nargs="+", default=["kvc"])
     parser.add_argument("--rates", nargs="+", type=float, default=[8.0])
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight (the client's --threads)")
@@ -250,17 +272,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.quick:
         args.tasks, args.samples, args.length = ",".join(QUICK_TASKS), QUICK_SAMPLES, QUICK_LENGTH
         args.policies, args.rates = ["kvc"], [8.0]
-    args.tasks = list(RULER_TASKS) if args.tasks == "all" else args.tasks.split(",")
-    unknown = sorted(set(args.tasks) - set(RULER_TASKS))
-    if unknown:
-        parser.error(f"--tasks: unknown {unknown}; RULER has {', '.join(RULER_TASKS)}")
-    if args.length < QA_MIN_LENGTH and any(t.startswith("qa_") for t in args.tasks):
-        parser.error(f"--tasks: qa_1 / qa_2 need --length >= {QA_MIN_LENGTH} (the package's QA generator "
-                     "never finishes below: its first 10 documents already exceed the length)")
+    check_tasks(parser, args)
     if any(rate < 1 for rate in args.rates):
         parser.error("--rates: every rate must be >= 1")
-    length_tag = f"{args.length // 1000}k" if args.length % 1000 == 0 else str(args.length)
-    args.out = args.out or f"benchmarks/results/ruler-{args.model}-{length_tag}-cpu" + ("-quick" if args.quick else "")
+    args.out = args.out or f"benchmarks/results/ruler-{args.model}-{length_tag(args.length)}-cpu" + ("-quick" if args.quick else "")
     return args
 
 

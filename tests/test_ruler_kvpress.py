@@ -1,0 +1,153 @@
+"""benchmarks/quality/ruler_kvpress.py's own logic, without the kvpress venv: the rate to
+compression_ratio mapping, bad arguments, the context / question split on RULER-shaped
+inputs (and the worker's token cut on the real tokenizer), the no-press vs vLLM agreement."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import load_benchmark
+
+ruler_kvpress = load_benchmark("ruler_kvpress")
+worker = load_benchmark("ruler_kvpress_worker")
+
+ESSAY = "April 2012A palliative care nurse made a list.\nWhat you do matters. One of the special magic numbers for shy-bean is: 5128."
+
+# (task, input, the question as the package's template appends it: question + answer prefix)
+RULER_LINES = [
+    ("niah_single_2",
+     "A special magic number is hidden within the following text. Make sure to memorize it. I will quiz you "
+     f"about the number afterwards.\n{ESSAY}\n",
+     "What is the special magic number for shy-bean mentioned in the provided text? The special magic number "
+     "for shy-bean mentioned in the provided text is"),
+    ("vt",
+     " Memorize and track the chain(s) of variable assignment hidden in the following text.\n\nThe grass is green.\n"
+     " VAR BBA = 64886 The grass is green.\nQuestion: not this one.\n The sky is blue.\n",
+     "Question: Find all variables that are assigned the value 64886 in the text above. Answer: According to "
+     "the chain(s) of variable assignment in the text above, 1 variables are assgined the value 64886, they are: "),
+    ("fwe",
+     "Read the following coded text and track the frequency of each coded word. Find the three most frequently "
+     "appeared coded words. ... ktx ... ktx .... poa\n",
+     "Question: Do not provide any explanation. Please ignore the dots '....'. What are the three most frequently "
+     "appeared words in the above coded text? Answer: According to the coded text above, the three most "
+     "frequently appeared words are:"),
+    ("qa_1",
+     "Answer the question based on the given documents. Only give me the answer and do not output any other "
+     "words.\n\nThe following are given documents.\n\nDocument 1:\nQuestion: who?\n\n",
+     "Answer the question based on the given documents. Only give me the answer and do not output any other "
+     "words.\n\nQuestion: Who wrote it? Answer:"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("rate, ratio", [(8, 0.875), (2, 0.5), (4, 0.75), (1.25, 0.2)])
+def test_a_rate_keeps_one_over_rate_so_kvpress_removes_the_rest(rate, ratio):
+    assert ruler_kvpress.rate_to_ratio(rate) == pytest.approx(ratio)
+    assert ruler_kvpress.ratio_to_rate(ratio) == pytest.approx(rate)
+    args = ruler_kvpress.parse_args(["--rates", str(rate), "--presses", "snapkv", "knorm"])
+    configs = ruler_kvpress.configurations(args)
+    assert [c.label for c in configs] == ["no press", f"kvpress snapkv r{rate:g}", f"kvpress knorm r{rate:g}"]
+    assert configs[1].compression_ratio == pytest.approx(ratio) and configs[0].press is None
+
+
+def test_ratios_are_taken_as_kvpress_numbers_and_labelled_by_rate():
+    args = ruler_kvpress.parse_args(["--ratios", "0.5", "0.9", "--presses", "kvzip"])
+    assert args.compression_ratios == [0.5, 0.9]
+    assert [c.label for c in ruler_kvpress.configurations(args)[1:]] == ["kvpress kvzip r2", "kvpress kvzip r10"]
+    assert ruler_kvpress.parse_args([]).compression_ratios == [0.875]  # default: rate 8
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--rates", "1"], "--rates"),
+    (["--rates", "0.5"], "--rates"),
+    (["--ratios", "1.0"], "--ratios"),
+    (["--ratios", "0"], "--ratios"),
+    (["--rates", "8", "--ratios", "0.5"], "not allowed with argument"),
+    (["--presses", "snapkv", "h2o"], "--presses"),
+    (["--tasks", "niah_single_2,needle"], "--tasks"),
+    (["--tasks", "qa_1", "--length", "1000"], "--length >= 2000"),
+    (["--samples", "0"], "--samples"),
+])  # fmt: skip
+def test_bad_arguments_name_the_flag(argv, named, capsys):
+    with pytest.raises(SystemExit):
+        ruler_kvpress.parse_args(argv)
+    assert named in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("task, context, question", RULER_LINES, ids=[line[0] for line in RULER_LINES])
+def test_the_question_is_the_template_tail_after_the_last_opening(task, context, question):
+    text = context + question
+    start = ruler_kvpress.question_start(task, text)
+    assert text[:start] == context and text[start:] == question
+
+
+def test_an_input_without_the_question_opening_is_refused():
+    with pytest.raises(ValueError, match="niah_single_1"):
+        ruler_kvpress.question_start("niah_single_1", "no question here")
+
+
+def test_every_task_has_a_question_opening():
+    from benchmarks.quality.ruler_harness import RULER_TASKS
+
+    assert {ruler_kvpress.task_family(t) for t in RULER_TASKS} == set(ruler_kvpress.QUESTION_OPENINGS)
+
+
+def test_the_worker_cuts_the_prompt_tokens_at_the_question():
+    from transformers import AutoTokenizer
+
+    from benchmarks.common.offline_assets import smollm2_checkpoint
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_checkpoint())
+    task, context, question = RULER_LINES[0]
+    text = context + question
+    context_ids, question_ids = worker.split_ids(tokenizer, text, ruler_kvpress.question_start(task, text))
+    whole = tokenizer(text)["input_ids"]  # what vllm serve's completion endpoint tokenizes
+    assert context_ids[0].tolist() + question_ids[0].tolist() == whole
+    assert tokenizer.decode(question_ids[0]) == question and tokenizer.decode(context_ids[0]) == context
+
+
+def test_every_press_name_is_a_kvpress_class_name():
+    assert all(name.endswith("Press") and name[0].isupper() for name in worker.PRESS_CLASSES.values())
+    assert worker.make_press(None, 0.5) is None
+
+
+def _predictions(folder, task, rows):
+    samples = [{"index": i, "input": text, "outputs": ["1"]} for i, text, _ in rows]
+    ruler_kvpress.write_predictions(folder, task, samples, [answer for _, _, answer in rows])
+
+
+def test_agreement_counts_identical_answers_on_the_same_samples_only(tmp_path):
+    ours, theirs = tmp_path / "ours", tmp_path / "stock"
+    _predictions(ours, "vt", [(0, "a", " X Y"), (1, "b", "Z"), (2, "c", "W"), (3, "d", "V")])
+    # index 2's input differs (another sample set), index 9 is not ours: neither is compared
+    _predictions(theirs, "vt", [(0, "a", "X Y\n"), (1, "b", "z"), (2, "other", "W"), (9, "e", "V"), (3, "d", "V")])
+    agreement = ruler_kvpress.answer_agreement(ours, theirs, ["vt"])
+    assert agreement["per_task"]["vt"] == {"compared": 3, "identical": 2}
+    assert agreement["identical_fraction"] == pytest.approx(2 / 3)
+    assert "67% of 3" in ruler_kvpress.agreement_line(agreement)
+
+
+def test_a_ruler_result_json_points_at_its_stock_predictions(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVCOMPRESS_CACHE", str(tmp_path / "cache"))
+    result = tmp_path / "ruler-smollm2-1k-cpu-quick.json"
+    result.write_text(json.dumps({}))
+    assert ruler_kvpress.stock_predictions(result) == tmp_path / "cache" / "ruler-runs" / result.stem / "stock"
+    assert ruler_kvpress.stock_predictions(tmp_path) == tmp_path
+
+
+def test_rows_use_the_no_press_run_as_reference():
+    runs = {"no press": {"policy": None, "rate": None, "scores": {"vt": {0: 100.0, 1: 50.0}}},
+            "kvpress snapkv r8": {"policy": "snapkv", "rate": 8.0, "scores": {"vt": {0: 50.0, 1: 25.0}}}}
+    rows = ruler_kvpress.summarize(runs, ["vt"], reference="no press")
+    assert [r["label"] for r in rows] == ["no press", "kvpress snapkv r8"]
+    assert rows[1]["pct_of_stock"] == pytest.approx(50.0)
+
+
+def test_kept_fraction_pools_the_counted_samples():
+    lines = [{"context_tokens": 100, "kept_tokens": 12}, {"context_tokens": 300, "kept_tokens": 38},
+             {"answer": "from a worker that did not count"}]
+    assert ruler_kvpress.kept_fraction(lines) == pytest.approx(50 / 400)
+    assert ruler_kvpress.kept_fraction([{"answer": "x"}]) is None
+    runs = {"no press": {"kept_fraction": 1.0}, "kvpress snapkv r8": {"kept_fraction": 0.125}, "old": {}}
+    assert ruler_kvpress.kept_summary(runs) == "no press 100.0%, kvpress snapkv r8 12.5%"
