@@ -46,6 +46,7 @@ from benchmarks.quality.ruler_harness import (  # noqa: E402
     RulerEnv,
     SampleSet,
     ServeConfig,
+    count_lines,
     predict,
     prepare_samples,
     reset_dir,
@@ -104,7 +105,7 @@ def run_configuration(config: ServeConfig, env: RulerEnv, data_dir: Path, tasks:
     # Stock's answers do not depend on kvcompress's code (rate-1 parity is tested apart): they
     # survive a new commit, so a long comparison can span sessions; kvcompress's do not.
     reset_dir(pred_dir, {**stamp, "config": config.label, "commit": stamp["commit"] if config.policy else None})
-    missing = [t for t in tasks if _done(pred_dir, t) < args.samples]
+    missing = [t for t in tasks if count_lines(pred_dir / f"{t}.jsonl") < args.samples]
     started = time.monotonic()
     if missing:
         flags = server_flags(args, checkpoint)
@@ -116,11 +117,6 @@ def run_configuration(config: ServeConfig, env: RulerEnv, data_dir: Path, tasks:
         bar.update(len(tasks) * args.samples)
     return {"policy": config.policy, "rate": config.rate, "wall_s": round(time.monotonic() - started, 1),
             "scores": score(env, pred_dir, tasks)}
-
-
-def _done(pred_dir: Path, task: str) -> int:
-    path = pred_dir / f"{task}.jsonl"
-    return sum(1 for line in open(path) if line.strip()) if path.exists() else 0
 
 
 # --------------------------------------------------------------------------------------

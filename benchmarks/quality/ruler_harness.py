@@ -237,20 +237,21 @@ def predict(env: RulerEnv, data_dir: Path, pred_dir: Path, task: str, url: str, 
 def _follow(client: subprocess.Popen, pred_file: Path, progress: Callable[[int], None], stall_s: float,
             task: str) -> None:
     """Report new lines of ``pred_file`` while ``client`` runs; raise if none come for ``stall_s``."""
-    seen, last_change = _lines(pred_file), time.monotonic()
+    seen, last_change = count_lines(pred_file), time.monotonic()
     while client.poll() is None:
         time.sleep(1.0)
-        now_seen = _lines(pred_file)
+        now_seen = count_lines(pred_file)
         if now_seen != seen:
             progress(now_seen - seen)
             seen, last_change = now_seen, time.monotonic()
         elif time.monotonic() - last_change > stall_s:
             raise RuntimeError(f"RULER client made no progress on {task} for {stall_s:.0f} s "
                                f"(see {pred_file.with_suffix('.client.log')})")
-    progress(_lines(pred_file) - seen)
+    progress(count_lines(pred_file) - seen)
 
 
-def _lines(path: Path) -> int:
+def count_lines(path: Path) -> int:
+    """Non-empty lines of a JSONL file (0 when it does not exist yet)."""
     if not path.exists():
         return 0
     with open(path, "rb") as handle:
