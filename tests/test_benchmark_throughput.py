@@ -57,6 +57,8 @@ def test_benchmark_throughput_smoke(tmp_path):
         for key in ("throughput_multiplier", "max_batch_multiplier", "total_tokens_per_s", "requests_per_s"):
             assert math.isfinite(row[key]) and row[key] > 0, (key, row)
         assert row["preemptions"] is not None and row["preemptions"] >= 0
+        # Tokens computed again: none without a preemption, some after one.
+        assert row["recomputed_tokens"] >= 0 and (row["recomputed_tokens"] > 0) == (row["preemptions"] > 0), row
     stock, kvc1, kvc4 = rows[("stock vLLM", 1.0)], rows[("kvcompress", 1.0)], rows[("kvcompress", 4.0)]
     assert stock["throughput_multiplier"] == 1.0
     assert kvc4["max_decode_batch"] > stock["max_decode_batch"]

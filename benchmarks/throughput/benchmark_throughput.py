@@ -108,7 +108,7 @@ CSV_FIELDS = [
     "max_batch_multiplier",
     "ideal_multiplier", "share_of_ideal", "prefill_step_seconds", "decode_step_seconds",
     "decode_step_tokens_per_s", "decode_step_multiplier", "mean_decode_step_batch",
-    "steps", "decode_steps", "preemptions", "compress_share_of_step_time", "compressions",
+    "steps", "decode_steps", "preemptions", "recomputed_tokens", "compress_share_of_step_time", "compressions",
     "pages_freed", "kvs_evicted", "mismatches", "load_1min",
 ]  # fmt: skip
 
@@ -299,7 +299,8 @@ class StepLog:
         return prompt_tokens, decode_rows
 
     def take(self) -> tuple[int, int]:
-        """(prompt tokens, decode rows) scheduled since the last call."""
+        """(prompt tokens, decode rows) scheduled since the last call; their sum is every
+        token the engine computed (no speculative decoding here)."""
         prompt_tokens = sum(p for p, _ in self.pending)
         decode_rows = sum(d for _, d in self.pending)
         self.pending.clear()
@@ -323,7 +324,7 @@ def run_batch(llm, prompts, params_list, desc: str, progress: bool) -> dict[str,
         engine.add_request(f"{tag}-{index}", TokensPrompt(prompt_token_ids=prompt), params)
     log.take()
     batches: list[int] = []
-    steps = finished = prompt_tokens = output_tokens = 0
+    steps = finished = prompt_tokens = output_tokens = scheduled_tokens = 0
     prefill_seconds = decode_seconds = 0.0
     decode_steps = decode_tokens = 0
     while engine.has_unfinished_requests():
@@ -331,6 +332,7 @@ def run_batch(llm, prompts, params_list, desc: str, progress: bool) -> dict[str,
         outputs = engine.step()
         step_seconds = time.perf_counter() - step_started
         scheduled_prompt, scheduled_decodes = log.take()
+        scheduled_tokens += scheduled_prompt + scheduled_decodes
         if scheduled_prompt:
             prefill_seconds += step_seconds
         elif scheduled_decodes:
@@ -369,8 +371,17 @@ def run_batch(llm, prompts, params_list, desc: str, progress: bool) -> dict[str,
         "decode_step_tokens_per_s": decode_tokens / decode_seconds if decode_seconds else None,
         "mean_decode_step_batch": decode_tokens / decode_steps if decode_steps else None,
         "preemptions": after - before if before >= 0 and after >= 0 else None,
+        "recomputed_tokens": recomputed_tokens(scheduled_tokens, prompt_tokens, output_tokens, finished),
         "load_1min": load,
     }
+
+
+def recomputed_tokens(scheduled_tokens: int, prompt_tokens: int, output_tokens: int, finished: int) -> int:
+    """Tokens computed more than once (recomputation after preemptions): a request that
+    is never preempted computes its prompt and every output token but the last (which
+    no step feeds back), so the engine computes ``prompt + output - 1`` tokens per
+    finished request, and anything scheduled beyond that was recomputed."""
+    return scheduled_tokens - (prompt_tokens + output_tokens - finished)
 
 
 def _warmup(llm, params) -> None:
@@ -483,7 +494,7 @@ def _measure(
         skip_tokenizer_init=True,
         dtype=dtype,
         enforce_eager=enforce_eager,
-        max_model_len=max(input_lens) + output_len + 16,
+        max_model_len=max_model_len_for(input_lens, output_len),
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         enable_prefix_caching=False,
@@ -746,9 +757,17 @@ def _print_row(row: dict[str, Any]) -> None:
         f"  L={row['input_len']:<6} {row['engine']:<11} rate {row['rate']:>4g}: "
         f"{row['total_tokens_per_s']:9.1f} tok/s  {row['output_tokens_per_s']:7.1f} out tok/s  "
         f"max batch {row['max_decode_batch']:4d}  mean {row['mean_decode_batch']:6.1f}  "
-        f"preempt {_fmt(row.get('preemptions'), 'd')}  {row['seconds']:6.1f} s",
+        f"preempt {_fmt(row.get('preemptions'), 'd')}  recomputed {_fmt(row.get('recomputed_tokens'), 'd')}  "
+        f"{row['seconds']:6.1f} s",
         flush=True,
     )
+
+
+def _sequences(results: dict[str, Any]) -> str:
+    """`` = F full sequences`` under ``--kv-sequences``."""
+    if results.get("kv_sequences") is None:
+        return ""
+    return f" = {results['kv_sequences']:g} sequences of max_model_len {results['max_model_len']} tokens"
 
 
 def header_lines(results: dict[str, Any]) -> list[str]:
@@ -757,7 +776,7 @@ def header_lines(results: dict[str, Any]) -> list[str]:
         f"date: {results['date']}; machine: {results['machine']}",
         f"model: {results['model']} ({results['dtype']}); dataset: {results['dataset']}",
         f"KV memory budget (both engines): {budget} bytes = {results['kv_budget_tokens_uncompressed']} "
-        f"uncompressed tokens ({results['kv_bytes_per_token']} bytes/token); usable: stock "
+        f"uncompressed tokens{_sequences(results)} ({results['kv_bytes_per_token']} bytes/token); usable: stock "
         f"{results.get('stock_kv_capacity_tokens', '-')} tokens, kvcompress "
         f"{results.get('kvcompress_kv_capacity_tokens', '-')} tokens; block size: stock "
         f"{results.get('stock_block_size', '-')} tokens, kvcompress page {results.get('kvcompress_block_size', '-')} tokens",
@@ -792,7 +811,7 @@ def header_lines(results: dict[str, Any]) -> list[str]:
 
 TABLE_HEADER = (
     "| input | engine | rate | req/s | out tok/s | total tok/s | x stock thpt | x r=1 thpt | "
-    "max batch | mean batch | x stock batch | preempt | compress % | pages freed | s |"
+    "max batch | mean batch | x stock batch | preempt | recomputed | compress % | pages freed | s |"
 )
 
 
@@ -822,6 +841,7 @@ def markdown_table(results: dict[str, Any]) -> str:
             f"{row['mean_decode_batch']:.1f}",
             _fmt(row.get("max_batch_multiplier")),
             _fmt(row.get("preemptions"), "d"),
+            _fmt(row.get("recomputed_tokens"), "d"),
             f"{100 * share:.1f}" if share is not None else "-",
             _fmt(row.get("pages_freed"), "d"),
             f"{row['seconds']:.1f}",
@@ -888,7 +908,9 @@ NOTES = (
     "x stock: kvcompress / stock vLLM at the same input length (throughput: total tokens/s; "
     "batch: max decode batch); x r=1: kvcompress / kvcompress at rate 1. Decode batch: requests that produced a token in an engine step; "
     "mean over the steps that produced any. compress %: worker time in compression (schedule + "
-    "MoveCache) / worker step time. Rate 1: per-head cache, nothing evicted."
+    "MoveCache) / worker step time. Rate 1: per-head cache, nothing evicted. preempt: vLLM's "
+    "preemption counter; recomputed: tokens computed again after preemptions (every token the "
+    "scheduler scheduled minus prompt + output - 1 per request)."
 )
 
 
@@ -1050,6 +1072,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     budget = parser.add_mutually_exclusive_group()
     budget.add_argument("--kv-tokens", type=int, default=None,
                         help=f"KV budget in uncompressed tokens of the model (default {DEFAULT_KV_TOKENS} unless a budget below is given)")
+    budget.add_argument("--kv-sequences", type=float, default=None, metavar="F",
+                        help="KV budget in sequences of max_model_len tokens (the longest input + "
+                        "--output-len + 16), e.g. 1.1 or 1.5: preemption and recomputation regimes")
     budget.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     budget.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="let stock vLLM size its KV cache, then give kvcompress the same bytes")
@@ -1086,6 +1111,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def max_model_len_for(input_lens, output_len: int) -> int:
+    """Both engines' ``max_model_len``: the longest input and the output, 16 tokens spare."""
+    return max(input_lens) + output_len + 16
+
+
+def sequence_budget_tokens(sequences: float, input_lens: list[int], output_len: int) -> int:
+    """``--kv-sequences``: that many sequences of ``max_model_len`` tokens, in tokens
+    (at 1.0 stock vLLM holds one sequence if its block size divides the budget)."""
+    if sequences <= 0:
+        raise SystemExit(f"--kv-sequences must be > 0, got {sequences}")
+    return math.ceil(sequences * max_model_len_for(input_lens, output_len))
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.from_json:
@@ -1106,7 +1144,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         output_len=args.output_len,
         num_prompts=args.num_prompts,
         dataset=args.dataset,
-        kv_tokens=args.kv_tokens,
+        kv_tokens=args.kv_tokens if args.kv_sequences is None else
+        sequence_budget_tokens(args.kv_sequences, args.input_lens, args.output_len),
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization,
         protected_window=args.protected_window,
@@ -1124,6 +1163,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         engines=tuple(STOCK if name == "stock" else KVC for name in args.engines),
         repeats=args.repeats,
     )
+    if args.kv_sequences is not None:
+        results["kv_sequences"] = args.kv_sequences
     if args.note:
         results["note"] = args.note
     print_report(results)
