@@ -18,7 +18,8 @@ Per (input length, engine, rate): requests/s, output tokens/s, total (prompt + o
 tokens/s, the max and mean decode batch (a step's batch = the requests that produced a
 token in that step, i.e. ``LLMEngine.step()`` outputs, counted the same way for both
 engines; the mean is over steps that produced any), preemptions (vLLM's
-``vllm:num_preemptions`` counter, both engines), the share of worker step time spent
+``vllm:num_preemptions`` counter, both engines) and the tokens they made the engine compute
+again (``recomputed``), the share of worker step time spent
 compressing (schedule + MoveCache) and the pages freed by compression; then the throughput
 and max-batch multipliers over stock vLLM at the same input length. Rate 1 is kvcompress's
 per-head cache without eviction (its overhead alone).
@@ -38,12 +39,19 @@ requests at once), protected window 8, min cache 128 tokens. The JSON also recor
 cannot start (e.g. CUDA, not wired yet), the stock rows are still written and the exit
 status is 1.
 
+The header says where each engine's KV memory goes: stock's usable tokens (its blocks less
+vLLM's null block) and kvcompress's (its pages, after the slot positions + metrics, tables
+and decode buffers it takes out of the same bytes: ``PerHeadLayout.metadata_breakdown``).
+
 Writes ``<prefix>.json``, ``<prefix>.csv``, ``<prefix>.md`` and, with matplotlib,
 ``<prefix>-throughput-multiplier.png`` (fig. 1b), ``<prefix>-max-batch.png`` (fig. 7) and
 ``<prefix>-throughput-by-input.png`` (fig. 8).
 
     python benchmarks/throughput/benchmark_throughput.py               # CPU default: tiny random model, ~8 min on 2 cores
     python benchmarks/throughput/benchmark_throughput.py --rates 1 4 16 --input-lens 1024 --num-prompts 32
+    # Preemption regimes (KV memory for fewer than two sequences): rate 1's overhead alone
+    python benchmarks/throughput/benchmark_throughput.py --input-lens 1024 --output-len 512 \
+        --num-prompts 12 --kv-sequences 1.5 --rates 1 8 --repeats 3
     python benchmarks/throughput/benchmark_throughput.py --model smollm2 --dataset essays \\
         --input-lens 1000 2000 --output-len 128 --kv-tokens 16384
     # GPU: a real model, the KV budget as a memory fraction (the stock engine's KV size
@@ -585,7 +593,8 @@ def _stock_phase(LLM, model_path, args, bytes_per_token, prompts, params, result
     cache = stock.llm_engine.vllm_config.cache_config
     results["stock_block_size"] = cache.block_size
     if cache.num_gpu_blocks:
-        results["stock_kv_capacity_tokens"] = cache.num_gpu_blocks * cache.block_size
+        # vLLM's BlockPool holds one block back (its null block).
+        results["stock_kv_capacity_tokens"] = (cache.num_gpu_blocks - 1) * cache.block_size
     if "kv_cache_memory_bytes" not in args:
         # Memory-fraction budget: give kvcompress exactly the KV memory stock got.
         args.pop("gpu_memory_utilization", None)
@@ -629,6 +638,8 @@ def _kvcompress_phase(
     per_token_pages = stats["num_layers"] * stats["num_kv_heads"]
     results["kvcompress_kv_capacity_tokens"] = stats["num_pages"] * stats["block_size"] // per_token_pages
     results["kvcompress_block_size"] = stats["block_size"]
+    results["kvcompress_num_blocks"] = kvc.llm_engine.vllm_config.cache_config.num_gpu_blocks
+    results["kvcompress_memory_split"] = memory_split(kvc, args["kv_cache_memory_bytes"])
     _warmup(kvc, params({"kv_compress_rate": 1}))
     rows = []
     for n, batch in prompts.items():
@@ -653,6 +664,14 @@ def _kvcompress_phase(
             _print_row(rows[-1])
     _shutdown(kvc)
     return rows
+
+
+def memory_split(kvc, kv_cache_memory_bytes: int) -> dict[str, int]:
+    """How kvcompress splits one worker's KV memory (``PerHeadLayout.metadata_breakdown``):
+    pages, slot positions + metrics, tables, decode buffers, rounding to token blocks."""
+    from kvcompress.vllm_glue.memory import PerHeadLayout
+
+    return PerHeadLayout.from_vllm_config(kvc.llm_engine.vllm_config).metadata_breakdown(kv_cache_memory_bytes)
 
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -763,11 +782,24 @@ def _print_row(row: dict[str, Any]) -> None:
     )
 
 
+MEMORY_PARTS = {
+    "pages": "pages (K+V)", "slot_metadata": "slot positions + metrics (8 B per KV slot)",
+    "tables": "page tables + head lengths + free stack", "decode_buffers": "decode buffers",
+    "unused": "unused (whole token blocks)",
+}  # fmt: skip
+
+
 def _sequences(results: dict[str, Any]) -> str:
     """`` = F full sequences`` under ``--kv-sequences``."""
     if results.get("kv_sequences") is None:
         return ""
     return f" = {results['kv_sequences']:g} sequences of max_model_len {results['max_model_len']} tokens"
+
+
+def _in_sequences(results: dict[str, Any], engine: str) -> str:
+    """`` (F sequences)``: an engine's usable tokens in sequences of max_model_len."""
+    tokens = results.get(f"{engine}_kv_capacity_tokens")
+    return f" ({tokens / results['max_model_len']:.2f} sequences)" if tokens else ""
 
 
 def header_lines(results: dict[str, Any]) -> list[str]:
@@ -777,8 +809,8 @@ def header_lines(results: dict[str, Any]) -> list[str]:
         f"model: {results['model']} ({results['dtype']}); dataset: {results['dataset']}",
         f"KV memory budget (both engines): {budget} bytes = {results['kv_budget_tokens_uncompressed']} "
         f"uncompressed tokens{_sequences(results)} ({results['kv_bytes_per_token']} bytes/token); usable: stock "
-        f"{results.get('stock_kv_capacity_tokens', '-')} tokens, kvcompress "
-        f"{results.get('kvcompress_kv_capacity_tokens', '-')} tokens; block size: stock "
+        f"{results.get('stock_kv_capacity_tokens', '-')} tokens{_in_sequences(results, 'stock')}, kvcompress "
+        f"{results.get('kvcompress_kv_capacity_tokens', '-')} tokens{_in_sequences(results, 'kvcompress')}; block size: stock "
         f"{results.get('stock_block_size', '-')} tokens, kvcompress page {results.get('kvcompress_block_size', '-')} tokens",
         f"{results['num_prompts']} prompts per run, input lengths {results['input_lens']}, output "
         f"{results['output_len']} tokens (ignore_eos); kvcompress: protected window "
@@ -788,6 +820,11 @@ def header_lines(results: dict[str, Any]) -> list[str]:
         f"(KV bytes per rank); max_num_seqs {results['max_num_seqs']}, "
         f"max_num_batched_tokens {results['max_num_batched_tokens']}, max_model_len {results['max_model_len']}",
     ]
+    split = results.get("kvcompress_memory_split")
+    if split:
+        total = sum(split.values())
+        parts = ", ".join(f"{MEMORY_PARTS[key]} {100 * value / total:.2f}%" for key, value in split.items())
+        lines.append(f"kvcompress's KV memory (one worker): {parts}")
     if results.get("wall_seconds") is not None:
         starts = ", ".join(f"{k} {v:.0f} s" for k, v in results.get("engine_start_seconds", {}).items())
         lines.append(f"wall time {results['wall_seconds']:.0f} s (engine starts: {starts})")

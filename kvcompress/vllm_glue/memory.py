@@ -120,6 +120,25 @@ class PerHeadLayout:
         buffers = DecodeBuffers.nbytes_for(self.num_layers, self.num_kv_heads, self.max_rows, max_seqs)
         return cache + buffers
 
+    def metadata_breakdown(self, available: int) -> dict[str, int]:
+        """Where ``available`` bytes of KV memory go (:meth:`page_bytes_for`): ``pages``
+        (K and V, whole pages), ``slot_metadata`` (each KV slot's position and metric,
+        8 bytes), ``tables`` (page tables, head lengths, the allocator's free stack and
+        page shares), ``decode_buffers`` and ``unused`` (vLLM counts whole token blocks
+        of ``L x H`` pages). What stock vLLM gives to KVs alone, kvcompress splits this way."""
+        shared = self.max_shared_pages_per_head(available)
+        slots = self.slots_for_memory(available)
+        block_pages = self.num_layers * self.num_kv_heads
+        num_pages = self.page_bytes_for(available) // (self.page_bytes * block_pages) * block_pages
+        slot_metadata = num_pages * self.block_size * 8
+        decode_buffers = DecodeBuffers.nbytes_for(self.num_layers, self.num_kv_heads, self.max_rows, slots)
+        tables = self.metadata_bytes(num_pages, shared, slots) - slot_metadata - decode_buffers
+        pages = num_pages * self.page_bytes
+        return {
+            "pages": pages, "slot_metadata": slot_metadata, "tables": tables, "decode_buffers": decode_buffers,
+            "unused": available - pages - slot_metadata - tables - decode_buffers,
+        }  # fmt: skip
+
     def transient_attention_bytes(self) -> int:
         """Upper bound of the workspaces one attention layer call allocates (and frees)
         on the CUDA path, whatever the step: a mixed step's gathered tables
