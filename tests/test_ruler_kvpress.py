@@ -134,6 +134,9 @@ def test_a_ruler_result_json_points_at_its_stock_predictions(tmp_path, monkeypat
     result.write_text(json.dumps({}))
     assert ruler_kvpress.stock_predictions(result) == tmp_path / "cache" / "ruler-runs" / result.stem / "stock"
     assert ruler_kvpress.stock_predictions(tmp_path) == tmp_path
+    # A JSON whose stock run recorded its folder (ruler.py with --work elsewhere) points there.
+    result.write_text(json.dumps({"runs": {"stock": {"pred_dir": str(tmp_path / "elsewhere" / "stock")}}}))
+    assert ruler_kvpress.stock_predictions(result) == tmp_path / "elsewhere" / "stock"
 
 
 def test_rows_use_the_no_press_run_as_reference():

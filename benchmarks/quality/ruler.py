@@ -116,7 +116,7 @@ def run_configuration(config: ServeConfig, env: RulerEnv, data_dir: Path, tasks:
     else:
         bar.update(len(tasks) * args.samples)
     return {"policy": config.policy, "rate": config.rate, "wall_s": round(time.monotonic() - started, 1),
-            "scores": score(env, pred_dir, tasks)}
+            "pred_dir": str(pred_dir), "scores": score(env, pred_dir, tasks)}
 
 
 # --------------------------------------------------------------------------------------

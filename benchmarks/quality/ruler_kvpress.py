@@ -214,9 +214,13 @@ def kept_fraction(lines: list[dict]) -> float | None:
 
 def stock_predictions(path: Path) -> Path:
     """Stock vLLM's prediction folder: ``path`` itself, or for a ruler.py result JSON the
-    ``stock`` folder of ruler.py's default ``--work`` for it."""
+    folder its stock run recorded (``pred_dir``), else (JSONs written before runs recorded
+    it) the ``stock`` folder of ruler.py's default ``--work`` for it."""
     if path.is_dir():
         return path
+    recorded = json.loads(path.read_text()).get("runs", {}).get("stock", {}).get("pred_dir")
+    if recorded:
+        return Path(recorded)
     from benchmarks.common.offline_assets import cache_dir
 
     return cache_dir() / "ruler-runs" / path.stem / "stock"
