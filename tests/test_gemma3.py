@@ -7,6 +7,7 @@ Slow (not in the default run): it downloads ~250 MB of wheels on first use.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -54,8 +55,6 @@ def test_stock_vllm_matches_transformers_greedy_on_the_checkpoint(gemma3):
                               "hf": hf, "vllm": list(out.outputs[0].token_ids),
                               "bos": tokenizer.bos_token_id}}), flush=True)
     """)
-    import json
-
     result = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
     assert result["prompt_ids"][0] == result["bos"] and result["vllm_prompt_ids"] == result["prompt_ids"]
     assert result["vllm"] == result["hf"], result

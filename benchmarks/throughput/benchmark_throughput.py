@@ -50,7 +50,7 @@ Writes ``<prefix>.json``, ``<prefix>.csv``, ``<prefix>.md`` and, with matplotlib
     python benchmarks/throughput/benchmark_throughput.py               # CPU default: tiny random model, ~8 min on 2 cores
     python benchmarks/throughput/benchmark_throughput.py --rates 1 4 16 --input-lens 1024 --num-prompts 32
     # Preemption regimes (KV memory for fewer than two sequences): rate 1's overhead alone
-    python benchmarks/throughput/benchmark_throughput.py --input-lens 1024 --output-len 512 \
+    python benchmarks/throughput/benchmark_throughput.py --input-lens 1024 --output-len 512 \\
         --num-prompts 12 --kv-sequences 1.5 --rates 1 8 --repeats 3
     python benchmarks/throughput/benchmark_throughput.py --model smollm2 --dataset essays \\
         --input-lens 1000 2000 --output-len 128 --kv-tokens 16384
@@ -790,7 +790,7 @@ MEMORY_PARTS = {
 
 
 def _sequences(results: dict[str, Any]) -> str:
-    """`` = F full sequences`` under ``--kv-sequences``."""
+    """`` = F sequences of max_model_len N tokens`` under ``--kv-sequences``."""
     if results.get("kv_sequences") is None:
         return ""
     return f" = {results['kv_sequences']:g} sequences of max_model_len {results['max_model_len']} tokens"

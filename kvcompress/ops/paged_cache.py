@@ -38,6 +38,10 @@ from kvcompress.ops.dispatch import KernelOps
 from kvcompress.ops.kv_pool import KVPool
 from kvcompress.ops.page_tables import ChunkedPageTables, fill_page_tables
 
+# Bytes each KV slot's eviction state takes: an int32 position and a float32 metric
+# (``slot_positions``, ``slot_metrics``).
+SLOT_METADATA_BYTES = 4 + 4
+
 __all__ = ["AppendPlan", "ChunkedPageTables", "PerHeadPagedCache", "fill_page_tables", "pages_for"]
 
 
@@ -163,7 +167,7 @@ class PerHeadPagedCache:
         tables = ChunkedPageTables.nbytes_for(
             num_pages, max_seqs, num_layers, num_kv_heads, max_pages_per_head, max_shared_pages_per_head
         )
-        return tables + heads * 8 + num_pages * (block_size * (4 + 4) + 8 + 4)
+        return tables + heads * 8 + num_pages * (block_size * SLOT_METADATA_BYTES + 8 + 4)
 
     def kv_pool(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> KVPool:
         """The pool the ops take: ``key_cache`` / ``value_cache`` ``[num_buffer_pages,

@@ -22,7 +22,7 @@ from vllm.logger import init_logger
 
 from kvcompress.ops.flattened import flat_prompt_workspace_bytes
 from kvcompress.ops.page_tables import chunk_pages_for
-from kvcompress.ops.paged_cache import PerHeadPagedCache
+from kvcompress.ops.paged_cache import SLOT_METADATA_BYTES, PerHeadPagedCache
 from kvcompress.ops.triton_attention import decode_workspace_bytes
 from kvcompress.ops.unified_attention import split_kv_workspace_bytes
 from kvcompress.page_accounting import cache_sequence_slots
@@ -130,7 +130,7 @@ class PerHeadLayout:
         slots = self.slots_for_memory(available)
         block_pages = self.num_layers * self.num_kv_heads
         num_pages = self.page_bytes_for(available) // (self.page_bytes * block_pages) * block_pages
-        slot_metadata = num_pages * self.block_size * 8
+        slot_metadata = num_pages * self.block_size * SLOT_METADATA_BYTES
         decode_buffers = DecodeBuffers.nbytes_for(self.num_layers, self.num_kv_heads, self.max_rows, slots)
         tables = self.metadata_bytes(num_pages, shared, slots) - slot_metadata - decode_buffers
         pages = num_pages * self.page_bytes
