@@ -37,6 +37,20 @@ untar_xz() { tar -xJf "$1" -C "$2" 2>/dev/null || python3 -c 'import sys, tarfil
 unxz_to() { xz -dc "$1" > "$2" 2>/dev/null || python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' "$1" "$2"; }
 rm -rf "$SITE" && mkdir -p "$SITE" && untar_xz "$site_xz" "$SITE" || { say "unpacking $site_xz failed"; exit 2; }
 say "unpacked $site_xz ($(du -sh "$SITE" | cut -f1))"
+# FlashAttention's extensions (_vllm_fa2_C / _vllm_fa3_C) do not travel, and vLLM 0.32's
+# vllm_flash_attn/__init__.py raises ImportError without them; fa_utils imports it on CUDA for
+# every model (llama -> layers.attention -> mm_encoder_attention -> fa_utils), so model
+# inspection failed on the H200 (2026-11-29). Without the raise, FA is reported unsupported
+# (flash_attn_interface's FA2/FA3_AVAILABLE stay False) and TRITON_ATTN / CUSTOM never call it.
+python3 - "$SITE"/vllm/vllm_flash_attn/__init__.py <<'EOF' 2>&1 | tee -a "$LOG"
+import sys
+path = sys.argv[1]
+text = open(path).read()
+guard = "if not (FA2_AVAILABLE or FA3_AVAILABLE):"
+assert text.count(guard) == 1, f"{path}: FlashAttention guard not found"
+open(path, "w").write(text.replace(guard, "if False:  # kvcompress GPU kit: no FlashAttention travels"))
+print("vllm_flash_attn: import guard disabled (no FlashAttention extensions in the kit)")
+EOF
 
 # 2. vLLM's compiled ops: the Hopper-only .so (layout one), the whole one from two parts
 #    (layout two), else a stub and vLLM's PyTorch ops.
