@@ -27,6 +27,9 @@ fi
 
 export PYTHONUNBUFFERED=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export VLLM_USE_V2_MODEL_RUNNER=0 KVCOMPRESS_NO_CUDA=1 KVCOMPRESS_CACHE=$SCRATCH/cache
+# FlashInfer does not travel; vLLM's CUDA sampler imports its backend unless told not to
+# (topk_topp_sampler.flashinfer_sampler_supported; H200 run 2026-11-29).
+export VLLM_USE_FLASHINFER_SAMPLER=0
 { nvidia-smi; python3 --version; } >> "$LOG" 2>&1
 
 # 1. vLLM's Python and the missing dependencies.
