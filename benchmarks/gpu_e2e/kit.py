@@ -65,6 +65,10 @@ DEVICE_MISSING = (
     "httpx2", "httpcore2", "truststore", "mistral_common", "openai", "sniffio", "oss-harmony",
     "msgspec", "pybase64", "cachetools", "xgrammar", "apache-tvm-ffi", "fastapi", "starlette",
     "python-multipart", "partial-json-parser", "llguidance",
+    # The CUDA model loader's online-quantization check imports compressed_tensors even for
+    # an unquantized model (base_loader._get_online_quantization_config; missed on CPU, found
+    # on the H200 2026-11-29); loguru is its one dependency the image lacks.
+    "compressed-tensors", "loguru",
 )  # fmt: skip
 # pip matches manylinux tags exactly: the ones these wheels have been published with.
 PLATFORMS = tuple(f"manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34)) + ("manylinux2014_x86_64",)

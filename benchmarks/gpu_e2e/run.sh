@@ -85,6 +85,24 @@ if [ "$VARIANT" = real ]; then
 fi
 timeout 240 python3 -c "import vllm, kvcompress; from vllm.platforms import current_platform as p; print('vllm', vllm.__version__, p.device_name, p.is_cuda())" >> "$LOG" 2>&1 \
   || { say "import vllm failed (setup.log)"; exit 2; }
+# Preflight: the modules the CUDA path imports on the way to a first step, each tried on its
+# own, so that one call names every missing package (a case stops at its first).
+timeout 120 python3 - >> "$LOG" 2>&1 <<'EOF'
+import importlib
+for name in ("vllm.model_executor.models.llama", "vllm.v1.worker.gpu_model_runner",
+             "vllm.v1.worker.gpu_worker", "vllm.v1.attention.backends.triton_attn",
+             "vllm.model_executor.layers.quantization.online.base", "vllm.v1.sample.sampler",
+             "vllm.model_executor.model_loader.dummy_loader", "vllm.v1.cudagraph_dispatcher",
+             "vllm.compilation.cuda_graph", "kvcompress.vllm_glue.attention_backend",
+             "kvcompress.vllm_glue.runner", "kvcompress.vllm_glue.gpu_worker",
+             "kvcompress.ops.triton_attention", "kvcompress.ops.triton_move_cache"):
+    try:
+        importlib.import_module(name)
+        print("preflight ok  ", name)
+    except Exception as e:  # noqa: BLE001 -- every failure is the finding
+        print("preflight FAIL", name, f"{type(e).__name__}: {e}")
+EOF
+grep "preflight FAIL" "$LOG" | sed 's/^/[run.sh] /'
 say "variant $VARIANT; setup done"
 
 # 5. The cases, within what is left of the call (600 s at most).
