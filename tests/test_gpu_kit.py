@@ -391,3 +391,20 @@ def test_the_trees_commit_reaches_a_device_without_git(tmp_path, monkeypatch):
     (device / ".gpu-kit" / "call1" / "tree-commit.txt").write_text((repo / ".gpu-kit" / "call1" / "tree-commit.txt").read_text())
     monkeypatch.setattr(e2e, "REPO", device)
     assert e2e.tree_commit() == head + "+dirty (recorded by kit.py)"
+
+
+def test_the_recorded_commit_wins_over_a_stale_git_on_the_device(tmp_path, monkeypatch):
+    """On the H200 (2026-11-29) the device's copy carried a .git at an older commit than the
+    tree it ran: run.sh's KIT_TREE_COMMIT (kit.py's record) must win over ``git rev-parse``."""
+    device = tmp_path / "device"
+    device.mkdir()
+    _git(device, "init", "-q")
+    (device / "f.txt").write_text("old")
+    _git(device, "add", "f.txt")
+    _git(device, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "stale")
+    stale = subprocess.run(["git", "-C", str(device), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    monkeypatch.setattr(e2e, "REPO", device)
+    monkeypatch.delenv("KIT_TREE_COMMIT", raising=False)
+    assert e2e.tree_commit() == stale
+    monkeypatch.setenv("KIT_TREE_COMMIT", "39ab19e")
+    assert e2e.tree_commit() == "39ab19e (recorded by kit.py)"

@@ -527,8 +527,12 @@ def environment(variant: str) -> dict[str, Any]:
 
 
 def tree_commit() -> str | None:
-    """This checkout's commit; on the GPU machine (no ``.git``) the one ``kit.py``
-    recorded when it last built or checked the kit."""
+    """This checkout's commit; on the GPU machine the one ``kit.py`` recorded when it last
+    built or checked the kit (``run.sh`` passes it as ``KIT_TREE_COMMIT``): the device's copy
+    of the tree may carry a stale ``.git`` (the H200 run of 2026-11-29 ran 39ab19e's tree
+    while ``git rev-parse HEAD`` there said 7c044fe)."""
+    if os.environ.get("KIT_TREE_COMMIT"):
+        return os.environ["KIT_TREE_COMMIT"] + " (recorded by kit.py)"
     try:
         commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
                                 text=True).stdout.strip()

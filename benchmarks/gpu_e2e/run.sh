@@ -30,6 +30,8 @@ export VLLM_USE_V2_MODEL_RUNNER=0 KVCOMPRESS_NO_CUDA=1 KVCOMPRESS_CACHE=$SCRATCH
 # FlashInfer does not travel; vLLM's CUDA sampler imports its backend unless told not to
 # (topk_topp_sampler.flashinfer_sampler_supported; H200 run 2026-11-29).
 export VLLM_USE_FLASHINFER_SAMPLER=0
+# The commit kit.py recorded: the device's copy of the tree may carry a stale .git.
+export KIT_TREE_COMMIT=$(cat "$KIT"/call1/tree-commit.txt 2>/dev/null)
 { nvidia-smi; python3 --version; } >> "$LOG" 2>&1
 
 # 1. vLLM's Python and the missing dependencies.
