@@ -392,13 +392,28 @@ def recomputed_tokens(scheduled_tokens: int, prompt_tokens: int, output_tokens: 
     return scheduled_tokens - (prompt_tokens + output_tokens - finished)
 
 
-def _warmup(llm, params) -> None:
-    """One short request, so that first-call costs do not land in the first measurement."""
+# Long enough for a decode past two of the Triton decode's 512-token partitions (its
+# split-softmax reduce) and for a compression at prefill: kernel variants the short warm-up
+# does not reach and that vLLM's JIT monitor saw compiled mid-run on the H200 (2026-11-29).
+WARMUP_LONG_TOKENS = 1100
+
+
+def _warmup(llm, params, prompt_len: int = 64) -> None:
+    """One request of ``prompt_len`` ids, so that first-call costs (Triton JIT) do not land
+    in the first measurement."""
     from vllm.inputs import TokensPrompt
 
     warm = params.clone()
     warm.max_tokens = 4
-    llm.generate([TokensPrompt(prompt_token_ids=list(range(3, 67)))], warm, use_tqdm=False)
+    ids = [3 + i % 61 for i in range(prompt_len)]
+    llm.generate([TokensPrompt(prompt_token_ids=ids)], warm, use_tqdm=False)
+
+
+def _warmup_lengths(prompts) -> tuple[int, ...]:
+    """The warm-up prompt lengths, the same for both engines: a short one and, where the
+    inputs reach it, :data:`WARMUP_LONG_TOKENS` (never longer than the longest input)."""
+    longest = min(max(prompts), WARMUP_LONG_TOKENS)
+    return (64,) if longest <= 64 else (64, longest)
 
 
 def measure(**kwargs) -> dict[str, Any]:
@@ -601,7 +616,8 @@ def _stock_phase(LLM, model_path, args, bytes_per_token, prompts, params, result
         args["kv_cache_memory_bytes"] = cache.num_gpu_blocks * cache.block_size * bytes_per_token
     results["kv_cache_memory_bytes"] = args["kv_cache_memory_bytes"]
     results["kv_budget_tokens_uncompressed"] = args["kv_cache_memory_bytes"] // bytes_per_token
-    _warmup(stock, params())
+    for prompt_len in _warmup_lengths(prompts):
+        _warmup(stock, params(), prompt_len)
     rows = []
     for n, batch in prompts.items():
         run = run_batch(stock, batch, [params() for _ in batch], f"stock L={n}", progress)
@@ -640,7 +656,9 @@ def _kvcompress_phase(
     results["kvcompress_block_size"] = stats["block_size"]
     results["kvcompress_num_blocks"] = kvc.llm_engine.vllm_config.cache_config.num_gpu_blocks
     results["kvcompress_memory_split"] = memory_split(kvc, args["kv_cache_memory_bytes"])
-    _warmup(kvc, params({"kv_compress_rate": 1}))
+    # The long warm-up at the highest rate: its compression compiles MoveCache and the metrics.
+    for prompt_len in _warmup_lengths(prompts):
+        _warmup(kvc, params({"kv_compress_rate": max(rates) if prompt_len > 64 else 1}), prompt_len)
     rows = []
     for n, batch in prompts.items():
         for rate in rates:
