@@ -47,6 +47,21 @@ def test_median_run_per_configuration_and_its_table(bench):
     rows = bench.median_runs(runs)
     assert [(r["label"], r["output_throughput"]) for r in rows] == [("stock vLLM", 11.0), ("kvcompress rate 8", 25.0)]
     lines = bench.table(rows)
-    assert lines[0].startswith("| server | peak running | requests/s | output tokens/s |")
-    assert lines[2].startswith("| stock vLLM | 3 | 0.11 (1.00x) | 11 (1.00x) |")
-    assert lines[3].startswith("| kvcompress rate 8 | 3 | 0.25 (2.27x) | 25 (2.27x) |")
+    assert lines[0].startswith("| server | peak running | preemptions | requests/s | output tokens/s |")
+    assert lines[2].startswith("| stock vLLM | 3 | - | 0.11 (1.00x) | 11 (1.00x) |")
+    assert lines[3].startswith("| kvcompress rate 8 | 3 | - | 0.25 (2.27x) | 25 (2.27x) |")
+
+
+def test_paired_ratios_compare_each_repetition_with_its_own_stock_run(bench):
+    # Repetition 1's machine was slower for both: the pairs see 3.0, 1.67 and 2.27; the
+    # medians of the two columns alone (25 / 11) would say 2.27 by coincidence of order only.
+    runs = [_run(bench, "stock vLLM", None, 10.0, 0), _run(bench, "kvcompress rate 8", 8.0, 30.0, 0),
+            _run(bench, "kvcompress rate 8", 8.0, 20.0, 1), _run(bench, "stock vLLM", None, 12.0, 1),
+            _run(bench, "kvcompress rate 8", 8.0, 25.0, 2), _run(bench, "stock vLLM", None, 11.0, 2)]
+    ratios = bench.paired_ratios(runs)
+    assert list(ratios) == ["kvcompress rate 8"]
+    assert ratios["kvcompress rate 8"] == pytest.approx([3.0, 20 / 12, 25 / 11])
+    rows = bench.median_runs(runs)
+    lines = bench.table(rows, ratios)
+    assert "x stock (paired median; per repeat)" in lines[0]
+    assert "| 2.27 (3.00, 1.67, 2.27) |" in lines[3] and lines[2].endswith("| - | 8/0 |")

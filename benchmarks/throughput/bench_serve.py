@@ -101,7 +101,7 @@ class RunningPoller:
 def serve_and_bench(label: str, rate: float | None, model: str, dataset: Path, args, work: Path) -> dict[str, Any]:
     """Start ``vllm serve`` (kvcompress at ``rate``, or stock), run ``vllm bench serve``
     against it, stop it; the bench's result JSON plus the peak running requests."""
-    from benchmarks.serving.soak import Server, free_port
+    from benchmarks.serving.soak import Server, free_port, scrape_metrics
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -132,6 +132,7 @@ def serve_and_bench(label: str, rate: float | None, model: str, dataset: Path, a
         if done.returncode != 0:
             raise RuntimeError(f"vllm bench serve failed ({label}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
         result = json.loads((work / result_name).read_text())
+        preemptions = int(scrape_metrics(base).get("vllm:num_preemptions_total", 0))
     except Exception:
         print(server.log_tail(), file=sys.stderr)
         raise
@@ -141,7 +142,19 @@ def serve_and_bench(label: str, rate: float | None, model: str, dataset: Path, a
                                               "total_output_tokens", "total_token_throughput",
                                               *(k for k, _ in METRICS))}
     return {"label": label, "rate": rate, "startup_s": round(startup, 1),
-            "peak_running_requests": poller.peak, **keep}
+            "peak_running_requests": poller.peak, "preemptions": preemptions, **keep}
+
+
+def paired_ratios(runs: list[dict]) -> dict[str, list[float]]:
+    """Per kvcompress configuration, its output tokens/s over stock's in the same
+    repetition, one ratio per repetition (machines drift: only same-repetition pairs are
+    compared)."""
+    stock = {r["repeat"]: r["output_throughput"] for r in runs if r["rate"] is None}
+    ratios: dict[str, list[float]] = {}
+    for run in runs:
+        if run["rate"] is not None and stock.get(run["repeat"]):
+            ratios.setdefault(run["label"], []).append(run["output_throughput"] / stock[run["repeat"]])
+    return ratios
 
 
 def median_runs(runs: list[dict]) -> list[dict]:
@@ -154,18 +167,26 @@ def median_runs(runs: list[dict]) -> list[dict]:
     return chosen
 
 
-def table(rows: list[dict]) -> list[str]:
+def table(rows: list[dict], ratios: dict[str, list[float]] | None = None) -> list[str]:
+    """Markdown rows; ``ratios`` (:func:`paired_ratios`) adds the paired median ratio
+    column (with every repetition's ratio)."""
+    import statistics
+
     stock = rows[0]
-    header = ["server", "peak running", *(column for _, column in METRICS), "completed/failed"]
+    ratios = ratios or {}
+    header = ["server", "peak running", "preemptions", *(column for _, column in METRICS),
+              "x stock (paired median; per repeat)", "completed/failed"]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for row in rows:
-        cells = [row["label"], str(row["peak_running_requests"])]
+        cells = [row["label"], str(row["peak_running_requests"]), str(row.get("preemptions", "-"))]
         for key, _ in METRICS:
             value = row[key]
             cell = f"{value:.2f}" if value < 10 else f"{value:.0f}"
             if key.endswith("throughput"):
                 cell += f" ({value / stock[key]:.2f}x)"
             cells.append(cell)
+        mine = ratios.get(row["label"])
+        cells.append(f"{statistics.median(mine):.2f} ({', '.join(f'{r:.2f}' for r in mine)})" if mine else "-")
         cells.append(f"{row['completed']}/{row['failed']}")
         lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -239,14 +260,16 @@ def main(argv=None) -> list[dict]:
         f"{args.request_rate}); every server: SmolLM2-135M-Instruct float32, "
         f"--kv-cache-memory-bytes {args.kv_bytes} ({args.kv_documents:g} uncompressed requests), "
         f"{' '.join(SERVER_FLAGS)}; "
-        f"{machine_description()}; median of {args.repeats} run(s) by output tokens/s, order alternated.",
-        "", *table(rows),
+        f"{machine_description()}; median of {args.repeats} run(s) by output tokens/s, order alternated; "
+        "the paired column: each repetition's output tokens/s over stock's in the same repetition.",
+        "", *table(rows, paired_ratios(runs)),
     ]
     print("\n" + "\n".join(lines))
     Path(f"{args.out}.md").write_text("\n".join(lines) + "\n")
     Path(f"{args.out}.json").write_text(json.dumps(
         {"args": {k: v for k, v in vars(args).items()}, "machine": machine_description(),
-         "runs": runs, "median_rows": rows, "wall_seconds": time.perf_counter() - wall}, indent=1))
+         "runs": runs, "median_rows": rows, "paired_ratios": paired_ratios(runs),
+         "wall_seconds": time.perf_counter() - wall}, indent=1))
     plot = write_plot(rows, f"{args.out}.png")
     stock, best = rows[0], rows[-1]
     print(f"wrote {args.out}.md, .json{', .png' if plot else ''} in {time.perf_counter() - wall:.0f} s")
