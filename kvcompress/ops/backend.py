@@ -53,6 +53,9 @@ class KernelBackend:
             CUDA graph (no host reads) when it runs on CUDA tensors.
         plans_decode_steps: whether it has a per-step decode plan
             (:meth:`decode_planned`).
+        sliding_window: whether its attention applies a batch's ``sliding_window``
+            (:attr:`~kvcompress.ops.kv_pool.PagedBatch.sliding_window`); calls with a
+            window go to a fallback that does otherwise (the reference does).
     """
 
     name: str = "reference"
@@ -61,6 +64,7 @@ class KernelBackend:
     kernel_page_layout: bool = False
     capturable_decode: bool = False
     plans_decode_steps: bool = False
+    sliding_window: bool = False
 
     def __repr__(self) -> str:
         return f"<kernel backend {self.name}>"

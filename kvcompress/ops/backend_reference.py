@@ -13,6 +13,7 @@ class ReferenceBackend(KernelBackend):
     ``move_cache``, ``page_tables``)."""
 
     name = "reference"
+    sliding_window = True
 
 
 BACKEND = ReferenceBackend()

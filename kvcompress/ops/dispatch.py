@@ -198,10 +198,13 @@ def _forced(backend: KernelBackend, device: torch.device, op: str) -> KernelBack
     return backend
 
 
-def _first_fallback(backend: KernelBackend, device: torch.device, op: str) -> KernelBackend:
-    """The first of ``backend``'s fallbacks that implements ``op`` and can run it on ``device``."""
+def _first_fallback(backend: KernelBackend, device: torch.device, op: str, windowed: bool = False) -> KernelBackend:
+    """The first of ``backend``'s fallbacks that implements ``op`` (and, ``windowed``,
+    sliding windows) and can run it on ``device``; the reference when none does."""
     for name in backend.fallbacks:
         fallback = backend_named(name)
+        if windowed and not fallback.sliding_window:
+            continue
         if op in fallback.ops and _unavailable_reason(fallback, device, op) is None:
             return fallback
     return backend_reference.BACKEND
@@ -281,8 +284,12 @@ class KernelOps:
         self, op: str, query: torch.Tensor, pool: KVPool, batch, out: torch.Tensor | None,
     ) -> KernelBackend:
         """The resolved backend of attention op ``op`` when it supports this call, else
-        the first of its fallbacks available on the query's device."""
+        the first of its fallbacks available on the query's device (for a batch with a
+        sliding window, the first that applies it)."""
         backend = self.backend(op)
+        windowed = getattr(batch, "sliding_window", None) is not None
+        if windowed and not backend.sliding_window:
+            return _first_fallback(backend, query.device, op, windowed=True)
         if backend.supports(query, pool, batch, out):
             return backend
         return _first_fallback(backend, query.device, op)

@@ -116,6 +116,11 @@ class PagedBatch:
             pageable host memory waits for the stream: a sync per layer).
         layout: :class:`QueryLayout` of ``query_start_loc``, shared by a step's layers
             (made here when None, or when it describes another list of starts).
+        sliding_window: this layer's window ``W`` (tokens), or None (full attention): a
+            query at position ``p`` sees the KVs at positions ``p - W < k <= p`` (itself
+            and the ``W - 1`` before it, vLLM's convention). Backends that do not
+            implement it (:attr:`~kvcompress.ops.backend.KernelBackend.sliding_window`)
+            hand the call to one that does.
     """
 
     block_tables: torch.Tensor
@@ -125,6 +130,7 @@ class PagedBatch:
     max_head_len: int | None = None
     flat_query_start_loc: torch.Tensor | None = None
     layout: QueryLayout | None = None
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.query_start_loc, torch.Tensor):
@@ -159,6 +165,7 @@ class SlotBatch:
             (:class:`~kvcompress.ops.page_tables.ChunkedPageTables`): column ``i`` of a head
             is ``chunks[block_tables[s, h, i // C], i % C]``. None: ``block_tables`` holds
             page ids.
+        sliding_window: as :attr:`PagedBatch.sliding_window`.
     """
 
     block_tables: torch.Tensor
@@ -168,6 +175,7 @@ class SlotBatch:
     max_head_len: int | None = None
     row_index: torch.Tensor | None = None
     chunks: torch.Tensor | None = None
+    sliding_window: int | None = None
 
     @property
     def max_pages(self) -> int:
@@ -188,7 +196,8 @@ class SlotBatch:
             chunk_pages = self.chunks.shape[1]
             ids = self.block_tables[rows, :, : -(-num_pages // chunk_pages)].to(torch.int64)
             tables = self.chunks[ids].flatten(-2)[..., :num_pages]
-        return PagedBatch(tables, lens, list(range(rows.numel() + 1)), self.query_positions[: rows.numel()])
+        return PagedBatch(tables, lens, list(range(rows.numel() + 1)), self.query_positions[: rows.numel()],
+                          sliding_window=self.sliding_window)
 
 
 @dataclass(frozen=True, eq=False)

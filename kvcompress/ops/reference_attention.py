@@ -4,7 +4,8 @@ This is the CPU path of the vLLM backend and the oracle for the GPU kernels.
 One call handles one layer of a mixed batch (prefills, chunked-prefill
 continuations and decodes). Keys are visible to a query when their stored token
 position is <= the query's position (causal by position, not by slot order, so
-compacted heads stay correct).
+compacted heads stay correct) and, on a sliding-window layer, above the query's
+position minus the window.
 """
 
 from __future__ import annotations
@@ -78,6 +79,15 @@ def _attend_fused(
     return out.reshape(batch, num_kv_heads, group, num_tokens, head_dim).permute(0, 3, 1, 2, 4)
 
 
+def visible_by_position(key_pos: torch.Tensor, q_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    """Causal (and sliding-window) visibility by stored position: ``key_pos <= q_pos``
+    and, with a window ``W``, ``key_pos > q_pos - W``; the two broadcast together."""
+    visible = key_pos <= q_pos
+    if sliding_window is not None:
+        visible &= key_pos > q_pos - sliding_window
+    return visible
+
+
 def _gather_heads(
     cache: torch.Tensor, block_tables: torch.Tensor
 ) -> torch.Tensor:
@@ -106,6 +116,8 @@ def reference_paged_attention(
             bool) add their attention probabilities ** ``metrics.power``, summed over
             the query group, into ``pool.slot_metrics`` at the slots they read
             (continual compression; only held slots are touched, nothing is zeroed).
+            Not with ``batch.sliding_window``: a sliding-window layer is never
+            compressed, so its KVs keep no metric.
         max_query_chunk: queries of one sequence attended at a time (bounds memory).
 
     Returns:
@@ -114,6 +126,9 @@ def reference_paged_attention(
     key_cache, value_cache, slot_positions = pool.key_cache, pool.value_cache, pool.slot_positions
     block_tables, head_lens = batch.block_tables, batch.head_lens
     query_start_loc, query_positions = batch.query_start_loc, batch.query_positions
+    window = batch.sliding_window
+    if window is not None and metrics is not None:
+        raise ValueError("a sliding-window layer takes no decode metrics (it is never compressed)")
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs, num_kv_heads, _ = block_tables.shape
     group = num_q_heads // num_kv_heads
@@ -138,8 +153,8 @@ def reference_paged_attention(
         )
         q_pos = query_positions[token_rows]  # [B]
         slot_index = torch.arange(key_pos.shape[-1], device=key_pos.device)
-        visible = (slot_index < head_lens[rows].unsqueeze(-1)) & (
-            key_pos <= q_pos.view(-1, 1, 1)
+        visible = (slot_index < head_lens[rows].unsqueeze(-1)) & visible_by_position(
+            key_pos, q_pos.view(-1, 1, 1), window
         )  # [B, H, K]
         q = query[token_rows].view(len(decode_rows), 1, num_kv_heads, group, head_dim)
         result = _attend(q, keys, values, visible.unsqueeze(2), scale)
@@ -167,8 +182,8 @@ def reference_paged_attention(
         for chunk_start in range(query_start_loc[s], query_start_loc[s + 1], max_query_chunk):
             chunk_end = min(chunk_start + max_query_chunk, query_start_loc[s + 1])
             q_pos = query_positions[chunk_start:chunk_end]
-            visible = held.unsqueeze(1) & (
-                key_pos[0].unsqueeze(1) <= q_pos.view(1, -1, 1)
+            visible = held.unsqueeze(1) & visible_by_position(
+                key_pos[0].unsqueeze(1), q_pos.view(1, -1, 1), window
             )  # [H, Tq, K]
             q = query[chunk_start:chunk_end].view(
                 1, chunk_end - chunk_start, num_kv_heads, group, head_dim
@@ -181,9 +196,12 @@ def reference_paged_attention(
 
 
 def dense_causal_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Float64 oracle: plain causal GQA attention of one sequence.
+    """Float64 oracle: plain causal GQA attention of one sequence (token ``t`` at
+    position ``t``), optionally within a sliding window of ``sliding_window`` tokens
+    (the query and the ``W - 1`` before it).
 
     ``query [T, Hq, D]``, ``key/value [T, Hkv, D]`` -> ``[T, Hq, D]`` float64.
     """
@@ -193,5 +211,7 @@ def dense_causal_attention(
     v = value.double().repeat_interleave(group, dim=1)
     scores = torch.einsum("thd,khd->htk", query.double(), k) * scale
     mask = torch.ones(num_tokens, num_tokens, dtype=torch.bool).tril()
+    if sliding_window is not None:
+        mask = mask.triu(-(sliding_window - 1))
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.einsum("htk,khd->thd", torch.softmax(scores, -1), v)
