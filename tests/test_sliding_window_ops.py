@@ -133,38 +133,79 @@ def test_slot_indexed_decode_keeps_the_window():
     assert torch.allclose(out.double(), expected[[2, 0]], atol=1e-5)
 
 
-def test_a_backend_without_windows_hands_windowed_calls_to_the_reference():
-    """vLLM's CPU kernel (the ``vllm_cpu`` backend) takes this pool and this call without a
-    window; with one, the dispatch must not let it run the call unwindowed."""
+def _contiguous_cpu_cache(total: int, block_size: int = 16, seed: int = 12):
+    """A never-compressed head layout in vLLM's CPU kernel page layout: one sequence,
+    positions ``0 .. total - 1`` in slot order; its pool, tables and the dense Q / K / V."""
     from kvcompress.ops import cpu_attention
 
     if cpu_attention.unavailable_reason() is not None:
         pytest.skip(cpu_attention.unavailable_reason())
-    torch.manual_seed(12)
-    block_size, total, window = 16, 40, 6
-    cache = PerHeadPagedCache(32, 1, NUM_KV_HEADS, block_size, max_seqs=1, max_pages_per_head=8)
-    buffer = torch.zeros(2, 32, block_size, HEAD_DIM)
+    torch.manual_seed(seed)
+    cache = PerHeadPagedCache(64, 1, NUM_KV_HEADS, block_size, max_seqs=1, max_pages_per_head=32)
+    buffer = torch.zeros(2, 64, block_size, HEAD_DIM)
     pool = cache.kv_pool(*cpu_attention.pool_views(buffer))
     seq = torch.tensor([cache.new_sequence()])
     queries = torch.randn(total, NUM_KV_HEADS * GROUP, HEAD_DIM)
     keys, values = torch.randn(2, total, NUM_KV_HEADS, HEAD_DIM)
+    return cache, pool, seq, queries, keys, values
+
+
+@pytest.mark.parametrize("window", [1, 7, 16, 30, 1000])
+def test_vllm_cpu_kernel_window_equals_the_banded_oracle_on_a_never_compressed_head(window):
+    """vLLM's CPU kernel counts its window in slots back from the query: on consecutive
+    positions (a sliding-window layer is never compressed) that is the window by position,
+    through prompt chunks longer and shorter than the window, and decode rows."""
+    from kvcompress.ops.cpu_attention import paged_attention_cpu
+
+    total = 90
+    cache, pool, seq, queries, keys, values = _contiguous_cpu_cache(total)
+    outputs = torch.empty_like(queries)
+    scale = HEAD_DIM**-0.5
+    for start, end in [(0, 40), (40, 45), (45, 88), (88, 89), (89, 90)]:
+        plan = cache.append(seq, torch.tensor([end - start]), torch.arange(start, end))
+        reference_write_kv(pool.key_cache, pool.value_cache, keys[start:end], values[start:end],
+                           plan.write_pages[0], plan.write_offsets[0])
+        batch = PagedBatch(cache.flat_page_tables()[seq, 0], cache.head_lens[seq, 0], [0, end - start],
+                           torch.arange(start, end), sliding_window=window)
+        paged_attention_cpu(queries[start:end], pool, batch, scale, out=outputs[start:end])
+    expected = dense_causal_attention(queries, keys, values, scale, sliding_window=window)
+    assert torch.allclose(outputs.double(), expected, atol=1e-4)
+
+
+def test_a_backend_without_windows_hands_windowed_calls_to_the_reference(monkeypatch):
+    """A backend that takes this pool and call but applies no window (here vLLM's CPU
+    backend with its window support switched off) must never run a windowed call."""
+    from kvcompress.ops import cpu_attention, dispatch
+
+    total, window = 40, 6
+    cache, pool, seq, queries, keys, values = _contiguous_cpu_cache(total)
     plan = cache.append(seq, torch.tensor([total]), torch.arange(total))
     reference_write_kv(pool.key_cache, pool.value_cache, keys, values, plan.write_pages[0], plan.write_offsets[0])
+
+    class WindowlessCpu(cpu_attention.VllmCpuBackend):
+        sliding_window = False
+
+    windowless = WindowlessCpu()
+    real = dispatch.backend_named
+    monkeypatch.setattr(dispatch, "backend_named", lambda name: windowless if name == "vllm_cpu" else real(name))
     with use_backend("vllm_cpu"):
         ops = resolve_ops("cpu", ["paged_attention"])
-    kernel = ops.backend("paged_attention")
-    assert kernel.name == "vllm_cpu" and not kernel.sliding_window
+    assert ops.backend("paged_attention") is windowless
     scale = HEAD_DIM**-0.5
+    calls = []
+    monkeypatch.setattr(windowless, "paged_attention", lambda *a, **k: calls.append(1) or real("vllm_cpu").paged_attention(*a, **k))
 
     def attend(sliding_window):
         batch = PagedBatch(cache.flat_page_tables()[seq, 0], cache.head_lens[seq, 0], [0, total],
                            torch.arange(total), sliding_window=sliding_window)
-        assert kernel.supports(queries, pool, batch)  # the kernel would take it
+        assert windowless.supports(queries, pool, batch)  # the kernel would take it
         return ops.paged_attention(queries, pool, batch, scale)
 
     assert torch.allclose(attend(None).double(), dense_causal_attention(queries, keys, values, scale), atol=1e-4)
+    assert calls == [1]  # the unwindowed call ran on the backend
     banded = dense_causal_attention(queries, keys, values, scale, sliding_window=window)
     assert torch.allclose(attend(window).double(), banded, atol=1e-5)
+    assert calls == [1]  # the windowed one did not
 
 
 def test_a_windowed_layer_takes_no_metrics():

@@ -46,6 +46,7 @@ Importable without vLLM; :func:`unavailable_reason` loads vLLM's kernels on firs
 
 from __future__ import annotations
 
+import functools
 import platform
 import weakref
 from dataclasses import dataclass
@@ -231,11 +232,11 @@ def _kv_rows(shape: torch.Size, dtype: torch.dtype) -> tuple[torch.Tensor, torch
 
 def _scheduler_metadata(
     num_seqs: int, group: int, head_dim: int, seq_lens: torch.Tensor, dtype: torch.dtype,
-    query_start_loc: torch.Tensor, block_size: int,
+    query_start_loc: torch.Tensor, block_size: int, sliding_window: int = -1,
 ) -> torch.Tensor:
     """The kernel's split of the work over threads for these sequences (one KV head each)."""
     return torch.ops._C.get_scheduler_metadata(
-        num_seqs, group, 1, head_dim, seq_lens, dtype, query_start_loc, True, -1,
+        num_seqs, group, 1, head_dim, seq_lens, dtype, query_start_loc, True, sliding_window,
         kernel_isa(block_size, head_dim), True, None, "auto",
     )
 
@@ -243,7 +244,7 @@ def _scheduler_metadata(
 def _attend(
     query: torch.Tensor, pool: KVPool, out: torch.Tensor, query_start_loc: torch.Tensor,
     max_query_len: int, seq_lens: torch.Tensor, max_seq_len: int, block_table: torch.Tensor,
-    scale: float,
+    scale: float, sliding_window: int = -1,
 ) -> None:
     """One kernel call: sequences of one KV head and ``query.shape[1]`` query heads
     (:class:`kvcompress.ops.flattened.Attend`; the two host bounds are not needed here).
@@ -253,16 +254,27 @@ def _attend(
         out: ``[T, G, D]`` contiguous (the kernel takes its row stride to be ``G * D``).
         query_start_loc: ``[R + 1]`` int32; seq_lens ``[R]`` int32 (>= the query rows
         of each sequence); block_table ``[R, P]`` int32.
+        sliding_window: ``W`` or -1 (none). The kernel's window counts slots back from a
+            query's own (its bottom-right mask), which is the window by position when a
+            head's slots hold consecutive positions: true of a layer never compressed
+            (see :attr:`VllmCpuBackend.sliding_window`).
     """
     key4, value4 = _kernel_caches(pool)
     metadata = _scheduler_metadata(
         seq_lens.shape[0], query.shape[1], query.shape[2], seq_lens, query.dtype,
-        query_start_loc, pool.block_size,
+        query_start_loc, pool.block_size, sliding_window,
     )
     torch.ops._C.cpu_attention_with_kv_cache(
-        query, key4, value4, out, query_start_loc, seq_lens, scale, True, None, -1,
+        query, key4, value4, out, query_start_loc, seq_lens, scale, True, None, sliding_window,
         block_table, 0.0, metadata, None, None, 1.0, 1.0, "auto",
     )
+
+
+def _attend_for(batch: PagedBatch | SlotBatch):
+    """:func:`_attend` with the batch's sliding window, if it has one."""
+    if batch.sliding_window is None:
+        return _attend
+    return functools.partial(_attend, sliding_window=int(batch.sliding_window))
 
 
 BY_HEAD_FROM_ROWS = 128
@@ -279,7 +291,8 @@ def paged_attention_cpu(
     decode queries selected by ``metrics`` add to ``pool.slot_metrics`` through
     :func:`kvcompress.ops.decode_metrics.decode_metrics`. Batches with a prompt chunk of at
     least ``BY_HEAD_FROM_ROWS`` rows run one kernel call per KV head."""
-    return paged_attention_flat(_attend, query, pool, batch, scale, out, metrics, by_head_from=BY_HEAD_FROM_ROWS)
+    return paged_attention_flat(_attend_for(batch), query, pool, batch, scale, out, metrics,
+                                by_head_from=BY_HEAD_FROM_ROWS)
 
 
 class DecodeStepMetrics:
@@ -530,7 +543,7 @@ def paged_decode_by_slot_cpu(
     """:func:`kvcompress.ops.decode_by_slot.paged_decode_by_slot_reference` on vLLM's
     CPU kernel: the rows' tables are gathered from the slot tables (only the pages some
     row holds), then one flattened call."""
-    return decode_by_slot_flat(_attend, query, pool, batch, scale, out, metrics)
+    return decode_by_slot_flat(_attend_for(batch), query, pool, batch, scale, out, metrics)
 
 
 class VllmCpuBackend(KernelBackend):
@@ -552,6 +565,10 @@ class VllmCpuBackend(KernelBackend):
     fallbacks = ("reference",)
     kernel_page_layout = True
     plans_decode_steps = True
+    # The kernel's window counts slots back from the query, which is the window by
+    # position only while a head's slots hold consecutive positions: sliding-window layers
+    # are never compressed (what the per-head pool guarantees for them), so they do.
+    sliding_window = True
     # Per-shape caches keep at most this many entries (decode batches change size rarely).
     MAX_SHAPES = 64
 
