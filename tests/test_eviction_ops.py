@@ -517,3 +517,63 @@ def test_compress_frees_pages_and_new_pages_reuse_them():
     for h in range(2):
         positions = sorted(model.head(0, 0, h))
         assert positions[-5:] == [10, 11, 12, 13, 14] and 8 in positions and 9 in positions
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    block_size=st.sampled_from([1, 2, 4, 16]),
+    frozen=st.sampled_from([(1,), (0,), (2,), (0, 2), (0, 1, 2)]),
+    policy=st.sampled_from([None, "pyramidkv"]),
+)
+def test_frozen_layers_keep_every_kv_and_the_rest_compress_as_if_alone(seed, block_size, frozen, policy):
+    """``layers=``: the layers not given (sliding-window layers, issue 60) keep every KV,
+    page and metric; the given ones are scheduled exactly as the schedule alone would
+    schedule a model made of only them (budget split included)."""
+    from kvcompress.policies import resolve_policy
+
+    num_seqs, num_layers, num_heads = 2, 3, 2
+    model = _Model(seed, num_seqs, num_layers, num_heads, block_size)
+    rng, cache = model.rng, model.cache
+    model.append(rng.integers(block_size, 4 * block_size + 3, size=num_seqs).tolist(), tie_heavy=False)
+    chosen = [layer for layer in range(num_layers) if layer not in frozen]
+    heads = list(itertools.product(range(num_seqs), range(num_layers), range(num_heads)))
+    before = {key: model.head(*key) for key in heads}
+    old_lens = cache.head_lens[model.slots].clone()
+    context = torch.tensor(model.context)
+    window, sinks = torch.tensor([2, 1]), torch.tensor([1, 0])
+    wanted = torch.tensor(rng.integers(1, 3 * num_heads * max(1, len(chosen)) + 1, size=num_seqs))
+    resolved = resolve_policy(policy) if policy else None
+
+    max_pages = max(1, int(((old_lens + block_size - 1) // block_size).max()))
+    num_slots = max_pages * block_size
+    metrics = torch.zeros(num_seqs, len(chosen), num_heads, num_slots)
+    positions = torch.zeros(num_seqs, len(chosen), num_heads, num_slots, dtype=torch.int64)
+    for s, (i, l), h in itertools.product(range(num_seqs), enumerate(chosen), range(num_heads)):
+        metrics[s, i, h], positions[s, i, h] = model.logical(s, l, h, num_slots)
+    lens = old_lens[:, chosen]
+    if chosen:
+        protected = protected_slots(positions, lens, context, window, sinks)
+        expected = schedule_evictions(metrics, lens, protected, wanted, block_size, "max",
+                                      split=resolved.split if resolved else None)
+
+    result = compress_sequences(cache, model.pool, model.slots, wanted, context, window, sinks,
+                                policy=resolved, layers=torch.tensor(chosen, dtype=torch.int64))
+    for layer in frozen:
+        assert torch.equal(result.new_head_lens[:, layer], old_lens[:, layer])
+        assert int(result.evict_blocks[:, layer].sum()) == 0
+        assert int(result.kept_unprotected_by_layer[layer]) == 0
+    if chosen:
+        assert torch.equal(result.new_head_lens[:, chosen], expected.new_head_lens)
+        assert torch.equal(result.evict_blocks[:, chosen], expected.evict_blocks)
+    else:
+        assert result.pages_freed == 0
+    assert result.pages_freed == int(result.evict_blocks.sum())
+    assert torch.equal(cache.head_lens[model.slots], result.new_head_lens)
+    for s, l, h in heads:
+        after = model.head(s, l, h)
+        if l in frozen:  # every KV where it was, with its metric
+            assert after.keys() == before[(s, l, h)].keys()
+            for position, kv in after.items():
+                assert all(torch.equal(x, y) for x, y in zip(kv, before[(s, l, h)][position]))
+    model.check_pages()

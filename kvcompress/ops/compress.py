@@ -88,6 +88,7 @@ def compress_sequences(
     policy: Policy | None = None,
     generator: torch.Generator | None = None,
     ops: KernelOps | None = None,
+    layers: torch.Tensor | None = None,
 ) -> CompressResult:
     """Evict, compact and free pages for a batch of sequences (one compression step).
 
@@ -116,6 +117,10 @@ def compress_sequences(
         generator: random source of the ``random`` policy (on ``cache.device``).
         ops: the engine's resolved ops (:func:`kvcompress.ops.dispatch.resolve_ops`);
             None: MoveCache on the backend selected now.
+        layers: ``[L']`` int64 ascending, the layers it may compress (None: all). The
+            others (sliding-window layers) keep every KV; the schedule, the policy's
+            budget split and ``evict_blocks_per_seq`` see only these layers, as if the
+            model had no others.
 
     Returns:
         The :class:`CompressResult`. Afterwards every kept KV sits at a logical slot
@@ -134,17 +139,24 @@ def compress_sequences(
         return CompressResult(head_lens.clone(), zeros, 0, 0)
 
     metrics, positions, tables = gather_logical(cache, seq_slots)
-    metrics = policy_metrics(policy, metrics, positions, generator)
-    protected = protected_slots(positions, head_lens, context_lens, protected_window, sink_tokens)
+    if layers is not None:
+        layers = layers.to(device, torch.int64)
+        if layers.numel() == 0:
+            zeros = torch.zeros_like(head_lens)
+            return CompressResult(head_lens.clone(), zeros, 0, 0, zeros.sum(dim=(0, 2)))
+    chosen = _layers_of(layers)
+    lens = chosen(head_lens)
+    metrics = policy_metrics(policy, chosen(metrics), chosen(positions), generator)
+    protected = protected_slots(chosen(positions), lens, context_lens, protected_window, sink_tokens)
     plan = schedule_evictions(
-        metrics, head_lens, protected, evict_blocks_per_seq, block_size, block_cost,
+        metrics, lens, protected, evict_blocks_per_seq, block_size, block_cost,
         split=policy.split if policy is not None else None,
     )
 
     num_slots = metrics.shape[-1]
-    flat_tables = tables.reshape(-1, tables.shape[-1])  # [R, P]
+    flat_tables = chosen(tables).reshape(-1, tables.shape[-1])  # [R, P]
     row, src_index, dst_index = plan_moves(
-        plan.evicted.reshape(-1, num_slots), head_lens.reshape(-1), plan.new_head_lens.reshape(-1)
+        plan.evicted.reshape(-1, num_slots), lens.reshape(-1), plan.new_head_lens.reshape(-1)
     )
     move_cache = ops.move_cache if ops is not None else dispatch.move_cache
     move_cache(
@@ -156,13 +168,28 @@ def compress_sequences(
     )
 
     # Free pages [ceil(new_len / b), ceil(len / b)) of every head.
-    pages_freed = cache.free_tail_pages(seq_slots, tables, plan.new_head_lens)
+    new_head_lens = _all_layers(layers, head_lens, plan.new_head_lens)
+    pages_freed = cache.free_tail_pages(seq_slots, tables, new_head_lens)
     # protected_slots() marks held KVs only, and the schedule never evicts them.
-    kept_unprotected = plan.new_head_lens - protected.sum(dim=-1)
+    kept_unprotected = (plan.new_head_lens - protected.sum(dim=-1)).clamp(min=0).sum(dim=(0, 2))
     return CompressResult(
-        new_head_lens=plan.new_head_lens,
-        evict_blocks=plan.evict_blocks,
+        new_head_lens=new_head_lens,
+        evict_blocks=_all_layers(layers, torch.zeros_like(head_lens), plan.evict_blocks),
         pages_freed=pages_freed,
-        kvs_evicted=int((head_lens - plan.new_head_lens).sum().item()),
-        kept_unprotected_by_layer=kept_unprotected.clamp(min=0).sum(dim=(0, 2)),
+        kvs_evicted=int((head_lens - new_head_lens).sum().item()),
+        kept_unprotected_by_layer=_all_layers(layers, torch.zeros_like(head_lens[0, :, 0]), kept_unprotected, dim=0),
     )
+
+
+def _layers_of(layers: torch.Tensor | None):
+    """``[S, L, ...] -> [S, L', ...]``: the chosen layers of a per-layer tensor."""
+    if layers is None:
+        return lambda tensor: tensor
+    return lambda tensor: tensor.index_select(1, layers)
+
+
+def _all_layers(layers: torch.Tensor | None, base: torch.Tensor, chosen: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """``chosen`` (the layers ``layers``) written over ``base`` (every layer)."""
+    if layers is None:
+        return chosen
+    return base.clone().index_copy_(dim, layers, chosen.to(base.dtype))
