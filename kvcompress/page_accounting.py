@@ -78,11 +78,17 @@ class PageAccounting:
         block_size: int,
         max_requests: int = 64,
         num_ranks: int = 1,
+        compressible_layers: tuple[int, ...] | None = None,
     ) -> None:
         if num_ranks < 1 or num_kv_heads % num_ranks:
             raise ValueError(
                 f"{num_kv_heads} KV heads cannot be split evenly over {num_ranks} ranks"
             )
+        # The layers a compression may shrink (None: all); the others (sliding-window
+        # layers) keep every KV, and budgets count only these.
+        self.compressible_layers = (
+            np.arange(num_layers) if compressible_layers is None else np.asarray(compressible_layers, np.int64)
+        )
         self.num_pages = num_pages  # of each rank's pool
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads

@@ -392,3 +392,25 @@ def test_a_request_with_prefix_cache_blocks_released_in_flight_is_counted_past_t
     planner.on_released("a", accounting.release_by_rank("a"), shared_blocks=2)
     assert planner.adopt(report) is True
     assert planner.stats.mismatches == 0
+
+
+def test_only_compressible_layers_count_toward_the_order_and_are_credited():
+    """Sliding-window layers (issue 60) keep every KV: with 3 layers of which only layer 1
+    compresses, the order is the budget rule over layer 1's heads alone (what a 1-layer
+    model would be ordered), and with no compressible layer there is no order."""
+    prompt, rate, window, min_cache = 1000, 4, 8, 16
+    orders = {}
+    for name, layers, compressible in (("three", 3, (1,)), ("one", 1, None), ("none", 3, ())):
+        config = KVCompressConfig(enabled=True, rate=rate, protected_window=window, min_cache_tokens=min_cache)
+        accounting = PageAccounting(4096, layers, HEADS, BLOCK, max_requests=8, compressible_layers=compressible)
+        planner = CompressionPlanner(config, accounting)
+        request = _prefilled(planner, "a", prompt)
+        free_before = accounting.num_free_pages
+        planner.begin_step()
+        planner.compress_due([request])
+        taken = planner.take_orders()
+        orders[name] = taken["a"].evict_pages if "a" in taken else 0
+        assert accounting.num_free_pages == free_before + orders[name]
+    keep = max(min_cache, math.ceil(prompt / rate)) + window
+    one_layer = HEADS * math.ceil(prompt / BLOCK) - math.ceil(keep * HEADS / BLOCK)
+    assert orders == {"three": one_layer, "one": one_layer, "none": 0} and one_layer > 0
