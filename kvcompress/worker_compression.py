@@ -72,7 +72,8 @@ class CompressionRun:
     kernels, this worker's TP rank (orders are per rank), the schedule's block cost, the
     random policy's generator, and two callbacks: ``flush(slots)`` scores pending decode
     metric queries of those sequence slots, ``record(request_ids, orders)`` (optional)
-    reads a group's inputs before it is compressed."""
+    reads a group's inputs before it is compressed; ``layers``: the layers compressions
+    may shrink (None: all; sliding-window layers are left out)."""
 
     cache: object
     pool: object
@@ -82,6 +83,7 @@ class CompressionRun:
     generator: Callable[[], torch.Generator]
     flush: Callable[[list[int]], None]
     record: Callable[[list[str], dict[str, CompressionOrder]], None] | None = None
+    layers: torch.Tensor | None = None
 
 
 def run_orders(run: CompressionRun, orders: dict[str, CompressionOrder], slots: dict[str, int],
@@ -131,6 +133,7 @@ def _compress_group(run: CompressionRun, group: list[str], orders: dict[str, Com
         policy=policy,
         generator=run.generator(),
         ops=run.ops,
+        layers=run.layers,
     )
     seconds = time.perf_counter() - started
     kvs_kept = int(result.new_head_lens.sum().item())

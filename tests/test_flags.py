@@ -172,12 +172,28 @@ def test_head_size_of_vllms_cpu_kernel_is_taken(tmp_path):
     assert config.model_config.get_head_size() == 80
 
 
-def test_sliding_window_model_is_refused(tmp_path):
+def test_sliding_window_model_runs_on_cpu_and_is_refused_on_other_platforms(tmp_path, monkeypatch):
+    """Issue 60: on CPU a sliding-window model is taken (every layer allocated as full
+    attention: vLLM's hybrid KV cache manager off); where the kernels apply no window
+    (CUDA so far) it is refused before any work starts, naming the feature, the platform
+    limit and the flag."""
+    from vllm.platforms import current_platform
+
+    from kvcompress.config import KVCompressConfig
+    from kvcompress.vllm_glue.engine_setup import check_model_supported
+
     model = _write_config(
         tmp_path, architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=128
     )
-    with pytest.raises(KVCompressConfigError, match="sliding-window"):
-        _engine_config(model, **_kvc())
+    config = _engine_config(model, **_kvc())
+    assert config.model_config.get_sliding_window() == 128
+    assert config.scheduler_config.disable_hybrid_kv_cache_manager is True
+    settings = KVCompressConfig.from_additional_config(config.additional_config)
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
+    with pytest.raises(KVCompressConfigError,
+                       match=r"--kv-compress does not support model MistralForCausalLM: it uses sliding-window "
+                             r"attention layers, which kvcompress runs on CPU only so far"):
+        check_model_supported(config, settings)
 
 
 def test_cli_flags_reach_the_engine_config(tmp_path):

@@ -126,6 +126,8 @@ class KernelBackend:
     def decode_planned(
         self, query: torch.Tensor, pool: KVPool, tables, scale: float, out: torch.Tensor,
         metric_power: int | None = None, key: torch.Tensor | None = None, value: torch.Tensor | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
-        """Decode one layer with the step's plan (backends with :attr:`plans_decode_steps`)."""
+        """Decode one layer with the step's plan (backends with :attr:`plans_decode_steps`),
+        within ``sliding_window`` when given."""
         raise NotImplementedError(f"the {self.name} backend has no per-step decode plan")

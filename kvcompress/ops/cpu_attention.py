@@ -509,13 +509,17 @@ def decode_planned(
     query: torch.Tensor, pool: KVPool, tables: KernelDecodeLayer, scale: float,
     out: torch.Tensor, metric_power: int | None = None,
     key: torch.Tensor | None = None, value: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Decode rows ``query [B, Hq, D]`` of one layer into ``out [B, Hq, D]`` with the
     step's prepared :class:`KernelDecodeLayer`: the rows' new ``key`` / ``value``
     ``[B, H, D]`` written first at its ``write_slots`` when given
     (:func:`write_kv_planned`; None: already written), then one kernel call; when
     ``metric_power`` is given, the metric rows' queries are kept, and after the step's
-    last layer the metric pass runs for all layers (:class:`DecodeStepMetrics`)."""
+    last layer the metric pass runs for all layers (:class:`DecodeStepMetrics`).
+    ``sliding_window``: this layer's window, applied by the kernel alone (the step's
+    scheduler metadata is shared by every layer and window-agnostic, as vLLM's own CPU
+    backend builds it for a group of windowed and global layers)."""
     if key is not None:
         write_kv_planned(tables, key, value)
     num_rows, num_q_heads, head_dim = query.shape
@@ -525,8 +529,8 @@ def decode_planned(
     flat_out = out.view(num_seqs, group, head_dim) if out.is_contiguous() else torch.empty_like(flat_query)
     torch.ops._C.cpu_attention_with_kv_cache(
         flat_query, tables.key_cache, tables.value_cache, flat_out, tables.query_start_loc,
-        tables.seq_lens, scale, True, None, -1, tables.block_table, 0.0,
-        tables.scheduler_metadata, None, None, 1.0, 1.0, "auto",
+        tables.seq_lens, scale, True, None, -1 if sliding_window is None else int(sliding_window),
+        tables.block_table, 0.0, tables.scheduler_metadata, None, None, 1.0, 1.0, "auto",
     )
     if flat_out.data_ptr() != out.data_ptr():
         out.copy_(flat_out.view(num_rows, num_q_heads, head_dim))
@@ -670,9 +674,10 @@ class VllmCpuBackend(KernelBackend):
             return
         super().write_kv(pool, key, value, write_pages, write_offsets)
 
-    def decode_planned(self, query, pool, tables, scale, out, metric_power=None, key=None, value=None):
+    def decode_planned(self, query, pool, tables, scale, out, metric_power=None, key=None, value=None,
+                       sliding_window=None):
         """:func:`decode_planned` (the step's plan: :func:`plan_decode_step`)."""
-        return decode_planned(query, pool, tables, scale, out, metric_power, key, value)
+        return decode_planned(query, pool, tables, scale, out, metric_power, key, value, sliding_window)
 
 
 BACKEND = VllmCpuBackend()

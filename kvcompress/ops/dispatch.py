@@ -337,6 +337,7 @@ class KernelOps:
     def decode_planned(
         self, query: torch.Tensor, pool: KVPool, tables, scale: float, out: torch.Tensor,
         metric_power: int | None = None, key: torch.Tensor | None = None, value: torch.Tensor | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """Decode rows of one layer with the tables planned for this step (backends with a
         per-step plan: ``vllm_cpu``, :func:`kvcompress.ops.cpu_attention.plan_decode_step`,
@@ -345,7 +346,7 @@ class KernelOps:
         backend = self.backend("paged_decode_by_slot") if "paged_decode_by_slot" in self.backends else None
         if backend is None or not backend.plans_decode_steps:
             raise RuntimeError(f"decode_planned needs the vllm_cpu backend (resolved: {self})")
-        return backend.decode_planned(query, pool, tables, scale, out, metric_power, key, value)
+        return backend.decode_planned(query, pool, tables, scale, out, metric_power, key, value, sliding_window)
 
     def write_kv(
         self, pool: KVPool, key: torch.Tensor, value: torch.Tensor,

@@ -175,8 +175,6 @@ class KVCompressAttentionImpl(AttentionImpl):
         unsupported = []
         if alibi_slopes is not None:
             unsupported.append("ALiBi")
-        if sliding_window is not None:
-            unsupported.append("sliding-window attention")
         if logits_soft_cap:
             unsupported.append("logit soft-capping")
         if attn_type != AttentionType.DECODER:
@@ -199,7 +197,9 @@ class KVCompressAttentionImpl(AttentionImpl):
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = None
-        self.sliding_window = None
+        # This layer's window (tokens) or None; a windowed layer is never compressed
+        # (kv_layout.compressible_layers), so it scores no metrics.
+        self.sliding_window = sliding_window
         self.logits_soft_cap = None
         self.alibi_slopes = None
         self.sinks = None
@@ -247,15 +247,17 @@ class KVCompressAttentionImpl(AttentionImpl):
             step.tables.layer(layer_index), step.head_lens[:, layer_index],
             step.query_start_loc, step.query_positions, max_head_len=step.max_head_len,
             flat_query_start_loc=step.flat_query_start_loc, layout=step.query_layout,
+            sliding_window=self.sliding_window,
         )
         if metrics is not None and metrics.decode_queries is not None:
             metrics.decode_queries.record(layer_index, query, self.scale)
+        windowed = self.sliding_window is not None
         state.ops.paged_attention(
             query, state.pool, batch, self.scale,
             out=output[:num_tokens].view(num_tokens, self.num_heads, self.head_size),
-            metrics=step.decode_metric_sink,
+            metrics=None if windowed else step.decode_metric_sink,
         )
-        if metrics is not None:
+        if metrics is not None and not windowed:
             self._prompt_metrics(state, step, metrics, query, batch)
         return output
 
@@ -280,9 +282,12 @@ class KVCompressAttentionImpl(AttentionImpl):
         out = output
         if query.shape[0] != rows:  # padded rows (vLLM's views are [T, heads, D] already)
             query, key, value, out = query[:rows], key[:rows], value[:rows], output[:rows]
+        # Every layer records its metric queries (the shared pass runs after the last
+        # one); a windowed layer's metrics are never read (it is never compressed).
         state.ops.decode_planned(
             query, state.pool, step.kernel_decode[layer_index], self.scale, out,
             metric_power=step.decode_metric_power, key=key, value=value,
+            sliding_window=self.sliding_window,
         )
         return output
 
@@ -310,12 +315,13 @@ class KVCompressAttentionImpl(AttentionImpl):
             cache.tables.chunk_tables[:, layer_index], cache.head_lens[:, layer_index],
             buffers.seq_slots[:rows], buffers.query_positions[:rows],
             max_head_len=buffers.max_head_len, row_index=buffers.row_index[:rows],
-            chunks=cache.tables.chunks,
+            chunks=cache.tables.chunks, sliding_window=self.sliding_window,
         )
+        windowed = self.sliding_window is not None
         state.ops.paged_decode_by_slot(
             query[:rows].view(rows, self.num_heads, self.head_size), state.pool, batch, self.scale,
             out=output[:rows].view(rows, self.num_heads, self.head_size),
-            metrics=MetricSink(buffers.metric_slots, buffers.metric_power),
+            metrics=None if windowed else MetricSink(buffers.metric_slots, buffers.metric_power),
             partition_size=buffers.partition_size_for(rows, self.num_kv_heads),
         )
         return output
@@ -403,6 +409,14 @@ class KVCompressAttentionBackend(AttentionBackend):
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
         return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        # vLLM's CPU kernel and the reference apply windows; the CUDA / Triton ones do
+        # not yet (engine_setup refuses such models there).
+        from vllm.platforms import current_platform
+
+        return current_platform.is_cpu()
 
     @staticmethod
     def get_impl_cls() -> type[KVCompressAttentionImpl]:

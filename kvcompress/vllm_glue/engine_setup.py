@@ -285,6 +285,21 @@ def bind_cpu_workers(tensor_parallel_size: int, data_parallel_size: int = 1, nno
     )
 
 
+def _sliding_window_problems(vllm_config: Any) -> list[str]:
+    """Sliding-window layers run on CPU (vLLM's CPU kernel and the reference apply the
+    window; the CUDA / Triton kernels do not yet): there every layer's KVs go to the
+    per-head pool as full-attention allocation (vLLM's hybrid KV cache manager off, as
+    ``--disable-hybrid-kv-cache-manager``), a sliding-window layer keeps every KV and only
+    the full-attention layers are compressed."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return ["sliding-window attention layers, which kvcompress runs on CPU only so far "
+                "(its CUDA and Triton kernels apply no window)"]
+    vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = True
+    return []
+
+
 def check_model_supported(vllm_config: Any, settings: KVCompressConfig) -> None:
     """Refuse models whose attention the per-head paged cache cannot hold."""
     if not settings.enabled:
@@ -297,11 +312,12 @@ def check_model_supported(vllm_config: Any, settings: KVCompressConfig) -> None:
     problems = []
     if model_config.use_mla:
         problems.append("multi-head latent attention (MLA)")
-    if model_config.get_sliding_window() is not None:
-        problems.append("sliding-window attention layers")
     layer_types = getattr(model_config.hf_text_config, "layer_types", None) or []
-    if any(kind != "full_attention" for kind in layer_types):
-        problems.append(f"non-full-attention layers ({sorted(set(layer_types))})")
+    other_kinds = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if other_kinds:
+        problems.append(f"non-full-attention layers ({other_kinds})")
+    if model_config.get_sliding_window() is not None:
+        problems += _sliding_window_problems(vllm_config)
     if model_config.is_hybrid or model_config.is_attention_free:
         problems.append("state-space / hybrid layers")
     if model_config.is_encoder_decoder:

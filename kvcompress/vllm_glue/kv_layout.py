@@ -25,11 +25,53 @@ def single_full_attention_group(kv_cache_config: KVCacheConfig) -> KVCacheGroupS
             f"--kv-compress does not support KV-cache spec {type(spec).__name__} "
             "(sliding-window, MLA and hybrid layers are not per-head pageable)"
         )
-    if spec.sliding_window is not None or spec.attention_chunk_size is not None:
-        raise ValueError(
-            "--kv-compress does not support sliding-window or chunked-local attention"
-        )
+    # A sliding window on the group's spec comes from sliding-window layers vLLM promoted
+    # to full-attention allocation (the hybrid KV cache manager is off under
+    # --kv-compress): every layer's KVs are paged here, its window applied by attention.
+    if spec.attention_chunk_size is not None:
+        raise ValueError("--kv-compress does not support chunked-local attention")
     return groups[0]
+
+
+def layer_windows(vllm_config, layer_names: list[str]) -> tuple[int | None, ...]:
+    """Each pool layer's sliding window (tokens), None for full attention, from the
+    model's config as vLLM's models read it: ``sliding_window`` on the layers
+    ``layer_types`` calls ``sliding_attention`` (every layer when the config has a
+    window and no ``layer_types``)."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    window = vllm_config.model_config.get_sliding_window()
+    if window is None:
+        return (None,) * len(layer_names)
+    layer_types = getattr(vllm_config.model_config.hf_text_config, "layer_types", None)
+    if not layer_types:
+        return (int(window),) * len(layer_names)
+    return tuple(
+        int(window) if layer_types[extract_layer_index(name)] == "sliding_attention" else None
+        for name in layer_names
+    )
+
+
+def layer_windows_checked(vllm_config, layer_names: list[str]) -> tuple[int | None, ...]:
+    """:func:`layer_windows`, checked against the window each layer's attention was
+    built with (the worker has the layers): the scheduler counts pages from the config
+    alone, so the two must agree."""
+    windows = layer_windows(vllm_config, layer_names)
+    context = vllm_config.compilation_config.static_forward_context
+    for name, window in zip(layer_names, windows):
+        built = getattr(getattr(context.get(name), "impl", None), "sliding_window", window)
+        if built != window:
+            raise ValueError(
+                f"--kv-compress: layer {name} attends within a window of {built} tokens but the "
+                f"model config says {window}; kvcompress cannot tell which layers to compress"
+            )
+    return windows
+
+
+def compressible_layers(windows: tuple[int | None, ...]) -> tuple[int, ...]:
+    """The pool layers compression may shrink: the full-attention ones (a sliding-window
+    layer keeps every KV, so that its slots hold consecutive positions)."""
+    return tuple(layer for layer, window in enumerate(windows) if window is None)
 
 
 # The last page of vLLM's buffer is the scratch page: padding rows of decode steps

@@ -33,7 +33,7 @@ from kvcompress.contract import CompressionOrder, WorkerReport
 from kvcompress.ops import PerHeadPagedCache
 from kvcompress.ops.prefix_groups import PrefixGroups
 from kvcompress.vllm_glue import diagnostics
-from kvcompress.vllm_glue.kv_layout import single_full_attention_group
+from kvcompress.vllm_glue.kv_layout import compressible_layers, layer_windows_checked, single_full_attention_group
 from kvcompress.vllm_glue.metric_queries import MetricQuerySelector
 from kvcompress.vllm_glue.outputs import step_compression_of, with_report
 from kvcompress.vllm_glue.pool_builder import BuiltPool, build_pool, model_rope
@@ -101,6 +101,13 @@ class KVCompressRunnerMixin:
         state = self.kvc_state = built.state
         cache = self.kvc_cache = state.cache
         set_worker_state(state)  # for the attention backend
+        # Sliding-window layers keep every KV: compressions shrink the others only (the
+        # scheduler counts the same layers, kv_layout.compressible_layers).
+        windows = layer_windows_checked(config, list(built.shape.layer_names))
+        layers = compressible_layers(windows)
+        self.kvc_compress_layers = (
+            None if len(layers) == len(windows) else torch.tensor(layers, dtype=torch.int64, device=cache.device)
+        )
         self.kvc_requests = WorkerRequests(cache.max_seqs, cache.device)
         self.kvc_report: WorkerReport | None = None
         # Page groups of the blocks vLLM's prefix cache holds (None: prefix caching off).
@@ -187,7 +194,7 @@ class KVCompressRunnerMixin:
         run = CompressionRun(
             cache=state.cache, pool=state.pool, ops=state.ops, rank=self.kvc_tp_rank,
             block_cost=self.kvc_settings.block_cost, generator=self._kvc_random,
-            flush=self.kvc_planner.decode_metrics.flush,
+            flush=self.kvc_planner.decode_metrics.flush, layers=self.kvc_compress_layers,
             record=None if self.kvc_recorded is None else functools.partial(diagnostics.record_inputs, self),
         )
         outcome = run_orders(run, orders, slots, self.kvc_stats)

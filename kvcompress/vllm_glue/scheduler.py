@@ -20,7 +20,7 @@ from kvcompress.compression_planner import CompressionPlanner
 from kvcompress.config import KVCompressConfig
 from kvcompress.contract import StepCompression
 from kvcompress.page_accounting import PageAccounting, live_sequence_limit
-from kvcompress.vllm_glue.kv_layout import pages_in_pool
+from kvcompress.vllm_glue.kv_layout import compressible_layers, layer_windows, pages_in_pool, single_full_attention_group
 from kvcompress.vllm_glue.kv_manager import KVCompressKVCacheManager, logical_block_count
 from kvcompress.vllm_glue.metrics import with_kvcompress_stats
 from kvcompress.vllm_glue.outputs import report_of, with_step_compression
@@ -55,6 +55,9 @@ class KVCompressScheduler(Scheduler):
             block_size=block_size,
             max_requests=vllm_config.scheduler_config.max_num_seqs * 2,
             num_ranks=num_ranks,
+            compressible_layers=compressible_layers(
+                layer_windows(vllm_config, single_full_attention_group(kv_cache_config).layer_names)
+            ),
         )
         # The worker's cache has sequence slots for this many (live_sequence_limit):
         # vLLM's admission bound, lowered where the pool is the smaller limit.
@@ -67,6 +70,11 @@ class KVCompressScheduler(Scheduler):
                 live_limit, live_limit, max_num_seqs,
             )
             self.max_num_active_reqs = live_limit
+        if settings.enabled and accounting.compressible_layers.size == 0:
+            logger.warning(
+                "kvcompress: every attention layer of this model has a sliding window; such "
+                "layers keep every KV, so --kv-compress-rate changes nothing for this model"
+            )
         self.kvc_planner = CompressionPlanner(settings, accounting)
         if self.log_stats:  # vLLM takes stats every step (make_stats): count for them
             self.kvc_planner.enable_metrics()
