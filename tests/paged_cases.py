@@ -80,3 +80,32 @@ def moved_to(value, device):
         return value
     fields = {f.name: moved_to(getattr(value, f.name), device) for f in dataclasses.fields(value)}
     return dataclasses.replace(value, **fields)
+
+
+def scrambled_cache(seed, lengths_per_head, block_size, head_dim, dtype=torch.float32):
+    """A pool with ragged per-head lengths written in a scrambled page order, its
+    tables, plus the dense per-head K/V (and positions) that the pages should hold."""
+    generator = torch.Generator().manual_seed(seed)
+    num_seqs, num_kv_heads = lengths_per_head.shape
+    num_pages = 512
+    key_cache = torch.randn(num_pages, block_size, head_dim, generator=generator, dtype=dtype)
+    value_cache = torch.randn(num_pages, block_size, head_dim, generator=generator, dtype=dtype)
+    slot_positions = torch.full((num_pages, block_size), -1, dtype=torch.int32)
+    order = torch.randperm(num_pages, generator=generator).tolist()
+    max_pages = int(((lengths_per_head.max() + block_size - 1) // block_size).item())
+    tables = torch.zeros(num_seqs, num_kv_heads, max(1, max_pages), dtype=torch.int64)
+    dense = {}
+    for s in range(num_seqs):
+        for h in range(num_kv_heads):
+            n = int(lengths_per_head[s, h])
+            pages = [order.pop() for _ in range((n + block_size - 1) // block_size)]
+            tables[s, h, : len(pages)] = torch.tensor(pages, dtype=torch.int64)
+            # Keep a subset of positions, as a compressed head would.
+            positions = torch.sort(torch.randperm(2 * n + 1, generator=generator)[:n]).values
+            for i in range(n):
+                slot_positions[pages[i // block_size], i % block_size] = int(positions[i])
+            k = key_cache[tables[s, h, : len(pages)]].reshape(-1, head_dim)[:n]
+            v = value_cache[tables[s, h, : len(pages)]].reshape(-1, head_dim)[:n]
+            dense[(s, h)] = (k.double(), v.double(), positions)
+    slot_metrics = torch.zeros(num_pages, block_size)
+    return KVPool(key_cache, value_cache, slot_positions, slot_metrics), tables, dense

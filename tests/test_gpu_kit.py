@@ -374,14 +374,19 @@ def test_rehearsal_on_vllm_cpu(tmp_path):
     assert proc.returncode == 0 and results["passed"], json.dumps(results["cases"], indent=1)[:4000]
 
 
-def test_the_trees_commit_reaches_a_device_without_git(tmp_path, monkeypatch):
-    repo, device = tmp_path / "repo", tmp_path / "device"
+def _repo_with_one_commit(repo, text: str) -> str:
+    """A git repository at ``repo`` with one commit of ``f.txt``; its commit id."""
     repo.mkdir()
     _git(repo, "init", "-q")
-    (repo / "f.txt").write_text("1")
+    (repo / "f.txt").write_text(text)
     _git(repo, "add", "f.txt")
     _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
-    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+
+
+def test_the_trees_commit_reaches_a_device_without_git(tmp_path, monkeypatch):
+    repo, device = tmp_path / "repo", tmp_path / "device"
+    head = _repo_with_one_commit(repo, "1")
     (repo / ".gpu-kit" / "call1").mkdir(parents=True)
     assert kit.write_tree_commit(repo / ".gpu-kit", repo) == head
     (repo / "f.txt").write_text("2")
@@ -397,12 +402,7 @@ def test_the_recorded_commit_wins_over_a_stale_git_on_the_device(tmp_path, monke
     """On the H200 (2026-11-29) the device's copy carried a .git at an older commit than the
     tree it ran: run.sh's KIT_TREE_COMMIT (kit.py's record) must win over ``git rev-parse``."""
     device = tmp_path / "device"
-    device.mkdir()
-    _git(device, "init", "-q")
-    (device / "f.txt").write_text("old")
-    _git(device, "add", "f.txt")
-    _git(device, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "stale")
-    stale = subprocess.run(["git", "-C", str(device), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    stale = _repo_with_one_commit(device, "old")
     monkeypatch.setattr(e2e, "REPO", device)
     monkeypatch.delenv("KIT_TREE_COMMIT", raising=False)
     assert e2e.tree_commit() == stale

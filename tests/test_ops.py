@@ -9,15 +9,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcompress.ops import (
-    KVPool,
     OutOfPagesError,
     PageAllocator,
     PagedBatch,
     PerHeadPagedCache,
     reference_paged_attention,
-    reference_write_kv,
 )
-from kvcompress.ops.reference_attention import dense_causal_attention
+from paged_cases import scrambled_cache
 from kvcompress.ops.paged_cache import pages_for
 from kvcompress.page_accounting import PageAccounting
 
@@ -194,42 +192,13 @@ def test_fill_page_tables_matches_a_python_loop(backend):
         dispatch.fill_page_tables(tables.clone(), pages, offsets, first_column, rows)
 
 
-def _random_cache(seed, lengths_per_head, block_size, head_dim, dtype):
-    """A pool with ragged per-head lengths written in a scrambled page order, its
-    tables, plus the dense per-head K/V (and positions) that the pages should hold."""
-    generator = torch.Generator().manual_seed(seed)
-    num_seqs, num_kv_heads = lengths_per_head.shape
-    num_pages = 512
-    key_cache = torch.randn(num_pages, block_size, head_dim, generator=generator, dtype=dtype)
-    value_cache = torch.randn(num_pages, block_size, head_dim, generator=generator, dtype=dtype)
-    slot_positions = torch.full((num_pages, block_size), -1, dtype=torch.int32)
-    order = torch.randperm(num_pages, generator=generator).tolist()
-    max_pages = int(((lengths_per_head.max() + block_size - 1) // block_size).item())
-    tables = torch.zeros(num_seqs, num_kv_heads, max(1, max_pages), dtype=torch.int64)
-    dense = {}
-    for s in range(num_seqs):
-        for h in range(num_kv_heads):
-            n = int(lengths_per_head[s, h])
-            pages = [order.pop() for _ in range((n + block_size - 1) // block_size)]
-            tables[s, h, : len(pages)] = torch.tensor(pages, dtype=torch.int64)
-            # Keep a subset of positions, as a compressed head would.
-            positions = torch.sort(torch.randperm(2 * n + 1, generator=generator)[:n]).values
-            for i in range(n):
-                slot_positions[pages[i // block_size], i % block_size] = int(positions[i])
-            k = key_cache[tables[s, h, : len(pages)]].reshape(-1, head_dim)[:n]
-            v = value_cache[tables[s, h, : len(pages)]].reshape(-1, head_dim)[:n]
-            dense[(s, h)] = (k.double(), v.double(), positions)
-    slot_metrics = torch.zeros(num_pages, block_size)
-    return KVPool(key_cache, value_cache, slot_positions, slot_metrics), tables, dense
-
-
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_paged_attention_matches_float64_dense_oracle(dtype, tolerance, block_size):
     generator = torch.Generator().manual_seed(1)
     num_kv_heads, group, head_dim = 2, 4, 64
     lengths = torch.tensor([[37, 5], [1, 70], [33, 33]])
-    pool, tables, dense = _random_cache(2, lengths, block_size, head_dim, dtype)
+    pool, tables, dense = scrambled_cache(2, lengths, block_size, head_dim, dtype)
     # Seq 0: 3 prefill-continuation queries; seq 1: one decode; seq 2: 7 queries.
     query_lens = [3, 1, 7]
     query_start = np.concatenate([[0], np.cumsum(query_lens)]).tolist()
@@ -253,31 +222,6 @@ def test_paged_attention_matches_float64_dense_oracle(dtype, tolerance, block_si
                     scores = (k[visible] @ query[t, qh].double()) * scale
                     expected = torch.softmax(scores, 0) @ v[visible]
                 assert torch.allclose(out[t, qh].double(), expected, atol=tolerance, rtol=tolerance)
-
-
-def test_write_then_attend_equals_dense_causal_attention():
-    """End to end through the cache: append a prompt in two chunks, then decode."""
-    torch.manual_seed(3)
-    layers, heads, group, head_dim, block_size = 1, 2, 3, 64, 16
-    cache = PerHeadPagedCache(64, layers, heads, block_size, max_seqs=2, max_pages_per_head=16)
-    buffer = torch.zeros(64, 2, block_size, head_dim)
-    key_cache, value_cache = buffer[:, 0], buffer[:, 1]
-    pool = cache.kv_pool(key_cache, value_cache)
-    seq = torch.tensor([cache.new_sequence()])
-    total = 45
-    queries = torch.randn(total, heads * group, head_dim)
-    keys = torch.randn(total, heads, head_dim)
-    values = torch.randn(total, heads, head_dim)
-    outputs = torch.empty_like(queries)
-    for start, end in [(0, 20), (20, 44), (44, 45)]:
-        plan = cache.append(seq, torch.tensor([end - start]), torch.arange(start, end))
-        reference_write_kv(key_cache, value_cache, keys[start:end], values[start:end],
-                 plan.write_pages[0], plan.write_offsets[0])
-        batch = PagedBatch(cache.flat_page_tables()[seq, 0], cache.head_lens[seq, 0], [0, end - start],
-                           torch.arange(start, end))
-        reference_paged_attention(queries[start:end], pool, batch, head_dim**-0.5, out=outputs[start:end])
-    expected = dense_causal_attention(queries, keys, values, head_dim**-0.5)
-    assert torch.allclose(outputs.double(), expected, atol=1e-5)
 
 
 def test_page_accounting_counts_ceil_of_head_lengths():

@@ -13,40 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from kvcompress.ops import KVPool, PagedBatch, PerHeadPagedCache, reference_paged_attention, reference_write_kv
+from kvcompress.ops import PagedBatch, PerHeadPagedCache, reference_paged_attention, reference_write_kv
 from kvcompress.ops.decode_by_slot import paged_decode_by_slot_reference
 from kvcompress.ops.dispatch import resolve_ops, use_backend
 from kvcompress.ops.kv_pool import MetricSink, SlotBatch
 from kvcompress.ops.reference_attention import dense_causal_attention
+from paged_cases import scrambled_cache
 
 NUM_KV_HEADS, GROUP, HEAD_DIM = 2, 3, 64
-
-
-def _compacted_cache(seed: int, lengths: torch.Tensor, block_size: int):
-    """Pages in a scrambled order holding, per head, a sorted subset of positions (as
-    after compression); returns the pool, tables and ``{(s, h): (k, v, positions)}``."""
-    generator = torch.Generator().manual_seed(seed)
-    num_seqs, num_heads = lengths.shape
-    num_pages = 256
-    key_cache = torch.randn(num_pages, block_size, HEAD_DIM, generator=generator)
-    value_cache = torch.randn(num_pages, block_size, HEAD_DIM, generator=generator)
-    slot_positions = torch.full((num_pages, block_size), -1, dtype=torch.int32)
-    order = torch.randperm(num_pages, generator=generator).tolist()
-    max_pages = int(-(-int(lengths.max()) // block_size))
-    tables = torch.zeros(num_seqs, num_heads, max(1, max_pages), dtype=torch.int64)
-    dense = {}
-    for s in range(num_seqs):
-        for h in range(num_heads):
-            n = int(lengths[s, h])
-            pages = [order.pop() for _ in range(-(-n // block_size))]
-            tables[s, h, : len(pages)] = torch.tensor(pages, dtype=torch.int64)
-            positions = torch.sort(torch.randperm(2 * n + 1, generator=generator)[:n]).values
-            for i in range(n):
-                slot_positions[pages[i // block_size], i % block_size] = int(positions[i])
-            k = key_cache[tables[s, h, : len(pages)]].reshape(-1, HEAD_DIM)[:n]
-            v = value_cache[tables[s, h, : len(pages)]].reshape(-1, HEAD_DIM)[:n]
-            dense[(s, h)] = (k.double(), v.double(), positions)
-    return KVPool(key_cache, value_cache, slot_positions, torch.zeros(num_pages, block_size)), tables, dense
 
 
 def _brute_force(query, query_positions, query_start, dense, scale, window):
@@ -81,7 +55,7 @@ def _mixed_batch(dense, lengths, query_lens, seed):
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_windowed_reference_equals_a_brute_force_over_stored_positions(window, block_size):
     lengths = torch.tensor([[37, 5], [1, 70], [33, 33], [60, 61]])
-    pool, tables, dense = _compacted_cache(3, lengths, block_size)
+    pool, tables, dense = scrambled_cache(3, lengths, block_size, HEAD_DIM)
     query, positions, query_start = _mixed_batch(dense, lengths, [3, 1, 7, 1], seed=4)
     scale = HEAD_DIM**-0.5
     batch = PagedBatch(tables, lengths, query_start, positions, sliding_window=window)
@@ -93,8 +67,10 @@ def test_windowed_reference_equals_a_brute_force_over_stored_positions(window, b
         assert not torch.allclose(out, full, atol=1e-3)
 
 
-@pytest.mark.parametrize("window", [1, 7, 16, 30])
+@pytest.mark.parametrize("window", [None, 1, 7, 16, 30])
 def test_chunked_prefill_then_decode_through_the_cache_equals_the_banded_dense_oracle(window):
+    """End to end through the cache: a prompt appended in two chunks, then a decode
+    (None: plain causal attention)."""
     torch.manual_seed(5)
     block_size, total = 16, 45
     cache = PerHeadPagedCache(64, 1, NUM_KV_HEADS, block_size, max_seqs=1, max_pages_per_head=16)
@@ -115,14 +91,14 @@ def test_chunked_prefill_then_decode_through_the_cache_equals_the_banded_dense_o
         reference_paged_attention(queries[start:end], pool, batch, HEAD_DIM**-0.5, out=outputs[start:end])
     expected = dense_causal_attention(queries, keys, values, HEAD_DIM**-0.5, sliding_window=window)
     assert torch.allclose(outputs.double(), expected, atol=1e-5)
-    # The oracle's band itself: query 44 sees exactly the last `window` keys.
-    unbanded = dense_causal_attention(queries, keys, values, HEAD_DIM**-0.5)
-    assert not torch.allclose(expected[-1], unbanded[-1], atol=1e-3)
+    if window is not None:  # the band cuts something off for the last query
+        unbanded = dense_causal_attention(queries, keys, values, HEAD_DIM**-0.5)
+        assert not torch.allclose(expected[-1], unbanded[-1], atol=1e-3)
 
 
 def test_slot_indexed_decode_keeps_the_window():
     lengths = torch.tensor([[37, 5], [20, 70], [33, 33]])
-    pool, tables, dense = _compacted_cache(6, lengths, 16)
+    pool, tables, dense = scrambled_cache(6, lengths, 16, HEAD_DIM)
     query, positions, _ = _mixed_batch(dense, lengths, [1, 1, 1], seed=7)
     scale, window = HEAD_DIM**-0.5, 9
     # Rows 0 and 1 decode slots 2 and 0 of the slot tables.
@@ -210,7 +186,7 @@ def test_a_backend_without_windows_hands_windowed_calls_to_the_reference(monkeyp
 
 def test_a_windowed_layer_takes_no_metrics():
     lengths = torch.tensor([[20, 20]])
-    pool, tables, dense = _compacted_cache(10, lengths, 16)
+    pool, tables, dense = scrambled_cache(10, lengths, 16, HEAD_DIM)
     query, positions, query_start = _mixed_batch(dense, lengths, [1], seed=11)
     batch = PagedBatch(tables, lengths, query_start, positions, sliding_window=4)
     sink = MetricSink(torch.ones(1, dtype=torch.bool), 2)
