@@ -334,11 +334,15 @@ def check_model_supported(vllm_config: Any, settings: KVCompressConfig) -> None:
         from kvcompress.policies import load_layer_profile
 
         num_layers = model_config.get_num_layers(vllm_config.parallel_config)
+        kind = "attention"
+        if model_config.get_sliding_window() is not None:  # the profile splits over these only
+            num_layers = sum(layer_kind == "full_attention" for layer_kind in layer_types)
+            kind = "full-attention (compressible)"
         profile_layers = len(load_layer_profile(settings.xkv_profile))
         if profile_layers != num_layers:
             raise KVCompressConfigError(
                 f"{FLAGS['xkv_profile']} {settings.xkv_profile} has {profile_layers} layer "
-                f"shares but model {name} has {num_layers} attention layers (write the "
+                f"shares but model {name} has {num_layers} {kind} layers (write the "
                 "profile for this model with benchmarks/quality/xkv_profile.py)"
             )
     head_size = model_config.get_head_size()
