@@ -188,6 +188,12 @@ def test_sliding_window_model_runs_on_cpu_and_is_refused_on_other_platforms(tmp_
     config = _engine_config(model, **_kvc())
     assert config.model_config.get_sliding_window() == 128
     assert config.scheduler_config.disable_hybrid_kv_cache_manager is True
+    # An XKV profile splits over the compressible (full-attention) layers: here none.
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps([1, 1]))
+    with pytest.raises(KVCompressConfigError, match=r"has 2 layer shares but model MistralForCausalLM has 0 "
+                                                    r"full-attention \(compressible\) layers"):
+        _engine_config(model, **_kvc(policy="xkv", xkv_profile=str(profile)))
     settings = KVCompressConfig.from_additional_config(config.additional_config)
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
     with pytest.raises(KVCompressConfigError,
