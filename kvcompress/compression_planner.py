@@ -253,8 +253,9 @@ class CompressionPlanner:
         """
         accounting = self.accounting
         request_id = request.request_id
-        head_lens = accounting.head_lens_of(request_id)
-        kvs = int(head_lens[accounting.compressible_layers].sum())
+        # Only the compressible layers are sorted and shrunk (sliding-window layers keep every KV).
+        head_lens = accounting.head_lens_of(request_id)[accounting.compressible_layers]
+        kvs = int(head_lens.sum())
         step = self.step
         if step.kvs_sorted and step.kvs_sorted + kvs > self.settings.max_kv_per_iteration:
             return 0
@@ -286,11 +287,11 @@ class CompressionPlanner:
         return min(evict_by_rank)
 
     def _evict_by_rank(self, head_lens: np.ndarray, context_len: int, planned: PlannedRequest) -> tuple[int, ...]:
-        """E_s,r per rank over that rank's heads of the compressible layers, each held to
-        the same per-head budget: every rank frees exactly what is credited to its own pool."""
+        """E_s,r per rank over that rank's heads (``head_lens``: the compressible layers),
+        each held to the same per-head budget: every rank frees exactly what is credited to
+        its own pool."""
         accounting = self.accounting
         heads = accounting.heads_per_rank
-        head_lens = head_lens[accounting.compressible_layers]
         return tuple(
             blocks_to_evict(
                 head_lens[:, rank * heads:(rank + 1) * heads], context_len,

@@ -253,6 +253,7 @@ def main(argv=None) -> list[dict]:
                 tqdm.write(f"{label} (repeat {rep + 1}): {run['output_throughput']:.1f} output tokens/s, "
                            f"peak running {run['peak_running_requests']}, failed {run['failed']}")
     rows = median_runs(runs)
+    ratios = paired_ratios(runs)
     rows.sort(key=lambda r: -1 if r["rate"] is None else r["rate"])
     lines = [
         f"`vllm bench serve` (custom dataset: {args.num_prompts} essay documents of <= {args.length} tokens "
@@ -262,13 +263,13 @@ def main(argv=None) -> list[dict]:
         f"{' '.join(SERVER_FLAGS)}; "
         f"{machine_description()}; median of {args.repeats} run(s) by output tokens/s, order alternated; "
         "the paired column: each repetition's output tokens/s over stock's in the same repetition.",
-        "", *table(rows, paired_ratios(runs)),
+        "", *table(rows, ratios),
     ]
     print("\n" + "\n".join(lines))
     Path(f"{args.out}.md").write_text("\n".join(lines) + "\n")
     Path(f"{args.out}.json").write_text(json.dumps(
         {"args": {k: v for k, v in vars(args).items()}, "machine": machine_description(),
-         "runs": runs, "median_rows": rows, "paired_ratios": paired_ratios(runs),
+         "runs": runs, "median_rows": rows, "paired_ratios": ratios,
          "wall_seconds": time.perf_counter() - wall}, indent=1))
     plot = write_plot(rows, f"{args.out}.png")
     stock, best = rows[0], rows[-1]

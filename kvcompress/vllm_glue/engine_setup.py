@@ -287,10 +287,11 @@ def bind_cpu_workers(tensor_parallel_size: int, data_parallel_size: int = 1, nno
 
 def _sliding_window_problems(vllm_config: Any) -> list[str]:
     """Sliding-window layers run on CPU (vLLM's CPU kernel and the reference apply the
-    window; the CUDA / Triton kernels do not yet): there every layer's KVs go to the
-    per-head pool as full-attention allocation (vLLM's hybrid KV cache manager off, as
-    ``--disable-hybrid-kv-cache-manager``), a sliding-window layer keeps every KV and only
-    the full-attention layers are compressed."""
+    window; the CUDA / Triton kernels do not yet). There vLLM's hybrid KV cache manager is
+    turned off (as ``--disable-hybrid-kv-cache-manager``: it would put the windowed layers
+    in a KV-cache group of their own), so every layer's KVs go to the per-head pool as
+    full-attention allocation; a sliding-window layer keeps every KV and only the
+    full-attention layers are compressed."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -333,10 +334,12 @@ def check_model_supported(vllm_config: Any, settings: KVCompressConfig) -> None:
     if settings.xkv_profile:
         from kvcompress.policies import load_layer_profile
 
+        from kvcompress.vllm_glue.kv_layout import compressible_layers, model_layer_windows
+
         num_layers = model_config.get_num_layers(vllm_config.parallel_config)
         kind = "attention"
         if model_config.get_sliding_window() is not None:  # the profile splits over these only
-            num_layers = sum(layer_kind == "full_attention" for layer_kind in layer_types)
+            num_layers = len(compressible_layers(model_layer_windows(model_config, range(num_layers))))
             kind = "full-attention (compressible)"
         profile_layers = len(load_layer_profile(settings.xkv_profile))
         if profile_layers != num_layers:

@@ -26,30 +26,33 @@ def single_full_attention_group(kv_cache_config: KVCacheConfig) -> KVCacheGroupS
             "(sliding-window, MLA and hybrid layers are not per-head pageable)"
         )
     # A sliding window on the group's spec comes from sliding-window layers vLLM promoted
-    # to full-attention allocation (the hybrid KV cache manager is off under
-    # --kv-compress): every layer's KVs are paged here, its window applied by attention.
+    # to full-attention allocation (kvcompress turns the hybrid KV cache manager off for
+    # them): every layer's KVs are paged here, its window applied by attention.
     if spec.attention_chunk_size is not None:
         raise ValueError("--kv-compress does not support chunked-local attention")
     return groups[0]
 
 
+def model_layer_windows(model_config, layer_indices) -> tuple[int | None, ...]:
+    """The sliding window (tokens) of each of the model's layers ``layer_indices``, None
+    for full attention, from its config as vLLM's models read it: ``sliding_window`` on
+    the layers ``layer_types`` calls ``sliding_attention`` (every layer when the config
+    has a window and no ``layer_types``)."""
+    layer_indices = list(layer_indices)
+    window = model_config.get_sliding_window()
+    if window is None:
+        return (None,) * len(layer_indices)
+    layer_types = getattr(model_config.hf_text_config, "layer_types", None)
+    if not layer_types:
+        return (int(window),) * len(layer_indices)
+    return tuple(int(window) if layer_types[i] == "sliding_attention" else None for i in layer_indices)
+
+
 def layer_windows(vllm_config, layer_names: list[str]) -> tuple[int | None, ...]:
-    """Each pool layer's sliding window (tokens), None for full attention, from the
-    model's config as vLLM's models read it: ``sliding_window`` on the layers
-    ``layer_types`` calls ``sliding_attention`` (every layer when the config has a
-    window and no ``layer_types``)."""
+    """:func:`model_layer_windows` of the pool's layers (vLLM's attention layer names)."""
     from vllm.model_executor.models.utils import extract_layer_index
 
-    window = vllm_config.model_config.get_sliding_window()
-    if window is None:
-        return (None,) * len(layer_names)
-    layer_types = getattr(vllm_config.model_config.hf_text_config, "layer_types", None)
-    if not layer_types:
-        return (int(window),) * len(layer_names)
-    return tuple(
-        int(window) if layer_types[extract_layer_index(name)] == "sliding_attention" else None
-        for name in layer_names
-    )
+    return model_layer_windows(vllm_config.model_config, (extract_layer_index(name) for name in layer_names))
 
 
 def layer_windows_checked(vllm_config, layer_names: list[str]) -> tuple[int | None, ...]:
