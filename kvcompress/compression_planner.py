@@ -98,6 +98,8 @@ class PlannerStats:
     preempted_after_compression: int = 0
     recompressed_after_preemption: int = 0
     num_preemptions: int = 0
+    # pages sliding-window heads gave back behind their windows (drop_behind_windows)
+    window_pages_freed: int = 0
     # requests released (aborted) while the worker ran the step: its report still
     # counts their pages, the cross-check accounts for them
     released_in_flight: int = 0
@@ -129,6 +131,8 @@ class _Step:
     Attributes:
         number: steps since the engine started.
         orders: compressions ordered this step.
+        window_drops: request id -> ``[L]`` pages each head of a sliding-window layer
+            drops from its front this step (``StepCompression.window_drops``).
         kvs_sorted: KVs the ordered compressions sort (the per-step cap).
         dispatched: the step went to the worker (vLLM's ``schedule()`` returned).
         released_in_flight: request id -> ``[num_ranks]`` pages the scheduler released
@@ -139,6 +143,7 @@ class _Step:
 
     number: int = 0
     orders: dict[str, CompressionOrder] = field(default_factory=dict)
+    window_drops: dict[str, np.ndarray] = field(default_factory=dict)
     kvs_sorted: int = 0
     dispatched: bool = False
     released_in_flight: dict[str, np.ndarray] = field(default_factory=dict)
@@ -221,6 +226,19 @@ class CompressionPlanner:
 
     def begin_step(self) -> None:
         self.step = _Step(number=self.step.number + 1)
+
+    def drop_behind_windows(self) -> None:
+        """Order every sliding-window head's pages behind its window given back this
+        step (``PageAccounting.drop_behind_windows``, credited at once): call as the step
+        begins, before vLLM schedules (the pages help admit and grow this step)."""
+        drops = self.accounting.drop_behind_windows()
+        if not drops:
+            return
+        self.step.window_drops.update(drops)
+        pages = sum(int(d.sum()) for d in drops.values()) * self.accounting.num_kv_heads
+        self.stats.window_pages_freed += pages
+        if self.metrics is not None:
+            self.metrics.window_pages_freed += pages
 
     def compressible(self, request: PlannableRequest) -> bool:
         # Caught up: the prompt (or, after a preemption, the recomputed prompt and
@@ -386,6 +404,12 @@ class CompressionPlanner:
             for request_id, order in self.step.orders.items()
             if self.accounting.is_pending(request_id)
         }
+
+    def take_window_drops(self) -> dict[str, np.ndarray]:
+        """This step's window drops (:meth:`drop_behind_windows`) of the requests still
+        holding pages (a preempted one gave back all of them)."""
+        held = self.accounting.holds
+        return {r: d for r, d in self.step.window_drops.items() if held(r)}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -554,7 +578,8 @@ class CompressionPlanner:
         compress and every ``PAGES_HELD_CHECK_INTERVAL`` steps (free pages, the sum of
         the same counts, are checked every step; a dict per step costs ~0.15 ms of
         host time at 256 requests)."""
-        return bool(self.step.orders) or self.step.number % PAGES_HELD_CHECK_INTERVAL == 0
+        step = self.step
+        return bool(step.orders or step.window_drops) or step.number % PAGES_HELD_CHECK_INTERVAL == 0
 
     def expected_worker_pages(
         self, report: WorkerReport, rank: int = 0

@@ -104,6 +104,10 @@ class StepCompression:
         admitted: requests whose pages the worker (re)builds this step (first
             scheduled, or resumed after a preemption) -> how they are compressed.
         orders: requests to compress before this step's forward -> their order.
+        window_drops: request -> ``[num_layers]`` int64 pages every KV head of each
+            layer gives back from its front before this step's forward (its sliding
+            window has passed them; 0 on other layers). The scheduler credited them
+            already (``PageAccounting.drop_behind_windows``).
         report_pages_held: the worker reports every live request's pages this step
             (``WorkerReport.pages_held``); free pages are reported every step.
         prefix_cache: the prefix cache's changes (None: prefix caching off).
@@ -111,6 +115,7 @@ class StepCompression:
 
     admitted: dict[str, RequestCompression] = field(default_factory=dict)
     orders: dict[str, CompressionOrder] = field(default_factory=dict)
+    window_drops: dict[str, np.ndarray] = field(default_factory=dict)
     report_pages_held: bool = True
     prefix_cache: PrefixCacheStep | None = None
 

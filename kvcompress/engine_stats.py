@@ -77,6 +77,8 @@ class KVCompressStats:
         preemptions_after_compression: of those, requests compressed before (their
             compression did not save them; they are compressed again after their
             recomputed prefill).
+        window_pages_freed: pages sliding-window heads gave back behind their windows
+            (scheduler-ordered, like vLLM's own sliding-window manager's frees).
         steps_checked: worker reports whose page counts the scheduler cross-checked.
         page_mismatches: of those, reports whose free / held pages differ from the
             scheduler's counts (a bug if not 0).
@@ -93,6 +95,7 @@ class KVCompressStats:
     compression_seconds: dict[str, list[float]] = field(default_factory=dict)
     preemptions: int = 0
     preemptions_after_compression: int = 0
+    window_pages_freed: int = 0
     steps_checked: int = 0
     page_mismatches: int = 0
     evict_mismatches: int = 0

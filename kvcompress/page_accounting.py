@@ -79,7 +79,10 @@ class PageAccounting:
         max_requests: int = 64,
         num_ranks: int = 1,
         compressible_layers: tuple[int, ...] | None = None,
+        layer_windows: tuple[int | None, ...] | None = None,
     ) -> None:
+        """``layer_windows``: each layer's sliding window (tokens; None: full attention),
+        whose heads :meth:`drop_behind_windows` shortens (None: no windowed layer)."""
         if num_ranks < 1 or num_kv_heads % num_ranks:
             raise ValueError(
                 f"{num_kv_heads} KV heads cannot be split evenly over {num_ranks} ranks"
@@ -89,6 +92,11 @@ class PageAccounting:
         self.compressible_layers = (
             np.arange(num_layers) if compressible_layers is None else np.asarray(compressible_layers, np.int64)
         )
+        windows = [0 if w is None else int(w) for w in (layer_windows or [None] * num_layers)]
+        if len(windows) != num_layers or min(windows, default=0) < 0:
+            raise ValueError(f"need one window (or None) per layer ({num_layers}), got {layer_windows}")
+        self.windows = np.asarray(windows, np.int64)  # [L], 0: full attention
+        self.window_layers = np.flatnonzero(self.windows)
         self.num_pages = num_pages  # of each rank's pool
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
@@ -103,6 +111,8 @@ class PageAccounting:
         self.pending = np.zeros(max_requests, bool)
         self.num_pending = 0  # pending.sum(), kept as a Python int (read every step)
         self.shared_blocks = np.zeros(max_requests, np.int64)
+        # [max_requests, L] leading token blocks each layer's heads gave back (windows only).
+        self.dropped_blocks = np.zeros((max_requests, num_layers), np.int64)
         self.cached_groups = 0
         self._row_of: dict[str, int] = {}
         self._free_rows = list(range(max_requests - 1, -1, -1))
@@ -163,6 +173,7 @@ class PageAccounting:
         self.room = np.concatenate([self.room, np.zeros(old, np.int64)])
         self.pending = np.concatenate([self.pending, np.zeros(old, bool)])
         self.shared_blocks = np.concatenate([self.shared_blocks, np.zeros(old, np.int64)])
+        self.dropped_blocks = np.concatenate([self.dropped_blocks, np.zeros_like(self.dropped_blocks)])
         self._free_rows.extend(range(2 * old - 1, old - 1, -1))
 
     def _pages(self, lens: np.ndarray) -> np.ndarray:
@@ -371,6 +382,44 @@ class PageAccounting:
         self.free_pages += freed
         return int(freed.sum())
 
+    def drop_behind_windows(self) -> dict[str, np.ndarray]:
+        """Give back the leading pages of every sliding-window head that no later query
+        of its request sees; returns request id -> ``[num_layers]`` int64 pages each head
+        of that layer drops from its front now (0 on other layers), for the requests
+        that drop any (the worker's order: ``StepCompression.window_drops``).
+
+        Called as a step starts, before any request grows: a request's next query is at
+        its logical length ``q`` (every token with a slot is computed), and it and every
+        later one see positions ``>= q - W + 1`` only, so token blocks below that are
+        dropped whole. Requests holding prefix-cache page groups, or with a compression
+        pending, drop nothing (their columns must keep mapping to token blocks)."""
+        if not self.window_layers.size or not self._row_of:
+            return {}
+        self.sync()
+        rows = np.fromiter(self._row_of.values(), np.int64, len(self._row_of))
+        layers = self.window_layers
+        first_seen = self.logical_lens[rows, None] - self.windows[layers] + 1  # [R, Lw]
+        due = np.maximum(first_seen, 0) // self.block_size
+        drop = due - self.dropped_blocks[rows[:, None], layers]
+        drop[self.pending[rows] | (self.shared_blocks[rows] > 0)] = 0
+        dropping = np.flatnonzero((drop > 0).any(axis=1))
+        if not dropping.size:
+            return {}
+        ids = list(self._row_of)
+        drops = {}
+        for index in dropping.tolist():
+            row = int(rows[index])
+            by_layer = np.zeros(self.num_layers, np.int64)
+            by_layer[layers] = np.maximum(drop[index], 0)
+            self.dropped_blocks[row] += by_layer
+            self.head_lens[row] -= by_layer[:, None] * self.block_size
+            freed = by_layer.sum() * self.heads_per_rank  # every rank's heads of those layers
+            self.pages_held_per_row[row] -= freed
+            self.free_pages += freed
+            drops[ids[index]] = by_layer
+        self.changes += 1
+        return drops
+
     def release(self, request_id: str) -> int:
         """Forget the request; returns pages freed (over all ranks)."""
         return int(self.release_by_rank(request_id).sum())
@@ -391,6 +440,7 @@ class PageAccounting:
         self.num_pending -= int(self.pending[row])
         self.pending[row] = False
         self.shared_blocks[row] = 0
+        self.dropped_blocks[row] = 0
         self._free_rows.append(row)
         self.free_pages += freed
         return freed
@@ -426,6 +476,10 @@ class PageAccounting:
         self.cached_groups -= count
         self.free_pages += count * self.pages_per_token_block_per_rank
 
+    def holds(self, request_id: str) -> bool:
+        """Whether the request holds pages (has a row)."""
+        return request_id in self._row_of
+
     def request_ids(self) -> list[str]:
         return list(self._row_of)
 
@@ -456,6 +510,12 @@ class PageAccounting:
         room = (self._pages(lens) * self.block_size - lens).min(axis=(1, 2))
         if not np.array_equal(np.where(exact, room, 0), self.room[rows]):
             raise AssertionError("per-request room drifted from head lengths")
+        windowed = self.window_layers
+        if windowed.size:  # never compressed: each holds its positions past the dropped blocks
+            expected_lens = (self.logical_lens[rows, None] - self.dropped_blocks[rows][:, windowed] * self.block_size)
+            if not np.array_equal(lens[:, windowed][exact], np.broadcast_to(
+                    expected_lens[:, :, None], lens[:, windowed].shape)[exact]):
+                raise AssertionError("sliding-window head lengths drifted from logical length - dropped blocks")
         held = self.pages_held_per_row[rows].sum(axis=0)
         cached = self.cached_groups * self.pages_per_token_block_per_rank
         if not np.array_equal(self.num_pages - held - cached, self.free_pages):

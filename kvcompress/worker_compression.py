@@ -35,6 +35,8 @@ class WorkerStats:
     step_seconds: float = 0.0
     # compressions whose freed pages differ from the pages the scheduler ordered
     evict_mismatches: int = 0
+    # pages sliding-window heads gave back behind their windows (scheduler-ordered)
+    window_pages_freed: int = 0
     # steps whose attention read the fixed-address DecodeBuffers
     decode_only_steps: int = 0
     pages_freed_by_policy: dict[str, int] = field(default_factory=dict)

@@ -19,7 +19,7 @@ def _figures() -> KVCompressStats:
         compressions={"after_prefill": {"kvc": 2}, "instead_of_preemption": {"h2o": 1}},
         by_policy={"kvc": PolicyTotals(2, 40, 5000, 3000, 0.02), "h2o": PolicyTotals(1, 9, 900, 600, 0.5)},
         compression_seconds={"kvc": [0.002, 0.018], "h2o": [0.5]},
-        preemptions=3, preemptions_after_compression=1, steps_checked=7,
+        preemptions=3, preemptions_after_compression=1, window_pages_freed=5, steps_checked=7,
     )
 
 
@@ -107,6 +107,7 @@ def test_logger_publishes_gauges_and_adds_deltas():
     assert _value(samples, "kvcompress:compression_seconds_sum", policy="h2o") == pytest.approx(1.0)
     assert _value(samples, "kvcompress:preemptions_total") == 6
     assert _value(samples, "kvcompress:preemptions_after_compression_total") == 2
+    assert _value(samples, "kvcompress:window_pages_freed_total") == 10
     assert _value(samples, "kvcompress:steps_checked_total") == 14
     assert _value(samples, "kvcompress:evict_mismatches_total") == 0
 

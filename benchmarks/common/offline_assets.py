@@ -362,6 +362,10 @@ class TinyLlamaShape:
     init_std: float = 0.1
     intermediate_size: int | None = None
     rope_theta: float = 10000.0
+    # A window (tokens) on the layers ``sliding_layers`` (config ``sliding_window`` and
+    # ``layer_types``, as vLLM's Llama reads them); None: full attention everywhere.
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_q_heads % self.num_kv_heads:
@@ -378,6 +382,8 @@ class TinyLlamaShape:
             f"tiny-llama-v{_FORMAT}-l{self.num_layers}-q{self.num_q_heads}-kv{self.num_kv_heads}"
             f"-d{self.head_dim}-h{self.hidden}-i{self.intermediate_size}-v{self.vocab_size}"
             f"-p{self.max_position_embeddings}-r{self.rope_theta:g}-std{self.init_std:g}-s{self.seed}"
+            + ("" if self.sliding_window is None else
+               f"-w{self.sliding_window}-on{'.'.join(map(str, self.sliding_layers))}")
         )
 
 
@@ -426,6 +432,15 @@ def _build_tiny_llama(out: Path, shape: TinyLlamaShape) -> None:
                 parameter.fill_(1.0)  # RMSNorm weights (Llama has no biases)
     model.save_pretrained(out, safe_serialization=True)
     _patch_config_for_older_readers(out / "config.json")
+    if shape.sliding_window is not None:
+        config_path = out / "config.json"
+        values = json.loads(config_path.read_text())
+        values["sliding_window"] = shape.sliding_window
+        values["layer_types"] = [
+            "sliding_attention" if layer in shape.sliding_layers else "full_attention"
+            for layer in range(shape.num_layers)
+        ]
+        config_path.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
 
 
 # --------------------------------------------------------------------------------------

@@ -212,6 +212,43 @@ class PerHeadPagedCache:
             self.host.refresh_last_pages(self, seq_slots.numpy())
         return pages_freed
 
+    def drop_leading_pages(self, seq_slots: torch.Tensor, drop_pages: torch.Tensor) -> int:
+        """Give back the first ``drop_pages[s, l]`` pages of every head of layer ``l`` of
+        sequence slot ``seq_slots[s]`` (``[S]`` int64, ``[S, L]`` int64): a sliding
+        window has passed them. The head's other pages move to the front of its table
+        (a head whose pages were shared gets chunks of its own), so its slots keep their
+        order: KV ``i`` of the head is still its ``i``-th oldest (a window counted in slots
+        back from the query stays right); positions and metrics stay with the pages.
+        Returns the pages freed (a shared page is freed by its last holder)."""
+        self.version += 1
+        seq_slots = seq_slots.to(self.device, torch.int64)
+        drop = drop_pages.to(self.device, torch.int64).unsqueeze(-1).expand(-1, -1, self.num_kv_heads)
+        old_pages = self.pages_held(seq_slots)  # [S, L, H]
+        if bool((drop > old_pages).any()) or bool((drop < 0).any()):
+            raise ValueError("drop_leading_pages: a head would drop more pages than it holds")
+        num_columns = int(old_pages.max()) if old_pages.numel() else 0
+        if num_columns == 0 or not bool(drop.any()):
+            return 0
+        tables = self.tables.gather(seq_slots, num_columns).to(torch.int64)  # [S, L, H, P]
+        column = torch.arange(num_columns, device=self.device)
+        pages_freed = drop_references(tables[column < drop.unsqueeze(-1)], self.page_shares, self.allocator)
+        moved = drop > 0
+        # Rebuild the moved heads' rows: their chunks go, their kept pages get new ones.
+        self.tables.truncate(seq_slots, torch.where(moved, old_pages, 0), torch.zeros_like(old_pages))
+        kept_pages = (old_pages - drop)[moved]  # [M]
+        kept = (column >= drop.unsqueeze(-1)) & (column < old_pages.unsqueeze(-1))
+        heads = self.num_layers * self.num_kv_heads
+        head_rows = seq_slots.view(-1, 1, 1) * heads + torch.arange(heads, device=self.device).view(
+            1, self.num_layers, self.num_kv_heads)
+        offsets = torch.zeros(kept_pages.numel() + 1, dtype=torch.int64, device=self.device)
+        offsets[1:] = torch.cumsum(kept_pages, 0)
+        fill = self.ops.fill_page_tables if self.ops is not None else dispatch.fill_page_tables
+        self.tables.assign(head_rows[moved], torch.zeros_like(kept_pages), tables[moved][kept[moved]], offsets, fill)
+        self.head_lens[seq_slots] -= drop * self.block_size
+        if self.host is not None:
+            self.host.refresh_last_pages(self, seq_slots.numpy())
+        return pages_freed
+
     def pages_held(self, seq_slots: torch.Tensor | None = None) -> torch.Tensor:
         """``[S, num_layers, num_kv_heads]`` pages held (all slots when ``None``)."""
         lens = self.head_lens if seq_slots is None else self.head_lens[seq_slots]

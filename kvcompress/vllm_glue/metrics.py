@@ -176,6 +176,9 @@ class KVCompressPrometheusLogger(AggregateStatLoggerBase):
         self.preemptions_after_compression = counter(
             "preemptions_after_compression",
             "Preempted requests that had been compressed before.")
+        self.window_pages_freed = counter(
+            "window_pages_freed",
+            "Pages sliding-window layers' heads gave back behind their windows.")
         self.steps_checked = counter(
             "steps_checked",
             "Steps whose worker page counts the scheduler cross-checked.")
@@ -214,7 +217,7 @@ class KVCompressPrometheusLogger(AggregateStatLoggerBase):
             for metric in (self.pages_freed, self.kvs_before, self.kvs_evicted,
                            self.compression_seconds):
                 metric.labels(*labels, settings.policy)
-            for metric in (self.preemptions, self.preemptions_after_compression,
+            for metric in (self.preemptions, self.preemptions_after_compression, self.window_pages_freed,
                            self.steps_checked, self.page_mismatches, self.evict_mismatches):
                 metric.labels(*labels)
 
@@ -246,6 +249,7 @@ class KVCompressPrometheusLogger(AggregateStatLoggerBase):
         for metric, count in (
             (self.preemptions, figures.preemptions),
             (self.preemptions_after_compression, figures.preemptions_after_compression),
+            (self.window_pages_freed, figures.window_pages_freed),
             (self.steps_checked, figures.steps_checked),
             (self.page_mismatches, figures.page_mismatches),
             (self.evict_mismatches, figures.evict_mismatches),

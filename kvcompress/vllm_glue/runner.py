@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import time
 
+import numpy as np
 import torch
 
 from vllm.logger import init_logger
@@ -141,7 +142,7 @@ class KVCompressRunnerMixin:
         return StepPlanner(
             state, built.shape.dtype, self.kvc_requests, self.kvc_settings, self.kvc_stats,
             config.model_config.get_num_attention_heads(config.parallel_config), self.kvc_prefix_groups,
-            selector,
+            selector, window_layers=self.kvc_compress_layers is not None,
         )
 
     def _kvc_warm_up_mixed_steps(self) -> int:
@@ -170,6 +171,8 @@ class KVCompressRunnerMixin:
             planner.admit(step, slots_changed=bool(gone))
             self.kvc_report = None
             self._kvc_step_started = time.perf_counter()
+            if step.window_drops:
+                self._kvc_drop_behind_windows(step.window_drops)
             outcome = self._kvc_compress(step.orders)
         result = super()._update_states(scheduler_output)
         if planner is not None:
@@ -183,6 +186,19 @@ class KVCompressRunnerMixin:
     def _kvc_plan_step(self, scheduler_output) -> None:
         """Grow the scheduled rows' heads and publish the step (``step_planner.py``)."""
         self.kvc_planner.plan(self.input_batch, scheduler_output, self.requests)
+
+    def _kvc_drop_behind_windows(self, drops: dict[str, np.ndarray]) -> None:
+        """Give back the pages the scheduler ordered dropped behind sliding windows
+        (``StepCompression.window_drops``, already credited; the step's free-page report
+        cross-checks them)."""
+        slots = self.kvc_requests.placed(drops)
+        if not slots:
+            return
+        cache = self.kvc_cache
+        # This rank's pool holds its own heads of every layer: the same pages per head.
+        by_layer = torch.from_numpy(np.stack([np.asarray(drops[r], np.int64) for r in slots]))
+        freed = cache.drop_leading_pages(torch.tensor(list(slots.values()), dtype=torch.int64), by_layer)
+        self.kvc_stats.window_pages_freed += freed
 
     def _kvc_compress(self, orders: dict[str, CompressionOrder]) -> CompressionOutcome:
         """Compress the sequences the scheduler ordered (``worker_compression.py``); the

@@ -48,6 +48,11 @@ class KVCompressScheduler(Scheduler):
         )
         super().__init__(vllm_config, logical_config, *args, **kwargs)
         self.kvc_settings = settings
+        windows = layer_windows(vllm_config, single_full_attention_group(kv_cache_config).layer_names)
+        # Sliding-window heads give back pages behind their windows, except with prefix
+        # caching: the cache maps a request's columns to token blocks, which dropping
+        # leading pages would shift (those pages stay until the request ends).
+        self.kvc_drops_windows = any(windows) and not self.cache_config.enable_prefix_caching
         accounting = PageAccounting(
             num_pages=num_pages,
             num_layers=num_layers,
@@ -55,9 +60,8 @@ class KVCompressScheduler(Scheduler):
             block_size=block_size,
             max_requests=vllm_config.scheduler_config.max_num_seqs * 2,
             num_ranks=num_ranks,
-            compressible_layers=compressible_layers(
-                layer_windows(vllm_config, single_full_attention_group(kv_cache_config).layer_names)
-            ),
+            compressible_layers=compressible_layers(windows),
+            layer_windows=windows if self.kvc_drops_windows else None,
         )
         # The worker's cache has sequence slots for this many (live_sequence_limit):
         # vLLM's admission bound, lowered where the pool is the smaller limit.
@@ -112,6 +116,8 @@ class KVCompressScheduler(Scheduler):
     def schedule(self, *args, **kwargs):
         planner = self.kvc_planner
         planner.begin_step()
+        if self.kvc_drops_windows:
+            planner.drop_behind_windows()
         if self.kvc_settings.enabled:
             # Every running request was resolved in the step that admitted it
             # (_step_compression).
@@ -146,6 +152,7 @@ class KVCompressScheduler(Scheduler):
                 for request_id in admitted_ids
             },
             orders=planner.take_orders(),
+            window_drops=planner.take_window_drops(),
             report_pages_held=planner.report_pages_held(),
             prefix_cache=prefix_step,
         )

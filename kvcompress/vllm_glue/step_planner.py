@@ -59,6 +59,9 @@ class StepPlanner:
     num_q_heads: int
     prefix_groups: PrefixGroups | None
     metric_queries: MetricQuerySelector
+    # The model has sliding-window layers, whose heads drop their pages behind the
+    # window: a never-compressed row's heads then differ between layers.
+    window_layers: bool = False
     plan_kernel_decode: bool = field(init=False)
     decode_metrics: DecodeMetrics = field(init=False)
     decode_plan: DecodeBatchPlan | None = field(init=False, default=None)
@@ -190,6 +193,12 @@ class StepPlanner:
             self.one_token_shapes[num_reqs] = shape
         return shape
 
+    def _uniform_heads(self, rows: BatchRows) -> bool | None:
+        """True when every head of every row holds the row's tokens (never-compressed
+        rows of a model without sliding windows): one kernel work split serves every
+        layer; None: the plan compares the layers' lengths."""
+        return True if not (rows.any_compresses or self.window_layers) else None
+
     def _decode_on_kernel(self, rows: BatchRows, computed: np.ndarray, positions_t, query_start: list[int]) -> None:
         """A decode-only step on vLLM's CPU kernel: the batch's plan, kept between steps,
         takes each head's new KV and gives every layer's kernel arrays
@@ -197,8 +206,7 @@ class StepPlanner:
         flagged = rows.metric_rows(computed, self.settings.decode_metric_stride)
         plan, kernel_decode = self.decode_plan.step(
             rows, rows.slots, computed, torch.from_numpy(flagged) if flagged.size else None,
-            # Heads of never-compressed rows all hold the row's tokens.
-            uniform=True if not rows.any_compresses else None,
+            uniform=self._uniform_heads(rows),
         )
         self._record_kernel_metrics(kernel_decode, rows, computed, flagged)
         self._apply_prefix_cache()
@@ -262,7 +270,7 @@ class StepPlanner:
             kernel_decode = cpu_attention.plan_decode_step(
                 self.state.pool, cache.tables, cache.head_lens, rows.seq_slots, self.num_q_heads,
                 torch.from_numpy(flagged) if flagged.size else None,
-                uniform=True if not rows.any_compresses else None,
+                uniform=self._uniform_heads(rows),
             )
             self._record_kernel_metrics(kernel_decode, rows, computed, flagged)
         else:
