@@ -198,8 +198,14 @@ def test_sliding_window_model_runs_on_cpu_and_is_refused_on_other_platforms(tmp_
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
     with pytest.raises(KVCompressConfigError,
                        match=r"--kv-compress does not support model MistralForCausalLM: it uses sliding-window "
-                             r"attention layers, which kvcompress runs on CPU only so far"):
+                             r"attention layers, which kvcompress runs on CPU only so far .*"
+                             r"KVCOMPRESS_CUDA_SLIDING_WINDOW=1 tries it"):
         check_model_supported(config, settings)
+    # The opt-in (the GPU kit's windows case): taken, the hybrid manager turned off.
+    monkeypatch.setenv("KVCOMPRESS_CUDA_SLIDING_WINDOW", "1")
+    config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    check_model_supported(config, settings)
+    assert config.scheduler_config.disable_hybrid_kv_cache_manager is True
 
 
 def test_cli_flags_reach_the_engine_config(tmp_path):

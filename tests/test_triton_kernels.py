@@ -436,6 +436,61 @@ def test_mixed_prefill_and_decode_batch(group, dtype):
     assert torch.equal(out[4:6].float().cpu(), torch.zeros(2, kv_heads * group, head_dim))
 
 
+@pytest.mark.parametrize("window", [1, 7, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sliding_window_in_prefill_chunks_and_decodes(window, dtype):
+    """A sliding-window layer (issue 60): each query sees the stored positions in
+    ``(p - W, p]`` only, in the varlen kernel (chunks, split over query blocks) and in the
+    partitioned decode (partitions wholly behind the window give nothing), over compacted
+    heads whose positions are neither contiguous nor sorted; as the reference, which
+    tests/test_sliding_window_ops.py checks against a brute force."""
+    block_size, head_dim, kv_heads, group = 16, 64, 2, 2
+    lengths = torch.tensor([[37, 5], [1, 70], [33, 40], [50, 64]])
+    pool, tables, top = _random_cache(41 + window, lengths, block_size, head_dim, dtype)
+    query_lens = [3, 1, 21, 1]
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    query_pos = torch.tensor(
+        [p for s, n in enumerate(query_lens) for p in range(top[s] - n + 1, top[s] + 1)], device=DEVICE)
+    query = torch.randn(starts[-1], kv_heads * group, head_dim).to(dtype).to(DEVICE)
+    batch = PagedBatch(tables, lengths.to(DEVICE), starts, query_pos, sliding_window=window)
+    expected, out, _, _ = _run_both(query, pool, batch, partition_size=32, block_m=16, varlen_tile=32)
+    _assert_close(out, expected, dtype)
+    unwindowed, _, _, _ = _run_both(query, pool, replace(batch, sliding_window=None), partition_size=32)
+    assert not torch.allclose(expected.float(), unwindowed.float(), atol=1e-2)  # the window cut keys off
+
+
+def test_sliding_window_decode_by_slot_and_dispatch():
+    """The slot decode (the CUDA-graph path) applies the window too, and the dispatch
+    hands a windowed call to the Triton backend when it is the one chosen (it applies
+    windows); a windowed call with decode metrics is refused (such a layer is never
+    compressed)."""
+    from kvcompress.ops.decode_by_slot import paged_decode_by_slot_reference
+
+    triton_attention, _ = _kernels()
+    block_size, head_dim, kv_heads, group, window = 16, 64, 2, 2, 9
+    lengths = torch.tensor([[37, 5], [20, 70], [33, 33], [0, 0]])
+    pool, tables, top = _random_cache(17, lengths, block_size, head_dim, torch.float32)
+    wide = torch.zeros(tables.shape[0], kv_heads, 16, dtype=torch.int64, device=DEVICE)
+    wide[:, :, : tables.shape[2]] = tables
+    seq_slots = torch.tensor([2, 0, 3, 1], dtype=torch.int32, device=DEVICE)
+    query_pos = torch.tensor([top[2], top[0], 0, top[1]], device=DEVICE)
+    query = torch.randn(4, kv_heads * group, head_dim).to(DEVICE)
+    scale = head_dim ** -0.5
+    batch = SlotBatch(wide, lengths.to(DEVICE), seq_slots, query_pos, max_head_len=16 * block_size,
+                      sliding_window=window)
+    expected = paged_decode_by_slot_reference(query, pool, batch, scale)
+    out = triton_attention.paged_decode_by_slot_triton(query, pool, batch, scale, partition_size=32)
+    _assert_close(out, expected, torch.float32)
+    with dispatch.use_backend("triton"):
+        ops = dispatch.resolve_ops(DEVICE, ["paged_attention", "paged_decode_by_slot"])
+    assert ops._backend_for_call("paged_decode_by_slot", query, pool, batch, None).name == "triton"
+    with pytest.raises(ValueError, match="no decode metrics"):
+        triton_attention.paged_decode_by_slot_triton(
+            query, pool, batch, scale, metrics=MetricSink(torch.ones(4, dtype=torch.int8, device=DEVICE), 2))
+
+
 def test_write_then_attend_through_the_paged_cache_in_chunks():
     """End to end with the real page tables: a prompt written in two chunks (the second a
     continuation) then one decode; each step's Triton output equals the reference's."""
@@ -733,14 +788,14 @@ for module, names in ((ta, ["_decode_kernel", "_decode_reduce_kernel", "_decode_
     for name in names:
         setattr(module, name, Recorder(getattr(module, name)))
 
-def attention(dtype, head_dim, group, block_size, partition_size, metrics, length_scale=1):
+def attention(dtype, head_dim, group, block_size, partition_size, metrics, length_scale=1, window=None):
     lens = torch.tensor([[40, 5], [70, 3], [16, 16]]) * length_scale
     pool = torch.zeros(64, 2, block_size, head_dim, dtype=dtype)
     query = torch.zeros(7, 2 * group, head_dim, dtype=dtype)
     kv = KVPool(pool[:, 0], pool[:, 1], torch.zeros(64, block_size, dtype=torch.int32),
                 torch.zeros(64, block_size))
     tables = torch.zeros(3, 2, 8 * length_scale, dtype=torch.int64)
-    batch = PagedBatch(tables, lens, [0, 1, 2, 7], torch.arange(7))
+    batch = PagedBatch(tables, lens, [0, 1, 2, 7], torch.arange(7), sliding_window=window)
     ta.paged_attention_triton(
         query, kv, batch, 0.1, metrics=MetricSink(torch.ones(3, dtype=torch.bool)) if metrics else None,
         partition_size=partition_size)
@@ -749,6 +804,7 @@ attention(torch.bfloat16, 128, 4, 16, 32, True)    # v2 decode + reduce + metric
 attention(torch.bfloat16, 128, 4, 16, 512, True, length_scale=512)  # 35K-token heads: 64-part blocks
 attention(torch.float16, 64, 1, 32, 512, False)    # v1 decode
 attention(torch.float32, 256, 8, 16, 512, False)   # float32 operands, widest head
+attention(torch.bfloat16, 256, 4, 16, 32, False, window=7)  # a sliding-window layer (Gemma 3's head shape)
 for partition_size in (32, 512):  # the metric pass alone (no output, no V read): several / one partition
     lens = torch.tensor([[40, 5], [70, 3], [16, 16]])
     pool = torch.zeros(64, 2, 16, 128, dtype=torch.bfloat16)

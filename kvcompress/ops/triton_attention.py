@@ -74,6 +74,20 @@ def interpreter_active() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+# The window of full attention in the kernels (tokens): every stored position is above
+# ``qpos - NO_WINDOW`` (positions are int32 and never negative).
+NO_WINDOW = 1 << 30
+
+
+def _window_arg(window: int | None) -> int:
+    """A layer's sliding window as the kernels take it (``NO_WINDOW``: full attention)."""
+    if window is None:
+        return NO_WINDOW
+    if not 1 <= int(window) < NO_WINDOW:
+        raise ValueError(f"sliding window must be in [1, {NO_WINDOW}), got {window}")
+    return int(window)
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -147,7 +161,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _score_tile(
-        q, k_ptr, pos_ptr, bt_base, chunk_ptr, start, end, qpos, d, d_ok, scale,
+        q, k_ptr, pos_ptr, bt_base, chunk_ptr, start, end, qpos, window, d, d_ok, scale,
         k_strides, pos_strides, stride_bp,
         BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, CHUNK: tl.constexpr,
         DOT_DTYPE: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
@@ -156,13 +170,14 @@ if HAS_TRITON:
         logical slots ``[start, start + TILE)`` (those below ``end`` held; the head's table
         row at ``bt_base``): ``(page, offset, held [TILE], visible to queries at qpos,
         scale * q @ k^T [rows, TILE])``; ``qpos`` a scalar (visible ``[TILE]``) or a
-        column ``[rows, 1]`` (visible ``[rows, TILE]``)."""
+        column ``[rows, 1]`` (visible ``[rows, TILE]``). Visible: stored position in
+        ``(qpos - window, qpos]`` (``NO_WINDOW``: any at or before ``qpos``)."""
         slot = start + tl.arange(0, TILE)
         held = slot < end
         page = _page_ids(bt_base, chunk_ptr, slot, held, stride_bp, BLOCK_SIZE, CHUNK)
         off = slot % BLOCK_SIZE
         kpos = tl.load(pos_ptr + _offset2(pos_strides, page, off), mask=held, other=0)
-        visible = held & (kpos <= qpos)
+        visible = held & (kpos <= qpos) & (kpos > qpos - window)
         k = tl.load(
             k_ptr + _offset3(k_strides, page[:, None], off[:, None], d[None, :]),
             mask=held[:, None] & d_ok[None, :], other=0.0,
@@ -174,7 +189,7 @@ if HAS_TRITON:
         q_ptr, k_ptr, v_ptr, pos_ptr, bt_ptr, chunk_ptr, lens_ptr, qpos_ptr,
         dec_seq_ptr, dec_tok_ptr,
         out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
-        scale,
+        scale, window,
         q_strides, k_strides, v_strides, pos_strides, table_strides, len_strides, out_strides,
         num_q_heads, num_parts,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
@@ -204,8 +219,8 @@ if HAS_TRITON:
         bt_base = bt_ptr + _offset2(table_strides, seq, h)
         for start in range(part_start, part_end, TILE):
             page, off, held, visible, s = _score_tile(
-                q, k_ptr, pos_ptr, bt_base, chunk_ptr, start, part_end, qpos, d, d_ok, scale, k_strides, pos_strides,
-                table_strides[2], BLOCK_SIZE, TILE, CHUNK, DOT_DTYPE, EMULATE, PRECISION,
+                q, k_ptr, pos_ptr, bt_base, chunk_ptr, start, part_end, qpos, window, d, d_ok, scale, k_strides,
+                pos_strides, table_strides[2], BLOCK_SIZE, TILE, CHUNK, DOT_DTYPE, EMULATE, PRECISION,
             )
             kv_mask = held[:, None] & d_ok[None, :]
             p, alpha, l_i, m_new = _online_softmax(tl.where(visible[None, :], s, float("-inf")), m_i, l_i)
@@ -342,8 +357,9 @@ if HAS_TRITON:
         bt_base = bt_ptr + _offset2(table_strides, seq, h)
         for start in range(part_start, part_end, TILE):
             page, off, held, visible, s = _score_tile(
-                q, k_ptr, pos_ptr, bt_base, chunk_ptr, start, part_end, qpos, d, d_ok, scale, k_strides, pos_strides,
-                table_strides[2], BLOCK_SIZE, TILE, CHUNK, DOT_DTYPE, EMULATE, PRECISION,
+                # 1 << 30: NO_WINDOW (a metric pass is never windowed; a jit body reads no globals)
+                q, k_ptr, pos_ptr, bt_base, chunk_ptr, start, part_end, qpos, 1073741824, d, d_ok, scale, k_strides,
+                pos_strides, table_strides[2], BLOCK_SIZE, TILE, CHUNK, DOT_DTYPE, EMULATE, PRECISION,
             )
             prob = tl.exp(s - m_safe[:, None]) * inv_norm[:, None]
             prob = tl.where(row_ok[:, None] & visible[None, :], prob, 0.0)
@@ -364,7 +380,7 @@ if HAS_TRITON:
         q_ptr, k_ptr, v_ptr, pos_ptr, bt_ptr, lens_ptr, qpos_ptr,
         blk_seq_ptr, blk_start_ptr, blk_end_ptr,
         out_ptr,
-        scale,
+        scale, window,
         q_strides, k_strides, v_strides, pos_strides, table_strides, len_strides, out_strides,
         GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
@@ -397,7 +413,7 @@ if HAS_TRITON:
         bt_base = bt_ptr + _offset2(table_strides, seq, h)
         for start in range(0, head_len, TILE):
             page, off, held, visible, s = _score_tile(
-                q, k_ptr, pos_ptr, bt_base, bt_ptr, start, head_len, qpos[:, None], d, d_ok, scale, k_strides,
+                q, k_ptr, pos_ptr, bt_base, bt_ptr, start, head_len, qpos[:, None], window, d, d_ok, scale, k_strides,
                 pos_strides, table_strides[2], BLOCK_SIZE, TILE, 0, DOT_DTYPE, EMULATE, PRECISION,
             )
             visible = visible & row_ok[:, None]
@@ -565,7 +581,7 @@ def paged_attention_triton(
             query, key_cache, value_cache, pool.slot_positions, block_tables, head_lens, query_positions,
             blocks[0], blocks[1], blocks[2],
             out,
-            float(scale),
+            float(scale), _window_arg(batch.sliding_window),
             *_attention_strides(query, pool, block_tables, head_lens, out),
             GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m,
             HEAD_DIM=head_dim, HEAD_PAD=head_pad,
@@ -584,6 +600,7 @@ def paged_attention_triton(
     _launch_decode(
         query, pool, block_tables, head_lens, query_positions, (dec_seq, dec_tok), out, scale,
         max_head_len, partition_size, flags, 2 if metrics is None else metrics.power,
+        window=batch.sliding_window,
     )
     return out
 
@@ -730,13 +747,14 @@ def _decode_shape(
 
 def _launch_decode(
     query, pool, block_tables, head_lens, query_positions, rows, out, scale, max_head_len, partition_size,
-    metric_flags, metric_power, chunks=None,
+    metric_flags, metric_power, chunks=None, window: int | None = None,
 ) -> None:
     """Decode, reduce and metric kernels for rows ``rows = (dec_seq, dec_tok)``;
     ``out`` None: the metrics only (no output, no reduce, no V read).
 
     ``chunks``: the second level of two-level tables (``block_tables`` then holds chunk
-    ids; :class:`kvcompress.ops.page_tables.ChunkedPageTables`), or None.
+    ids; :class:`kvcompress.ops.page_tables.ChunkedPageTables`), or None. ``window``: the
+    layer's sliding window (None: full attention; no metrics then, as the reference).
 
     ``dec_seq[b]`` indexes ``block_tables`` / ``head_lens`` / ``metric_flags`` (int8, or
     None for no metrics: then ``pool.slot_metrics`` is not touched); ``dec_tok[b]``
@@ -749,6 +767,8 @@ def _launch_decode(
     write_out = out is not None
     if not (write_out or want_metrics):
         raise ValueError("a decode launch needs an output or metric flags")
+    if want_metrics and window is not None:
+        raise ValueError("a sliding-window layer takes no decode metrics (it is never compressed)")
     if chunks is not None and not chunks.is_contiguous():
         raise ValueError("the page-table chunks must be contiguous")
     shape = _decode_shape(query, pool, block_tables, dec_seq.shape[0], max_head_len, partition_size, chunks)
@@ -773,7 +793,7 @@ def _launch_decode(
         query, pool.key_cache, pool.value_cache, pool.slot_positions, block_tables, chunk_ptr, head_lens,
         query_positions, dec_seq, dec_tok,
         out, part_out, part_max, part_sum,
-        float(scale),
+        float(scale), _window_arg(window),
         *_attention_strides(query, pool, block_tables, head_lens, out),
         shape.num_q_heads, shape.num_parts,
         GROUP=shape.group, GROUP_PAD=shape.group_pad,
@@ -877,6 +897,6 @@ def paged_decode_by_slot_triton(
     _launch_decode(
         query, pool, block_tables, batch.head_lens, batch.query_positions, (seq_slots, row_index), out,
         scale, max_head_len, partition_size, flags, 2 if metrics is None else metrics.power,
-        chunks=batch.chunks,
+        chunks=batch.chunks, window=batch.sliding_window,
     )
     return out

@@ -412,11 +412,11 @@ class KVCompressAttentionBackend(AttentionBackend):
 
     @classmethod
     def supports_sliding_window(cls) -> bool:
-        # vLLM's CPU kernel and the reference apply windows; the CUDA / Triton ones do
-        # not yet (engine_setup refuses such models there).
-        from vllm.platforms import current_platform
+        # vLLM's CPU kernel, the reference and the Triton kernels apply windows; on CUDA
+        # only on opt-in so far (engine_setup.sliding_windows_allowed).
+        from kvcompress.vllm_glue.engine_setup import sliding_windows_allowed
 
-        return current_platform.is_cpu()
+        return sliding_windows_allowed()
 
     @staticmethod
     def get_impl_cls() -> type[KVCompressAttentionImpl]:
