@@ -294,7 +294,7 @@ def answers_table(documents, runs: list[EngineRun]) -> list[str]:
     return lines
 
 
-def write_plot(runs: list[EngineRun], path: str) -> str | None:
+def write_plot(runs: list[EngineRun], path: str, model: str = "SmolLM2-135M") -> str | None:
     """Three bar charts: KV MiB per request, max concurrent requests, output tokens/s."""
     from benchmarks.common.plots import bar_panels
 
@@ -305,7 +305,7 @@ def write_plot(runs: list[EngineRun], path: str) -> str | None:
         ([r.output_tokens_per_s for r in runs], "output tokens/s"),
     ]
     answers = ", ".join(f"{label} {sum(r.correct)}/{len(r.correct)}" for label, r in zip(labels, runs))
-    return bar_panels(path, labels, panels, f"SmolLM2-135M on CPU, same KV memory; answers right: {answers}")
+    return bar_panels(path, labels, panels, f"{model} on CPU, same KV memory; answers right: {answers}")
 
 
 def summary_line(runs: list[EngineRun]) -> str:
@@ -333,6 +333,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--kv-documents", type=float, default=3.0,
                         help="KV memory of both engines, in uncompressed documents (default 3)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default="smollm2",
+                        help="'smollm2' (SmolLM2-135M-Instruct), 'gemma3' (Gemma 3 270M: sliding-window "
+                             "layers), or a model directory")
     parser.add_argument("--out", default=DEFAULT_OUT,
                         help="writes OUT.md (the tables), OUT.json (every figure and answer), OUT.png")
     args = parser.parse_args(argv)
@@ -349,9 +352,10 @@ def prepare(args, log) -> Workload:
     from transformers import AutoTokenizer
 
     from benchmarks.throughput.benchmark_throughput import kv_bytes_per_token, kv_shape
-    from benchmarks.common.offline_assets import smollm2_checkpoint
+    from benchmarks.common.offline_assets import gemma3_270m_checkpoint, smollm2_checkpoint
 
-    model = str(smollm2_checkpoint())
+    named = {"smollm2": smollm2_checkpoint, "gemma3": gemma3_270m_checkpoint}
+    model = str(named[args.model]()) if args.model in named else args.model
     tokenizer = AutoTokenizer.from_pretrained(model)
     documents = build_documents(tokenizer, args.documents, args.length, args.seed)
     shape = kv_shape(model)
@@ -388,7 +392,7 @@ def report(work: Workload, runs: list[EngineRun], args, wall: float) -> None:
         "runs": [asdict(r) for r in runs], "wall_seconds": time.perf_counter() - wall,
     }, indent=1))
     written = [f"{args.out}.md", f"{args.out}.json"]
-    if write_plot(runs, f"{args.out}.png"):
+    if write_plot(runs, f"{args.out}.png", "SmolLM2-135M" if args.model == "smollm2" else Path(work.model).name):
         written.append(f"{args.out}.png")
     print(f"\nwrote {', '.join(written)}; done in {time.perf_counter() - wall:.0f} s")
     print(summary_line(runs))
@@ -401,7 +405,7 @@ def main(argv=None) -> list[EngineRun]:
 
     wall = time.perf_counter()
     log = lambda message: print(message, flush=True)  # noqa: E731
-    log("[1/3] SmolLM2-135M-Instruct and the documents (fetched and converted once, then cached)")
+    log(f"[1/3] the model ({args.model}) and the documents (fetched and converted once, then cached)")
     work = prepare(args, log)
     with engine_core_in_process():
         log("[2/3] stock vLLM")
