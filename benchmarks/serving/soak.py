@@ -1254,7 +1254,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         prog="benchmarks/serving/soak.py", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Arguments after -- are passed to `vllm serve` unchanged.")
-    parser.add_argument("--model", default="tiny", help="tiny | smollm2 | a checkpoint directory")
+    parser.add_argument("--model", default="tiny",
+                        help="tiny | tiny-windowed (sliding windows on 3 of its 4 layers) | smollm2 | a checkpoint directory")
     parser.add_argument("--requests", type=int, default=60)
     parser.add_argument("--concurrency", type=int, default=6)
     parser.add_argument("--kv-compress-rate", default="8",
@@ -1301,10 +1302,12 @@ def _without_overridden(flags: list[str], extra: list[str]) -> list[str]:
 
 def resolve_model(name: str) -> tuple[str, dict[str, Any], bool, int]:
     """(checkpoint path, preset, has tokenizer, vocab size)."""
-    if name == "tiny":
+    if name in ("tiny", "tiny-windowed"):
         from benchmarks.common.offline_assets import tiny_llama_checkpoint
 
-        path = tiny_llama_checkpoint(num_layers=4, num_q_heads=8, num_kv_heads=2, head_dim=64)
+        # tiny-windowed: layers 0, 1 and 3 attend to the last 96 tokens (sliding windows)
+        windows = dict(sliding_window=96, sliding_layers=(0, 1, 3)) if name == "tiny-windowed" else {}
+        path = tiny_llama_checkpoint(num_layers=4, num_q_heads=8, num_kv_heads=2, head_dim=64, **windows)
         preset = PRESETS["tiny"]
     elif name == "smollm2":
         from benchmarks.common.offline_assets import smollm2_checkpoint
