@@ -347,7 +347,7 @@ def case_windows(profile: Profile, out: CaseOutput) -> None:
     import vllm
 
     import kvcompress
-    from kvcompress.vllm_glue.engine_setup import CUDA_SLIDING_WINDOW_ENV
+    from kvcompress.vllm_glue.kv_layout import CUDA_SLIDING_WINDOW_ENV
     from kvcompress.vllm_glue.llm import page_stats, shutdown
 
     os.environ[CUDA_SLIDING_WINDOW_ENV] = "1"

@@ -413,8 +413,8 @@ class KVCompressAttentionBackend(AttentionBackend):
     @classmethod
     def supports_sliding_window(cls) -> bool:
         # vLLM's CPU kernel, the reference and the Triton kernels apply windows; on CUDA
-        # only on opt-in so far (engine_setup.sliding_windows_allowed).
-        from kvcompress.vllm_glue.engine_setup import sliding_windows_allowed
+        # only on opt-in so far (kv_layout.sliding_windows_allowed).
+        from kvcompress.vllm_glue.kv_layout import sliding_windows_allowed
 
         return sliding_windows_allowed()
 

@@ -285,27 +285,14 @@ def bind_cpu_workers(tensor_parallel_size: int, data_parallel_size: int = 1, nno
     )
 
 
-# Opt-in for sliding-window models on CUDA: their window is applied by kvcompress's
-# Triton kernels (checked in Triton's CPU interpreter), but no such model has run on a GPU
-# yet (the GPU kit's ``windows`` case sets it).
-CUDA_SLIDING_WINDOW_ENV = "KVCOMPRESS_CUDA_SLIDING_WINDOW"
-
-
-def sliding_windows_allowed(platform: Any = None) -> bool:
-    """Whether kvcompress takes sliding-window layers here: on CPU (vLLM's CPU kernel and
-    the reference apply the window), and on CUDA with ``KVCOMPRESS_CUDA_SLIDING_WINDOW=1``
-    (the Triton kernels do; the CUDA extension's decode hands such layers to them)."""
-    if platform is None:
-        from vllm.platforms import current_platform as platform
-    return platform.is_cpu() or os.environ.get(CUDA_SLIDING_WINDOW_ENV) == "1"
-
-
 def _sliding_window_problems(vllm_config: Any) -> list[str]:
     """Sliding-window layers where :func:`sliding_windows_allowed`. There vLLM's hybrid KV
     cache manager is turned off (as ``--disable-hybrid-kv-cache-manager``: it would put the
     windowed layers in a KV-cache group of their own), so every layer's KVs go to the
     per-head pool as full-attention allocation; a sliding-window layer gives back its pages
     behind the window and only the full-attention layers are compressed."""
+    from kvcompress.vllm_glue.kv_layout import CUDA_SLIDING_WINDOW_ENV, sliding_windows_allowed
+
     if not sliding_windows_allowed():
         return ["sliding-window attention layers, which kvcompress runs on CPU only so far "
                 "(its Triton kernels apply the window but have not run such a model on a GPU "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -31,6 +33,21 @@ def single_full_attention_group(kv_cache_config: KVCacheConfig) -> KVCacheGroupS
     if spec.attention_chunk_size is not None:
         raise ValueError("--kv-compress does not support chunked-local attention")
     return groups[0]
+
+
+# Opt-in for sliding-window models on CUDA: their window is applied by kvcompress's
+# Triton kernels (checked in Triton's CPU interpreter), but no such model has run on a GPU
+# yet (the GPU kit's ``windows`` case sets it).
+CUDA_SLIDING_WINDOW_ENV = "KVCOMPRESS_CUDA_SLIDING_WINDOW"
+
+
+def sliding_windows_allowed(platform=None) -> bool:
+    """Whether kvcompress takes sliding-window layers here: on CPU (vLLM's CPU kernel and
+    the reference apply the window), and on CUDA with ``KVCOMPRESS_CUDA_SLIDING_WINDOW=1``
+    (the Triton kernels do; the CUDA extension's decode hands such layers to them)."""
+    if platform is None:
+        from vllm.platforms import current_platform as platform
+    return platform.is_cpu() or os.environ.get(CUDA_SLIDING_WINDOW_ENV) == "1"
 
 
 def model_layer_windows(model_config, layer_indices) -> tuple[int | None, ...]:
