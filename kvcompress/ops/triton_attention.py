@@ -93,6 +93,8 @@ def _next_pow2(n: int) -> int:
 
 
 if HAS_TRITON:
+    # NO_WINDOW where a kernel body needs it (a jit body reads globals only as constexpr).
+    _NO_WINDOW = tl.constexpr(NO_WINDOW)
 
     @triton.jit
     def _dot(a, b, DOT_DTYPE: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr):
@@ -357,8 +359,8 @@ if HAS_TRITON:
         bt_base = bt_ptr + _offset2(table_strides, seq, h)
         for start in range(part_start, part_end, TILE):
             page, off, held, visible, s = _score_tile(
-                # 1 << 30: NO_WINDOW (a metric pass is never windowed; a jit body reads no globals)
-                q, k_ptr, pos_ptr, bt_base, chunk_ptr, start, part_end, qpos, 1073741824, d, d_ok, scale, k_strides,
+                # a metric pass is never windowed (a sliding-window layer is never compressed)
+                q, k_ptr, pos_ptr, bt_base, chunk_ptr, start, part_end, qpos, _NO_WINDOW, d, d_ok, scale, k_strides,
                 pos_strides, table_strides[2], BLOCK_SIZE, TILE, CHUNK, DOT_DTYPE, EMULATE, PRECISION,
             )
             prob = tl.exp(s - m_safe[:, None]) * inv_norm[:, None]
