@@ -338,6 +338,13 @@ def _prepend_bos(tokenizer_json: Path, bos: str, bos_id: int) -> None:
     fast.save(str(tokenizer_json))
 
 
+def named_checkpoint(name: str) -> str:
+    """The checkpoint directory of an offline model by its short name (``smollm2``,
+    ``qwen``, ``gemma3``: built once, then cached), or ``name`` itself (a directory)."""
+    build = {"smollm2": smollm2_checkpoint, "qwen": qwen25_coder_checkpoint, "gemma3": gemma3_270m_checkpoint}
+    return str(build[name]()) if name in build else name
+
+
 # --------------------------------------------------------------------------------------
 # Tiny random GQA Llama
 
@@ -531,8 +538,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command in ("smollm2", "qwen", "gemma3"):
-        build = {"smollm2": smollm2_checkpoint, "qwen": qwen25_coder_checkpoint, "gemma3": gemma3_270m_checkpoint}
-        path = build[args.command]()
+        path = named_checkpoint(args.command)
         print(path)
         if args.check:
             print(repr(_check_answer(path)), file=sys.stderr)

@@ -36,7 +36,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a file: `benchmarks` imports from t
 
 from benchmarks.common.engine_args import eager_float32_engine_args
 from benchmarks.common.engine_requests import add_token_requests
-from benchmarks.common.offline_assets import essay_text, sentence_starts
+from benchmarks.common.offline_assets import essay_text, named_checkpoint, sentence_starts
 from benchmarks.common.plots import two_bar_charts
 from kvcompress.vllm_glue.llm import page_stats, shutdown
 
@@ -438,11 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None,
                         help="a model directory, or 'gemma3' (Gemma 3 270M, offline); default SmolLM2-135M-Instruct")
     args = parser.parse_args(argv)
-    model = args.model
-    if model == "gemma3":
-        from benchmarks.common.offline_assets import gemma3_270m_checkpoint
-
-        model = str(gemma3_270m_checkpoint())
+    model = None if args.model is None else named_checkpoint(args.model)
     results = run_passkey(
         context_tokens=args.context_tokens, depths=args.depths, rates=args.rates,
         trials=args.trials, max_tokens=args.max_tokens, seed=args.seed,

@@ -352,10 +352,9 @@ def prepare(args, log) -> Workload:
     from transformers import AutoTokenizer
 
     from benchmarks.throughput.benchmark_throughput import kv_bytes_per_token, kv_shape
-    from benchmarks.common.offline_assets import gemma3_270m_checkpoint, smollm2_checkpoint
+    from benchmarks.common.offline_assets import named_checkpoint
 
-    named = {"smollm2": smollm2_checkpoint, "gemma3": gemma3_270m_checkpoint}
-    model = str(named[args.model]()) if args.model in named else args.model
+    model = named_checkpoint(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model)
     documents = build_documents(tokenizer, args.documents, args.length, args.seed)
     shape = kv_shape(model)
