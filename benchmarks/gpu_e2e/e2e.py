@@ -318,24 +318,40 @@ class ReplayCounter:
 # Cases (each runs in its own process: ``e2e.py case NAME``)
 
 
-def case_rate1(profile: Profile, out: CaseOutput) -> None:
+def _stock_greedy(model: str, prompts, args: dict[str, Any], profile: Profile):
+    """Stock vLLM's 96 greedy tokens and their logprobs per prompt (on the GPU through
+    TRITON_ATTN, ``Profile.stock_args``)."""
     import vllm
 
+    from kvcompress.vllm_glue.llm import shutdown
+
+    stock = vllm.LLM(model=model, **args, **profile.stock_args(TINY_MAX_SEQS))
+    try:
+        return _generate(stock, prompts, _greedy(96))
+    finally:
+        shutdown(stock)
+
+
+def _agrees_with_stock(out: CaseOutput, stock, kvc) -> bool:
+    """Case a's figures of kvcompress's ``(tokens, logprobs)`` against stock's, into
+    ``out``; whether they are within case a's bounds."""
+    out.update(token_agreement(stock[0], kvc[0]))
+    out["max_logprob_diff"] = logprob_gap(stock[0], kvc[0], stock[1], kvc[1])
+    return out["agreement"] >= MIN_AGREEMENT and out["max_logprob_diff"] <= MAX_LOGPROB_DIFF
+
+
+def case_rate1(profile: Profile, out: CaseOutput) -> None:
     import kvcompress
     from kvcompress.vllm_glue.llm import shutdown
 
     model, prompts = tiny_model(), tiny_prompts(16)
     args = tiny_args(kv_tokens=16 * 720)
-    stock = vllm.LLM(model=model, **args, **profile.stock_args(TINY_MAX_SEQS))
-    stock_tokens, stock_logprobs = _generate(stock, prompts, _greedy(96))
-    shutdown(stock)
+    stock = _stock_greedy(model, prompts, args, profile)
     kvc = kvcompress.LLM(model, kv_compress_rate=1, **args, **profile.graph_args(TINY_MAX_SEQS))
-    kvc_tokens, kvc_logprobs = _generate(kvc, prompts, _greedy(96))
+    kvc_run = _generate(kvc, prompts, _greedy(96))
     out["backend"] = kvc.collective_rpc("kvc_pages_used")[0].get("attention_backend")
     shutdown(kvc)
-    out.update(token_agreement(stock_tokens, kvc_tokens))
-    out["max_logprob_diff"] = logprob_gap(stock_tokens, kvc_tokens, stock_logprobs, kvc_logprobs)
-    out["passed"] = out["agreement"] >= MIN_AGREEMENT and out["max_logprob_diff"] <= MAX_LOGPROB_DIFF
+    out["passed"] = _agrees_with_stock(out, stock, kvc_run)
 
 
 def case_windows(profile: Profile, out: CaseOutput) -> None:
@@ -344,8 +360,6 @@ def case_windows(profile: Profile, out: CaseOutput) -> None:
     window) vs kvcompress rate 1 with graphs, agreement as case a while the windowed heads
     give back their pages; then rate 8 on the same engine: compressions, 0 mismatches,
     every page free at idle."""
-    import vllm
-
     import kvcompress
     from kvcompress.vllm_glue.kv_layout import CUDA_SLIDING_WINDOW_ENV
     from kvcompress.vllm_glue.llm import page_stats, shutdown
@@ -356,21 +370,18 @@ def case_windows(profile: Profile, out: CaseOutput) -> None:
 
     model, prompts = str(tiny_llama_checkpoint(**WINDOWED)), tiny_prompts(16, seed=2)
     args = tiny_args(kv_tokens=16 * 720)
-    stock = vllm.LLM(model=model, **args, **profile.stock_args(TINY_MAX_SEQS))
-    stock_tokens, stock_logprobs = _generate(stock, prompts, _greedy(96))
-    shutdown(stock)
+    stock = _stock_greedy(model, prompts, args, profile)
     kvc = kvcompress.LLM(model, kv_compress_rate=1, kv_compress_protected_window=8, **args,
                          **profile.graph_args(TINY_MAX_SEQS))
     try:
-        kvc_tokens, kvc_logprobs = _generate(kvc, prompts, _greedy(96))
+        kvc_run = _generate(kvc, prompts, _greedy(96))
         at_rate1 = page_stats(kvc)
         _generate(kvc, prompts, _greedy(96, rate=8))
         kvc.llm_engine.step()  # hands the worker the last finished requests' pages
         sched, worker = page_stats(kvc), kvc.collective_rpc("kvc_pages_used")[0]
     finally:
         shutdown(kvc)
-    out.update(token_agreement(stock_tokens, kvc_tokens))
-    out["max_logprob_diff"] = logprob_gap(stock_tokens, kvc_tokens, stock_logprobs, kvc_logprobs)
+    agrees = _agrees_with_stock(out, stock, kvc_run)
     out.update(
         window_pages_freed_rate1=at_rate1["window_pages_freed"], window_pages_freed=sched["window_pages_freed"],
         compressions=sched["compressions"], scheduler_mismatches=sched["mismatches"],
@@ -379,8 +390,7 @@ def case_windows(profile: Profile, out: CaseOutput) -> None:
     )
     idle = out["idle"]
     out["passed"] = (
-        out["agreement"] >= MIN_AGREEMENT and out["max_logprob_diff"] <= MAX_LOGPROB_DIFF
-        and at_rate1["window_pages_freed"] > 0 and sched["compressions"] > 0
+        agrees and at_rate1["window_pages_freed"] > 0 and sched["compressions"] > 0
         and sched["mismatches"] == 0 and worker["evict_mismatches"] == 0
         and idle["num_free"] == idle["num_pages"] and idle["scheduler_num_free"] == idle["scheduler_num_pages"]
     )
