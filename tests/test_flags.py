@@ -268,6 +268,18 @@ def test_mla_model_is_refused(tmp_path):
         _engine_config(model, **_kvc())
 
 
+@pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e5m2"])
+def test_fp8_kv_cache_is_refused_before_any_worker_starts(tmp_path, cache_dtype):
+    """Issue 60: an FP8 KV cache is refused at config time, naming the flag and its value
+    (it used to stop the engine inside the worker, once the model was loaded); stock vLLM's
+    config with the same flag is untouched."""
+    model = _write_config(tmp_path)
+    with pytest.raises(KVCompressConfigError, match=rf"--kv-compress does not support model LlamaForCausalLM: "
+                                                    rf"it uses --kv-cache-dtype {cache_dtype}, .*leave --kv-cache-dtype at auto"):
+        _engine_config(model, kv_cache_dtype=cache_dtype, **_kvc())
+    assert _engine_config(model, kv_cache_dtype=cache_dtype).cache_config.cache_dtype == cache_dtype
+
+
 def test_other_vllm_version_fails_loudly(monkeypatch):
     import vllm
 

@@ -327,6 +327,13 @@ def check_model_supported(vllm_config: Any, settings: KVCompressConfig) -> None:
         problems.append("multimodal inputs")
     if model_config.runner_type != "generate":
         problems.append(f"the '{model_config.runner_type}' runner")
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype != "auto":
+        # Refused here, before any worker starts (the attention layer would refuse it
+        # only once the model is loaded).
+        problems.append(f"--kv-cache-dtype {cache_dtype}, which the per-head pages, MoveCache "
+                        "and the page budget do not hold yet (only the model's dtype: leave "
+                        "--kv-cache-dtype at auto)")
     if problems:
         raise KVCompressConfigError(
             f"{flag} does not support model {name}: it uses " + "; ".join(problems)
