@@ -268,16 +268,51 @@ def test_mla_model_is_refused(tmp_path):
         _engine_config(model, **_kvc())
 
 
-@pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e5m2"])
-def test_fp8_kv_cache_is_refused_before_any_worker_starts(tmp_path, cache_dtype):
-    """Issue 60: an FP8 KV cache is refused at config time, naming the flag and its value
-    (it used to stop the engine inside the worker, once the model was loaded); stock vLLM's
-    config with the same flag is untouched."""
+@pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_fp8_kv_cache_runs_on_cpu_and_is_refused_elsewhere_before_any_worker_starts(tmp_path, monkeypatch,
+                                                                                     cache_dtype):
+    """Issue 60: FP8 pages are taken on CPU; where the kernels do not read them (CUDA so
+    far) the config is refused, naming the flag and its value, before any worker starts
+    (it used to stop the engine inside the worker, once the model was loaded)."""
+    from vllm.platforms import current_platform
+
+    from kvcompress.vllm_glue.engine_setup import check_model_supported
+
     model = _write_config(tmp_path)
+    config = _engine_config(model, kv_cache_dtype=cache_dtype, **_kvc())
+    assert config.cache_config.cache_dtype == cache_dtype
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
     with pytest.raises(KVCompressConfigError, match=rf"--kv-compress does not support model LlamaForCausalLM: "
-                                                    rf"it uses --kv-cache-dtype {cache_dtype}, .*leave --kv-cache-dtype at auto"):
-        _engine_config(model, kv_cache_dtype=cache_dtype, **_kvc())
-    assert _engine_config(model, kv_cache_dtype=cache_dtype).cache_config.cache_dtype == cache_dtype
+                                                    rf"it uses --kv-cache-dtype {cache_dtype}, which kvcompress runs "
+                                                    rf"on CPU only so far .*leave --kv-cache-dtype at auto"):
+        check_model_supported(config, KVCompressConfig.from_additional_config(config.additional_config))
+
+
+def test_fp8_pages_take_unit_scales_only():
+    """A checkpoint's (or a calculated) K / V scale would have to travel with every op
+    that reads the pages: refused at the layer's first call, naming both scales."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from kvcompress.vllm_glue.attention_backend import require_unit_kv_scales
+    from kvcompress.vllm_glue.kv_layout import page_dtype
+
+    assert page_dtype("auto", torch.bfloat16) == torch.bfloat16
+    assert page_dtype("fp8", torch.bfloat16) == page_dtype("fp8_e4m3", torch.float32) == torch.float8_e4m3fn
+    assert page_dtype("fp8_e5m2", torch.float16) == torch.float8_e5m2
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8_inc"):
+        page_dtype("fp8_inc", torch.bfloat16)
+    unit = SimpleNamespace(layer_name="model.layers.0.self_attn.attn", _k_scale_float=1.0, _v_scale_float=1.0,
+                           calculate_kv_scales=False)
+    require_unit_kv_scales(unit, "fp8")
+    scaled = SimpleNamespace(**{**vars(unit), "_k_scale_float": 0.5})
+    with pytest.raises(ValueError, match=r"--kv-cache-dtype fp8 takes unit K / V scales only \(layer "
+                                         r"model.layers.0.self_attn.attn has k_scale 0.5, v_scale 1\)"):
+        require_unit_kv_scales(scaled, "fp8")
+    calculated = SimpleNamespace(**{**vars(unit), "calculate_kv_scales": True})
+    with pytest.raises(ValueError, match="--calculate-kv-scales"):
+        require_unit_kv_scales(calculated, "fp8_e5m2")
 
 
 def test_other_vllm_version_fails_loudly(monkeypatch):

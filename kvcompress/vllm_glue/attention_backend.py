@@ -36,6 +36,7 @@ from kvcompress.ops.dispatch import decode_by_slot_capturable
 from kvcompress.ops.metrics import accumulate_metrics, attention_metrics, pool_metrics
 from kvcompress.ops.reconstruction import reconstruction_attention
 from kvcompress.vllm_glue import step as step_state
+from kvcompress.vllm_glue.kv_layout import FP8_CACHE_DTYPES
 from kvcompress.vllm_glue.step import PerHeadStep, PromptScored, ReconstructionStep
 
 # CUDA: the Triton kernels pad any head size to a power of two (the CUDA op takes
@@ -157,6 +158,20 @@ class KVCompressAttentionMetadataBuilder(AttentionMetadataBuilder[KVCompressAtte
         )
 
 
+def require_unit_kv_scales(layer: AttentionLayer, cache_dtype: str) -> None:
+    """FP8 pages hold K and V as they are (vLLM's default scales, 1.0): a checkpoint's or a
+    calculated scale would have to travel with every op that reads the pages, which
+    kvcompress's kernels do not do yet."""
+    scales = (float(getattr(layer, "_k_scale_float", 1.0)), float(getattr(layer, "_v_scale_float", 1.0)))
+    if scales != (1.0, 1.0) or getattr(layer, "calculate_kv_scales", False):
+        raise ValueError(
+            f"--kv-compress with --kv-cache-dtype {cache_dtype} takes unit K / V scales only "
+            f"(layer {getattr(layer, 'layer_name', '?')} has k_scale {scales[0]:g}, v_scale {scales[1]:g}"
+            + (", --calculate-kv-scales" if getattr(layer, "calculate_kv_scales", False) else "")
+            + "): serve without the checkpoint's KV scales or with --kv-cache-dtype auto"
+        )
+
+
 class KVCompressAttentionImpl(AttentionImpl):
     def __init__(
         self,
@@ -183,7 +198,7 @@ class KVCompressAttentionImpl(AttentionImpl):
             unsupported.append("cross-layer KV sharing")
         if sinks is not None:
             unsupported.append("attention sinks")
-        if kv_cache_dtype not in ("auto",):
+        if kv_cache_dtype != "auto" and kv_cache_dtype not in FP8_CACHE_DTYPES:
             unsupported.append(f"kv_cache_dtype={kv_cache_dtype}")
         if unsupported:
             raise ValueError(
@@ -195,6 +210,8 @@ class KVCompressAttentionImpl(AttentionImpl):
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
+        # FP8 pages hold the values as they are (unit scales): checked at the first call.
+        self._scales_unchecked = kv_cache_dtype != "auto"
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = None
         # This layer's window (tokens) or None; a windowed layer is never compressed
@@ -223,6 +240,9 @@ class KVCompressAttentionImpl(AttentionImpl):
             raise NotImplementedError("fused output quantization is not supported")
         if attn_metadata is None:  # profiling run: defined output, as vLLM's backends give
             return output.fill_(0)
+        if self._scales_unchecked:
+            require_unit_kv_scales(layer, self.kv_cache_dtype)
+            self._scales_unchecked = False
         if isinstance(attn_metadata.step, ReconstructionStep):
             return self._reconstruct(layer, query, key, value, output, attn_metadata.step)
         if attn_metadata.decode_only:
@@ -382,7 +402,17 @@ class KVCompressAttentionBackend(AttentionBackend):
         torch.bfloat16,
         torch.float32,
     ]
-    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", *FP8_CACHE_DTYPES]
+
+    @classmethod
+    def supports_kv_cache_dtype(cls, kv_cache_dtype) -> bool:
+        """FP8 pages on CPU only: the CUDA and Triton kernels do not read them yet
+        (``engine_setup`` refuses them there first, naming the flag)."""
+        from vllm.platforms import current_platform
+
+        if kv_cache_dtype in FP8_CACHE_DTYPES and not current_platform.is_cpu():
+            return False
+        return super().supports_kv_cache_dtype(kv_cache_dtype)
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int]:

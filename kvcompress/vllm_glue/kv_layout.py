@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -113,3 +114,19 @@ def pages_in_pool(kv_cache_config: KVCacheConfig) -> tuple[int, int, int]:
     num_layers = len(group.layer_names)
     num_kv_heads = group.kv_cache_spec.num_kv_heads
     return pages_in_buffer(kv_cache_config) - SCRATCH_PAGES, num_layers, num_kv_heads
+
+
+# vLLM's --kv-cache-dtype values kvcompress pages hold, as the element type of the pages
+# (vLLM allocates FP8 caches as bytes; "fp8" is E4M3, as on vLLM's CUDA and CPU kernels).
+FP8_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def page_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The element type of the pages for vLLM's ``cache_config.cache_dtype``: the model's
+    dtype for "auto", a float8 type for the FP8 values (:data:`FP8_CACHE_DTYPES`)."""
+    if cache_dtype == "auto":
+        return model_dtype
+    if cache_dtype not in FP8_CACHE_DTYPES:
+        raise ValueError(f"--kv-compress does not support --kv-cache-dtype {cache_dtype} "
+                         f"(auto, {', '.join(FP8_CACHE_DTYPES)})")
+    return FP8_CACHE_DTYPES[cache_dtype]

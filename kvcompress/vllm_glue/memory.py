@@ -26,6 +26,7 @@ from kvcompress.ops.paged_cache import SLOT_METADATA_BYTES, PerHeadPagedCache
 from kvcompress.ops.triton_attention import decode_workspace_bytes
 from kvcompress.ops.unified_attention import split_kv_workspace_bytes
 from kvcompress.page_accounting import cache_sequence_slots
+from kvcompress.vllm_glue.kv_layout import page_dtype
 from kvcompress.vllm_glue.step import DecodeBuffers, StepTables
 
 logger = init_logger(f"vllm.{__name__}")
@@ -75,7 +76,7 @@ class PerHeadLayout:
             num_layers=model.get_num_layers(parallel),
             num_kv_heads=model.get_num_kv_heads(parallel),
             head_dim=model.get_head_size(),
-            dtype_bytes=model.dtype.itemsize,
+            dtype_bytes=page_dtype(vllm_config.cache_config.cache_dtype, model.dtype).itemsize,
             block_size=vllm_config.cache_config.block_size,
             max_num_seqs=max_num_seqs,
             max_model_len=model.max_model_len,

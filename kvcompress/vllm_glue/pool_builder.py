@@ -20,7 +20,7 @@ from kvcompress.ops import KernelOps, PerHeadPagedCache
 from kvcompress.ops.dispatch import resolve_ops
 from kvcompress.ops.expected_attention import RopeFrequencies, rope_frequencies
 from kvcompress.page_accounting import cache_sequence_slots
-from kvcompress.vllm_glue.kv_layout import pages_in_buffer, pages_in_pool, single_full_attention_group
+from kvcompress.vllm_glue.kv_layout import page_dtype, pages_in_buffer, pages_in_pool, single_full_attention_group
 from kvcompress.vllm_glue.step import DecodeBuffers, WorkerCacheState
 
 logger = init_logger(f"vllm.{__name__}")
@@ -51,12 +51,17 @@ class PoolShape:
         return self.buffer_pages - 1
 
     @classmethod
-    def of(cls, kv_cache_config: KVCacheConfig) -> "PoolShape":
+    def of(cls, kv_cache_config: KVCacheConfig, dtype: torch.dtype | None = None) -> "PoolShape":
+        """``dtype``: the pages' element type (:func:`~kvcompress.vllm_glue.kv_layout.page_dtype`;
+        vLLM's spec says bytes for FP8), default the spec's."""
         group = single_full_attention_group(kv_cache_config)
         spec: FullAttentionSpec = group.kv_cache_spec
+        dtype = spec.dtype if dtype is None else dtype
+        if dtype.itemsize != spec.dtype.itemsize:
+            raise ValueError(f"page dtype {dtype} does not match vLLM's KV-cache spec dtype {spec.dtype}")
         return cls(
             layer_names=tuple(group.layer_names), num_kv_heads=spec.num_kv_heads, block_size=spec.block_size,
-            head_dim=spec.head_size, dtype=spec.dtype, page_bytes=2 * spec.block_size * spec.head_size * spec.dtype.itemsize,
+            head_dim=spec.head_size, dtype=dtype, page_bytes=2 * spec.block_size * spec.head_size * dtype.itemsize,
             buffer_pages=pages_in_buffer(kv_cache_config), num_pages=pages_in_pool(kv_cache_config)[0],
         )
 
@@ -127,7 +132,8 @@ def build_pool(kv_cache: torch.Tensor, kv_cache_config: KVCacheConfig, vllm_conf
     """Pages over ``kv_cache``'s storage, the cache over them, the decode buffers (rows
     for the larger of ``max_num_seqs`` and the largest CUDA-graph batch) and the worker
     state; ``metric_power``: the decode metric power of the server's policy."""
-    shape = PoolShape.of(kv_cache_config)
+    shape = PoolShape.of(kv_cache_config, page_dtype(vllm_config.cache_config.cache_dtype,
+                                                     vllm_config.model_config.dtype))
     pages = kv_pages(kv_cache, shape)
     ops = resolve_ops(pages.device)  # CUDA extension > Triton > reference, for the engine's life
     cache = build_cache(shape, vllm_config, ops, pages.device)
