@@ -254,9 +254,12 @@ def run_passkey(
     protected_window: int | None = None,
     engine_args: dict | None = None,
     model: str | None = None,
+    kv_cache_dtype: str = "auto",
     log=print,
 ) -> dict[str, Any]:
     """Stock vLLM, then kvcompress at every rate, on the same passkey prompts.
+    ``kv_cache_dtype``: kvcompress's pages (e.g. "fp8"); stock keeps the model's dtype
+    (vLLM's CPU kernel takes FP8 only on AVX-512 / AMX hosts).
 
     Returns ``{"config", "prompts", "stock", "kvcompress": {rate: run}, "rate1_identical"
     (None without rate 1), "wall_seconds"}``; a run has ``texts``, ``token_ids``,
@@ -299,7 +302,7 @@ def run_passkey(
 
     kv_kwargs = {} if protected_window is None else {"kv_compress_protected_window": protected_window}
     started = time.perf_counter()
-    kvc = kvcompress.LLM(model, kv_compress=True, **kv_kwargs, **args)
+    kvc = kvcompress.LLM(model, kv_compress=True, kv_cache_dtype=kv_cache_dtype, **kv_kwargs, **args)
     log(f"kvcompress engine up in {time.perf_counter() - started:.0f} s")
     runs: dict[float, dict] = {}
     try:
@@ -335,6 +338,7 @@ def run_passkey(
             "prompt_format": prompt_format,
             "protected_window": protected_window,
             "engine_args": args,
+            "kvcompress_kv_cache_dtype": kv_cache_dtype,
         },
         "prompts": [
             {k: v for k, v in p.items() if k != "prompt_token_ids"} for p in prompts
@@ -384,6 +388,10 @@ def format_table(results: dict) -> str:
             cells.append(f"r{float(rate):g} {sum(run['found'][i] for i in idx)}/{len(idx)}")
         depth_line.append(f"  depth {depth:g}: " + ", ".join(cells))
     lines.extend(depth_line)
+    cache_dtype = config.get("kvcompress_kv_cache_dtype", "auto")
+    if cache_dtype != "auto":
+        lines.append(f"kvcompress pages: --kv-cache-dtype {cache_dtype}; stock: the model's dtype "
+                     "(rate 1 is not expected to be token-identical)")
     identical = results["rate1_identical"]
     if identical is not None:
         lines.append(
@@ -435,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="kvcompress protected window (default: the server default, 64)")
     parser.add_argument("--show-outputs", action="store_true", help="print every answer")
     parser.add_argument("--json", default=None, help="also write the results here (and a PNG beside it)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+                        help="kvcompress's pages (stock keeps the model's dtype)")
     parser.add_argument("--model", default=None,
                         help="a model directory, or 'gemma3' (Gemma 3 270M, offline); default SmolLM2-135M-Instruct")
     args = parser.parse_args(argv)
@@ -443,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         context_tokens=args.context_tokens, depths=args.depths, rates=args.rates,
         trials=args.trials, max_tokens=args.max_tokens, seed=args.seed,
         prompt_format=args.prompt_format, protected_window=args.protected_window, model=model,
-        log=lambda message: print(message, file=sys.stderr, flush=True),
+        kv_cache_dtype=args.kv_cache_dtype, log=lambda message: print(message, file=sys.stderr, flush=True),
     )
     if args.show_outputs:
         for i, prompt in enumerate(results["prompts"]):
