@@ -42,6 +42,40 @@ def test_span_starts_match_brute_force(max_span):
         assert span_starts(ids, edges, max_span).tolist() == expected
 
 
+def brute_whitespace_spans(texts: list[str], max_span: int) -> list[int]:
+    """The experiment's rule by walking the texts: no whitespace between two tokens joins them."""
+    starts, run_start = [], 0
+    for i, text in enumerate(texts):
+        joins = i > 0 and texts[i - 1][-1:] not in ("",) and not texts[i - 1][-1].isspace() \
+            and text[:1] not in ("",) and not text[0].isspace()
+        if not joins:
+            run_start = i
+        starts.append(run_start + (i - run_start) // max_span * max_span)
+    return starts
+
+
+def test_the_whitespace_experiment_keeps_a_uuid_whole_and_matches_brute_force(monkeypatch):
+    texts = [" is", ":", " ", "1", "3", "b", "-", "e", "3", "-", "4", "4", ".", " the", "cat", "\n", "ab"]
+    vocab = sorted(set(texts) | set(VOCAB))
+    ids = [vocab.index(t) for t in texts]
+    edges = WordEdges.from_texts(vocab, rule="whitespace")
+    assert edges.max_span == 64
+    # ":" stays with " is"; the UUID-like run from "1" to "." is one span.
+    assert span_starts(ids, edges).tolist() == [0, 0, 2, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 13, 13, 15, 16]
+    assert span_starts(ids, WordEdges.from_texts(vocab, rule="alnum")).tolist()[3:12] == [3, 3, 3, 6, 7, 7, 9, 10, 10]
+    rng = random.Random(7)
+    for max_span in (1, 3, 64):
+        for _ in range(50):
+            sample = [rng.randrange(len(vocab)) for _ in range(rng.randint(0, 80))]
+            assert span_starts(sample, edges, max_span).tolist() == brute_whitespace_spans(
+                [vocab[i] for i in sample], max_span)
+    monkeypatch.setenv("KVCOMPRESS_WORD_SPANS", "whitespace")
+    assert WordEdges.from_texts(vocab).max_span == 64
+    monkeypatch.setenv("KVCOMPRESS_WORD_SPANS", "spaces")
+    with pytest.raises(ValueError, match="KVCOMPRESS_WORD_SPANS=spaces: one of alnum, whitespace"):
+        WordEdges.from_texts(vocab)
+
+
 def test_ids_past_the_vocabulary_are_boundaries():
     edges = WordEdges.from_texts(VOCAB)
     one = VOCAB.index("1")

@@ -11,10 +11,17 @@ the span of ``t - 1`` when ``t - 1``'s text ends with a letter or digit and ``t`
 starts with one (``str.isalnum``; a leading space, punctuation, a special token or a
 partial UTF-8 byte is a boundary). Spans are cut every ``max_span`` tokens, so text
 without spaces (code, some scripts) never pools over more than that.
+
+An experiment (``KVCOMPRESS_WORD_SPANS=whitespace``, not the default): a span is a run of
+tokens with no whitespace between them, cut every 64 tokens, so a hyphenated identifier
+(a UUID: 36 one-character tokens in SmolLM2's vocabulary) is kept or evicted whole. The
+default splits it at each hyphen, and on RULER's UUID needles kvc kept only its first
+groups (``benchmarks/results/README.md``, RULER).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -23,6 +30,18 @@ import torch
 
 MAX_SPAN_TOKENS = 16
 """Longest word span pooled as one (tokens)."""
+SPAN_RULE_ENV = "KVCOMPRESS_WORD_SPANS"
+SPAN_RULES = {"alnum": MAX_SPAN_TOKENS, "whitespace": 64}
+"""Where a span ends (letters / digits meet, the default; or whitespace, an experiment) and
+its longest run in tokens."""
+
+
+def span_rule() -> str:
+    """The rule ``$KVCOMPRESS_WORD_SPANS`` names (default ``alnum``)."""
+    rule = os.environ.get(SPAN_RULE_ENV, "alnum")
+    if rule not in SPAN_RULES:
+        raise ValueError(f"{SPAN_RULE_ENV}={rule}: one of {', '.join(SPAN_RULES)}")
+    return rule
 
 
 @dataclass(frozen=True)
@@ -32,28 +51,47 @@ class WordEdges:
     Attributes:
         starts_in_word: ``[vocab]`` bool.
         ends_in_word: ``[vocab]`` bool.
+        max_span: longest span (tokens), the rule's.
     """
 
     starts_in_word: np.ndarray
     ends_in_word: np.ndarray
+    max_span: int = MAX_SPAN_TOKENS
 
     @classmethod
-    def from_texts(cls, token_texts: Sequence[str]) -> "WordEdges":
-        """From each token id's decoded text (``tokenizer.batch_decode([[i] ...])``)."""
-        starts = np.fromiter((bool(t) and t[0].isalnum() for t in token_texts), dtype=bool, count=len(token_texts))
-        ends = np.fromiter((bool(t) and t[-1].isalnum() for t in token_texts), dtype=bool, count=len(token_texts))
-        return cls(starts, ends)
+    def from_texts(cls, token_texts: Sequence[str], rule: str | None = None) -> "WordEdges":
+        """From each token id's decoded text (``tokenizer.batch_decode([[i] ...])``), by
+        ``rule`` (default :func:`span_rule`): ``alnum`` joins a letter or digit to a letter
+        or digit, ``whitespace`` joins any two tokens with no whitespace between them."""
+        rule = span_rule() if rule is None else rule
+        if rule == "whitespace":
+            def starts_in(t: str) -> bool:
+                return bool(t) and not t[0].isspace()
+
+            def ends_in(t: str) -> bool:
+                return bool(t) and not t[-1].isspace()
+        else:
+            def starts_in(t: str) -> bool:
+                return bool(t) and t[0].isalnum()
+
+            def ends_in(t: str) -> bool:
+                return bool(t) and t[-1].isalnum()
+        starts = np.fromiter((starts_in(t) for t in token_texts), dtype=bool, count=len(token_texts))
+        ends = np.fromiter((ends_in(t) for t in token_texts), dtype=bool, count=len(token_texts))
+        return cls(starts, ends, SPAN_RULES[rule])
 
     @property
     def vocab_size(self) -> int:
         return len(self.starts_in_word)
 
 
-def span_starts(token_ids: Sequence[int] | np.ndarray, edges: WordEdges, max_span: int = MAX_SPAN_TOKENS) -> np.ndarray:
-    """``[T]`` int64: the position of the first token of the word span holding each token.
+def span_starts(token_ids: Sequence[int] | np.ndarray, edges: WordEdges, max_span: int | None = None) -> np.ndarray:
+    """``[T]`` int64: the position of the first token of the word span holding each token
+    (spans cut every ``max_span`` tokens, default ``edges.max_span``).
 
     Ids outside the vocabulary (added tokens past ``edges``) are boundaries.
     """
+    max_span = edges.max_span if max_span is None else max_span
     if max_span < 1:
         raise ValueError(f"max_span must be >= 1, got {max_span}")
     ids = np.asarray(token_ids, dtype=np.int64)
