@@ -30,7 +30,7 @@ def _vllm_config(prefix_caching: bool):
         model_config=SimpleNamespace(max_model_len=512, seed=0, get_num_attention_heads=lambda parallel: Q_HEADS,
                                      get_sliding_window=lambda: None),
         scheduler_config=SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=64),
-        cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching, num_gpu_blocks=None),
+        cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching, num_gpu_blocks=None, cache_dtype="auto"),
         parallel_config=SimpleNamespace(tensor_parallel_size=1),
         compilation_config=SimpleNamespace(max_cudagraph_capture_size=4, static_forward_context={}),
         additional_config={ADDITIONAL_CONFIG_KEY: settings.model_dump()},

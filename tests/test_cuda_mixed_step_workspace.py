@@ -200,7 +200,7 @@ def _worker(available: int, device_type: str, kv_cache_memory_bytes: int | None)
         scheduler_config=SimpleNamespace(max_num_seqs=layout.max_num_seqs,
                                          max_num_batched_tokens=layout.max_num_batched_tokens),
         compilation_config=SimpleNamespace(max_cudagraph_capture_size=layout.max_rows),
-        cache_config=SimpleNamespace(block_size=layout.block_size, enable_prefix_caching=False,
+        cache_config=SimpleNamespace(block_size=layout.block_size, enable_prefix_caching=False, cache_dtype="auto",
                                      kv_cache_memory_bytes=kv_cache_memory_bytes),
         device_config=SimpleNamespace(device_type=device_type),
     )

@@ -20,7 +20,7 @@ from kvcompress.ops import KernelOps, PerHeadPagedCache
 from kvcompress.ops.dispatch import resolve_ops
 from kvcompress.ops.expected_attention import RopeFrequencies, rope_frequencies
 from kvcompress.page_accounting import cache_sequence_slots
-from kvcompress.vllm_glue.kv_layout import page_dtype, pages_in_buffer, pages_in_pool, single_full_attention_group
+from kvcompress.vllm_glue.kv_layout import FP8_CACHE_DTYPES, pages_in_buffer, pages_in_pool, single_full_attention_group
 from kvcompress.vllm_glue.step import DecodeBuffers, WorkerCacheState
 
 logger = init_logger(f"vllm.{__name__}")
@@ -52,8 +52,8 @@ class PoolShape:
 
     @classmethod
     def of(cls, kv_cache_config: KVCacheConfig, dtype: torch.dtype | None = None) -> "PoolShape":
-        """``dtype``: the pages' element type (:func:`~kvcompress.vllm_glue.kv_layout.page_dtype`;
-        vLLM's spec says bytes for FP8), default the spec's."""
+        """``dtype``: the pages' element type when it is not the spec's (FP8: vLLM's spec
+        says bytes; :data:`~kvcompress.vllm_glue.kv_layout.FP8_CACHE_DTYPES`)."""
         group = single_full_attention_group(kv_cache_config)
         spec: FullAttentionSpec = group.kv_cache_spec
         dtype = spec.dtype if dtype is None else dtype
@@ -132,8 +132,7 @@ def build_pool(kv_cache: torch.Tensor, kv_cache_config: KVCacheConfig, vllm_conf
     """Pages over ``kv_cache``'s storage, the cache over them, the decode buffers (rows
     for the larger of ``max_num_seqs`` and the largest CUDA-graph batch) and the worker
     state; ``metric_power``: the decode metric power of the server's policy."""
-    shape = PoolShape.of(kv_cache_config, page_dtype(vllm_config.cache_config.cache_dtype,
-                                                     vllm_config.model_config.dtype))
+    shape = PoolShape.of(kv_cache_config, FP8_CACHE_DTYPES.get(vllm_config.cache_config.cache_dtype))
     pages = kv_pages(kv_cache, shape)
     ops = resolve_ops(pages.device)  # CUDA extension > Triton > reference, for the engine's life
     cache = build_cache(shape, vllm_config, ops, pages.device)
