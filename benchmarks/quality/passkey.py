@@ -398,7 +398,7 @@ def format_table(results: dict) -> str:
             "rate 1 outputs token-identical to stock vLLM: " + ("yes" if identical else "NO")
         )
     lines.append(
-        "pages held: per-(layer, KV head) pages (16 tokens each) while decoding, just after "
+        "pages held: per-(layer, KV head) pages (--kv-compress-block-size tokens each) while decoding, just after "
         "the prompt was compressed, mean over prompts; full: the same uncompressed; "
         "KVs kept: of the full cache; evictions: compressions that freed pages"
     )
