@@ -308,7 +308,8 @@ def main(argv: list[str] | None = None) -> dict:
             runs[config.label] = run_configuration(config, env, data_dir, args.tasks, args, checkpoint, stamp, bar)
     results = {
         "setup": {"model": description, "length": args.length, "samples": args.samples, "sample_set": args.sample_set,
-                  "haystack": args.haystack, "commit": stamp["commit"], "server_flags": stamp["flags"], "ruler_requirements": list(RULER_REQUIREMENTS)},
+                  "haystack": args.haystack, "commit": stamp["commit"], "server_flags": stamp["flags"],
+                  "ruler_requirements": list(RULER_REQUIREMENTS)},
         "machine": machine_info(), "tasks": args.tasks, "runs": runs, "rows": summarize(runs, args.tasks),
     }  # fmt: skip
     for path in write_report(results, args.out):
