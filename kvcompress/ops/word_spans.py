@@ -64,18 +64,13 @@ class WordEdges:
         ``rule`` (default :func:`span_rule`): ``alnum`` joins a letter or digit to a letter
         or digit, ``whitespace`` joins any two tokens with no whitespace between them."""
         rule = span_rule() if rule is None else rule
-        if rule == "whitespace":
-            def starts_in(t: str) -> bool:
-                return bool(t) and not t[0].isspace()
+        in_word = str.isalnum if rule == "alnum" else (lambda c: not c.isspace())
 
-            def ends_in(t: str) -> bool:
-                return bool(t) and not t[-1].isspace()
-        else:
-            def starts_in(t: str) -> bool:
-                return bool(t) and t[0].isalnum()
+        def starts_in(t: str) -> bool:
+            return bool(t) and in_word(t[0])
 
-            def ends_in(t: str) -> bool:
-                return bool(t) and t[-1].isalnum()
+        def ends_in(t: str) -> bool:
+            return bool(t) and in_word(t[-1])
         starts = np.fromiter((starts_in(t) for t in token_texts), dtype=bool, count=len(token_texts))
         ends = np.fromiter((ends_in(t) for t in token_texts), dtype=bool, count=len(token_texts))
         return cls(starts, ends, SPAN_RULES[rule])

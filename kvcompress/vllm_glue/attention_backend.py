@@ -36,7 +36,7 @@ from kvcompress.ops.dispatch import decode_by_slot_capturable
 from kvcompress.ops.metrics import accumulate_metrics, attention_metrics, pool_metrics
 from kvcompress.ops.reconstruction import reconstruction_attention
 from kvcompress.vllm_glue import step as step_state
-from kvcompress.vllm_glue.kv_layout import FP8_CACHE_DTYPES
+from kvcompress.vllm_glue.kv_layout import FP8_CACHE_DTYPES, kv_cache_dtype_problem
 from kvcompress.vllm_glue.step import PerHeadStep, PromptScored, ReconstructionStep
 
 # CUDA: the Triton kernels pad any head size to a power of two (the CUDA op takes
@@ -406,11 +406,9 @@ class KVCompressAttentionBackend(AttentionBackend):
 
     @classmethod
     def supports_kv_cache_dtype(cls, kv_cache_dtype) -> bool:
-        """FP8 pages on CPU only: the CUDA and Triton kernels do not read them yet
-        (``engine_setup`` refuses them there first, naming the flag)."""
-        from vllm.platforms import current_platform
-
-        if kv_cache_dtype in FP8_CACHE_DTYPES and not current_platform.is_cpu():
+        """FP8 pages on CPU only (``kv_layout.kv_cache_dtype_problem``; ``engine_setup``
+        refuses the others first, naming the flag)."""
+        if kv_cache_dtype is not None and kv_cache_dtype_problem(kv_cache_dtype) is not None:
             return False
         return super().supports_kv_cache_dtype(kv_cache_dtype)
 

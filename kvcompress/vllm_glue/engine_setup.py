@@ -301,25 +301,6 @@ def _sliding_window_problems(vllm_config: Any) -> list[str]:
     return []
 
 
-def _kv_cache_dtype_problems(cache_dtype: str, platform=None) -> list[str]:
-    """``--kv-cache-dtype`` values the pages cannot hold here, refused before any worker
-    starts (the attention layer would refuse them only once the model is loaded). FP8
-    pages run on CPU (the PyTorch reference attention reads them; vLLM's CPU kernel is
-    not used for them); the CUDA kernels do not read FP8 pages yet."""
-    from kvcompress.vllm_glue.kv_layout import FP8_CACHE_DTYPES
-
-    if platform is None:
-        from vllm.platforms import current_platform as platform
-    if cache_dtype == "auto":
-        return []
-    if cache_dtype not in FP8_CACHE_DTYPES:
-        return [f"--kv-cache-dtype {cache_dtype} (kvcompress pages hold auto, {', '.join(FP8_CACHE_DTYPES)})"]
-    if not platform.is_cpu():
-        return [f"--kv-cache-dtype {cache_dtype}, which kvcompress runs on CPU only so far (its CUDA and "
-                "Triton kernels do not read FP8 pages yet: leave --kv-cache-dtype at auto)"]
-    return []
-
-
 def check_model_supported(vllm_config: Any, settings: KVCompressConfig) -> None:
     """Refuse models whose attention the per-head paged cache cannot hold."""
     if not settings.enabled:
@@ -346,7 +327,11 @@ def check_model_supported(vllm_config: Any, settings: KVCompressConfig) -> None:
         problems.append("multimodal inputs")
     if model_config.runner_type != "generate":
         problems.append(f"the '{model_config.runner_type}' runner")
-    problems += _kv_cache_dtype_problems(vllm_config.cache_config.cache_dtype)
+    from kvcompress.vllm_glue.kv_layout import kv_cache_dtype_problem
+
+    cache_dtype_problem = kv_cache_dtype_problem(vllm_config.cache_config.cache_dtype)
+    if cache_dtype_problem:
+        problems.append(cache_dtype_problem)
     if problems:
         raise KVCompressConfigError(
             f"{flag} does not support model {name}: it uses " + "; ".join(problems)
