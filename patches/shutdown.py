@@ -70,6 +70,8 @@ PARENT_GONE_GRACE_S = 10.0
 PARENT_POLL_S = 1.0
 # How long a worker defers a SIGTERM / SIGINT while its engine lives (s).
 WORKER_SIGNAL_DEFER_S = 30.0
+# Poll period of the thread that releases a held signal (s).
+SIGNAL_WATCH_POLL_S = 0.2
 # Longest a worker process may take from the start of its shutdown to its exit (s).
 WORKER_EXIT_BOUND_S = 15.0
 # How long a thread stopping the engine waits for the event loop to finish requests (s).
@@ -371,6 +373,12 @@ def defer_group_signals(defer_s: float = WORKER_SIGNAL_DEFER_S) -> bool:
     A held signal is delivered to vLLM's handler (SystemExit) as soon as the engine is
     gone, at a second signal, or ``defer_s`` after the first one. Only in
     ``VllmWorker-*`` processes' main thread; returns whether the handler was set.
+
+    The handler itself only records the signal: it runs between two bytecodes of
+    whatever the main thread was doing, so it takes no lock (starting a thread or
+    logging there can deadlock on a lock the interrupted code holds, or raise a
+    reentrant-write error into the model step). A watch thread started here does the
+    rest (logging, the deadline, re-raising the held signal).
     """
     if not _engine_child_process(("VllmWorker",)):
         return False
@@ -378,8 +386,8 @@ def defer_group_signals(defer_s: float = WORKER_SIGNAL_DEFER_S) -> bool:
         return False
     parent = _parent_handle()
     originals = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    first_signal: list[float] = []
-    expired = threading.Event()
+    held: list[tuple[float, int]] = []  # (monotonic time, signal number), appended only
+    released: list[bool] = []  # set by the watch: the next signal goes to vLLM
 
     def deliver(signum: int, frame: Any) -> None:
         original = originals.get(signum)
@@ -389,28 +397,32 @@ def defer_group_signals(defer_s: float = WORKER_SIGNAL_DEFER_S) -> bool:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
 
-    def expire_later() -> None:
-        deadline = first_signal[0] + defer_s
-        while time.monotonic() < deadline and _alive(parent):
-            time.sleep(0.2)
-        expired.set()
-        os.kill(os.getpid(), signal.SIGTERM)
-
     def handler(signum: int, frame: Any) -> None:
         # A second signal (the engine's own terminate() after its grace period, a
-        # second Ctrl-C) is delivered at once, as is any signal once the engine is gone.
-        if first_signal or expired.is_set() or not _alive(parent):
+        # second Ctrl-C) is delivered at once, as is any signal once released.
+        if held or released:
             deliver(signum, frame)
             return
-        first_signal.append(time.monotonic())
+        held.append((time.monotonic(), signum))
+
+    def watch() -> None:
+        while not held:
+            time.sleep(SIGNAL_WATCH_POLL_S)
+        since, signum = held[0]
         _logger().info(
             "kvcompress: worker (pid %d) holds %s while its engine (pid %s) stops it",
-            os.getpid(), signal.Signals(signum).name, parent.pid,
+            os.getpid(), signal.Signals(signum).name, getattr(parent, "pid", "?"),
         )
-        threading.Thread(target=expire_later, daemon=True, name="KVCompressSignalDefer").start()
+        while time.monotonic() < since + defer_s and _alive(parent):
+            time.sleep(SIGNAL_WATCH_POLL_S)
+        released.append(True)
+        os.kill(os.getpid(), signal.SIGTERM)
 
+    if not _alive(parent):
+        released.append(True)
     for sig in originals:
         signal.signal(sig, handler)
+    threading.Thread(target=watch, daemon=True, name="KVCompressSignalDefer").start()
     return True
 
 

@@ -20,6 +20,7 @@ running.
 from __future__ import annotations
 
 import json
+import math
 import multiprocessing
 import os
 import random
@@ -194,6 +195,40 @@ def test_worker_holds_one_group_signal_while_its_engine_lives():
             worker.join(5)
 
 
+def _engine_with_worker(pid_pipe) -> None:
+    ctx = multiprocessing.get_context("fork")
+    ready_receiver, ready_sender = ctx.Pipe(duplex=False)
+    worker = ctx.Process(target=_worker_child, args=(ready_sender,), name="VllmWorker-0")
+    worker.start()
+    assert ready_receiver.poll(10) and ready_receiver.recv()
+    pid_pipe.send(worker.pid)
+    _sleep_forever()
+
+
+def test_worker_delivers_a_held_signal_once_its_engine_is_gone():
+    ctx = multiprocessing.get_context("fork")
+    receiver, sender = ctx.Pipe(duplex=False)
+    engine = ctx.Process(target=_engine_with_worker, args=(sender,), name="EngineCore")
+    engine.start()
+    worker = None
+    try:
+        assert receiver.poll(20)
+        worker = receiver.recv()
+        os.kill(worker, signal.SIGTERM)  # the group's signal: held while the engine lives
+        assert _wait_gone(worker, 1.5) is None
+        os.kill(engine.pid, signal.SIGKILL)
+        engine.join(10)
+        # vLLM's handler (SystemExit) runs within the watch's poll period, not the 60 s
+        # deferral.
+        gone = _wait_gone(worker, 10)
+        assert gone is not None and gone < 3.0, gone
+    finally:
+        if engine.is_alive():
+            engine.kill()
+        if worker is not None:
+            _kill(worker)
+
+
 # ------------------------------------------------------------------------- servers
 
 
@@ -330,6 +365,17 @@ class InFlight(threading.Thread):
         head, _, body = self.raw.partition(b"\r\n\r\n")
         return body.endswith(b"0\r\n\r\n") if b"chunked" in head.lower() else bool(body)
 
+    def timeline(self, origin: float) -> str:
+        """Bytes received per second around ``origin`` (the signal), for failure messages."""
+        seconds: dict[int, int] = {}
+        previous = 0
+        for when, size in self.arrivals:
+            second = math.floor(when - origin)
+            seconds[second] = seconds.get(second, 0) + size - previous
+            previous = size
+        span = ", ".join(f"{s:+d}s:{n}" for s, n in sorted(seconds.items()) if s >= -3)
+        return f"bytes per second from the signal: {span}; ended {self.ended - origin:+.1f}s"
+
     def bytes_after(self, moment: float) -> int:
         before = max((size for when, size in self.arrivals if when <= moment), default=0)
         return len(self.raw) - before
@@ -412,8 +458,9 @@ def test_sigterm_to_process_group_drains_then_answers(tiny_server_factory):
     # The worker was not killed by the group's signal: tokens kept coming during the drain.
     for request in requests:
         if request.stream:
-            assert request.bytes_after(signalled + 1.0) > 1000, request.text()[-400:]
-            assert request.ended - signalled >= drain_s - 1
+            why = (f"{request.timeline(signalled)}\n{request.text()[-400:]}\n{server.log()}")
+            assert request.bytes_after(signalled + 1.0) > 1000, why
+            assert request.ended - signalled >= drain_s - 1, why
     _assert_exited_cleanly(server)
 
 
