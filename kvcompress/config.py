@@ -47,6 +47,9 @@ SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
 VALIDATED_KEY = "_validated"
 """Key of ``additional_config["kvcompress"]`` holding the digest of validated values."""
 
+WORD_SPAN_RULES = ("whitespace", "alnum")
+"""Names of the word-span rules (what each does: ``kvcompress.ops.word_spans.SPAN_RULES``)."""
+
 SPLIT_SETTINGS = {"pyramid_beta": "pyramid_beta", "ada_floor": "ada_floor", "xkv_profile": "layer_profile"}
 """Settings read by budget splits -> the split knob each sets (``BudgetSplit.knobs``)."""
 
@@ -105,8 +108,14 @@ class KVCompressConfig(BaseModel):
     """Pooling width in tokens (odd), 1 = off."""
     pool_words: bool | None = None
     """Then pool over word spans: every token of a word (the digits of a number, the
-    pieces of a long word; cut at 16 tokens) gets the word's largest metric, so words
-    are kept or evicted whole whatever the tokenizer (needs the tokenizer)."""
+    pieces of a long word, an identifier; see --kv-compress-word-spans) gets the word's
+    largest metric, so words are kept or evicted whole whatever the tokenizer (needs the
+    tokenizer)."""
+    word_spans: Literal[WORD_SPAN_RULES] = "whitespace"
+    """Where a word span ends, when metrics are pooled over words: at whitespace
+    (a number with its punctuation, a UUID or a hyphenated name is one span; cut at 64
+    tokens), or alnum: where letters and digits meet anything else (cut at 16 tokens)."""
+    # Why whitespace: RULER's UUID needles, benchmarks/results/README.md (RULER).
     pyramid_beta: float = Field(PYRAMID_BETA, ge=1.0)
     """PyramidKV's beta: the last layer keeps 1/beta of the average per-head budget, the
     first layer 2 - 1/beta of it."""

@@ -32,15 +32,19 @@ def _generate(make_llm, prompts, params, then=None):
 
 
 def check_word_spans_pooled(recorded: dict, token_ids: list[int], tokenizer) -> None:
-    """kvc pools over word spans: in every head, the tokens of a word (a run of tokens
-    whose texts join letter/digit to letter/digit, found here by walking the decoded
-    texts) carry one metric."""
+    """kvc pools over word spans: in every head, the tokens of a word (by the default
+    rule, a run of tokens with no whitespace between their texts, found here by walking
+    the decoded texts; its first 64) carry one metric."""
     texts = [tokenizer.decode([t]) for t in token_ids]
+
+    def joins(before: str, after: str) -> bool:
+        return bool(before) and bool(after) and not before[-1].isspace() and not after[0].isspace()
+
     words, start = [], 0
     for i in range(1, len(texts) + 1):
-        if i == len(texts) or not (texts[i - 1][-1:].isalnum() and texts[i][:1].isalnum()):
+        if i == len(texts) or not joins(texts[i - 1], texts[i]):
             if i - start > 1:
-                words.append(range(start, min(i, start + 16)))
+                words.append(range(start, min(i, start + 64)))
             start = i
     assert len(words) > 20, "the prompt should have multi-token words"
     for head in recorded["heads"]:

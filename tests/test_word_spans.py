@@ -28,14 +28,14 @@ def brute_spans(texts: list[str], max_span: int) -> list[int]:
 def test_digits_of_a_number_are_one_span():
     texts = [" is", ":", " ", "1", "2", "3", "2", "1", ".", " the", "cat"]
     ids = [VOCAB.index(t) for t in texts]
-    starts = span_starts(ids, WordEdges.from_texts(VOCAB))
+    starts = span_starts(ids, WordEdges.from_texts(VOCAB, rule="alnum"))
     assert starts.tolist() == [0, 1, 2, 3, 3, 3, 3, 3, 8, 9, 9]
 
 
 @pytest.mark.parametrize("max_span", [1, 3, 16])
 def test_span_starts_match_brute_force(max_span):
     rng = random.Random(max_span)
-    edges = WordEdges.from_texts(VOCAB)
+    edges = WordEdges.from_texts(VOCAB, rule="alnum")
     for _ in range(50):
         ids = [rng.randrange(len(VOCAB)) for _ in range(rng.randint(0, 60))]
         expected = brute_spans([VOCAB[i] for i in ids], max_span)
@@ -43,7 +43,7 @@ def test_span_starts_match_brute_force(max_span):
 
 
 def brute_whitespace_spans(texts: list[str], max_span: int) -> list[int]:
-    """The experiment's rule by walking the texts: no whitespace between two tokens joins them."""
+    """The whitespace rule by walking the texts: no whitespace between two tokens joins them."""
     starts, run_start = [], 0
     for i, text in enumerate(texts):
         joins = i > 0 and texts[i - 1][-1:] not in ("",) and not texts[i - 1][-1].isspace() \
@@ -54,7 +54,7 @@ def brute_whitespace_spans(texts: list[str], max_span: int) -> list[int]:
     return starts
 
 
-def test_the_whitespace_experiment_keeps_a_uuid_whole_and_matches_brute_force(monkeypatch):
+def test_whitespace_spans_keep_a_uuid_whole_and_match_brute_force():
     texts = [" is", ":", " ", "1", "3", "b", "-", "e", "3", "-", "4", "4", ".", " the", "cat", "\n", "ab"]
     vocab = sorted(set(texts) | set(VOCAB))
     ids = [vocab.index(t) for t in texts]
@@ -69,15 +69,26 @@ def test_the_whitespace_experiment_keeps_a_uuid_whole_and_matches_brute_force(mo
             sample = [rng.randrange(len(vocab)) for _ in range(rng.randint(0, 80))]
             assert span_starts(sample, edges, max_span).tolist() == brute_whitespace_spans(
                 [vocab[i] for i in sample], max_span)
-    monkeypatch.setenv("KVCOMPRESS_WORD_SPANS", "whitespace")
-    assert WordEdges.from_texts(vocab).max_span == 64
-    monkeypatch.setenv("KVCOMPRESS_WORD_SPANS", "spaces")
-    with pytest.raises(ValueError, match="KVCOMPRESS_WORD_SPANS=spaces: one of alnum, whitespace"):
-        WordEdges.from_texts(vocab)
+    with pytest.raises(ValueError, match="word span rule 'spaces': one of whitespace, alnum"):
+        WordEdges.from_texts(vocab, rule="spaces")
+
+
+def test_the_setting_names_exactly_the_rules_and_defaults_to_whitespace():
+    import typing
+
+    from kvcompress.config import FLAGS, KVCompressConfig, KVCompressConfigError
+    from kvcompress.ops.word_spans import SPAN_RULES
+
+    field = KVCompressConfig.model_fields["word_spans"]
+    assert typing.get_args(field.annotation) == tuple(SPAN_RULES)
+    assert KVCompressConfig().word_spans == "whitespace"
+    assert FLAGS["word_spans"] == "--kv-compress-word-spans"
+    with pytest.raises(KVCompressConfigError, match="--kv-compress-word-spans"):
+        KVCompressConfig.from_dict({"word_spans": "spaces"})
 
 
 def test_ids_past_the_vocabulary_are_boundaries():
-    edges = WordEdges.from_texts(VOCAB)
+    edges = WordEdges.from_texts(VOCAB, rule="alnum")
     one = VOCAB.index("1")
     assert span_starts([one, len(VOCAB) + 3, one, one], edges).tolist() == [0, 1, 2, 2]
 
@@ -137,16 +148,20 @@ def test_real_tokenizer_keeps_a_number_in_one_span():
     from offline_assets import smollm2_checkpoint
 
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2_checkpoint()))
-    edges = WordEdges.from_texts(tokenizer.batch_decode([[i] for i in range(len(tokenizer))]))
-    text = "One of the special magic numbers for brave-tiger is: 9876543. Then"
+    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+    text = "One of the special magic numbers for brave-tiger is: 9876543. Then 13b93773-e385-44f3-8678-b59a4bd120b4 x"
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    starts = span_starts(ids, edges)
     pieces = [tokenizer.decode([i]) for i in ids]
-    digits = [p for p, piece in enumerate(pieces) if piece.strip().isdigit()]
-    assert len(digits) == 7, pieces  # SmolLM2 writes one token per digit
-    assert len({int(starts[p]) for p in digits}) == 1
-    words = ["".join(pieces[q] for q in range(len(ids)) if starts[q] == s).strip() for s in sorted(set(starts.tolist()))]
-    assert "9876543" in words and "special" in words and "tiger" in words
+    digits = [p for p, piece in enumerate(pieces) if piece.strip().isdigit() and len(piece.strip()) == 1]
+    assert len([p for p in digits if p < pieces.index(" Then")]) == 7, pieces  # one token per digit
+    words = {}
+    for rule in ("alnum", "whitespace"):
+        starts = span_starts(ids, WordEdges.from_texts(texts, rule=rule))
+        assert len({int(starts[p]) for p in digits[:7]}) == 1, rule
+        words[rule] = ["".join(pieces[q] for q in range(len(ids)) if starts[q] == s).strip()
+                       for s in sorted(set(starts.tolist()))]
+    assert {"9876543", "special", "tiger", "13b93773", "b59a4bd120b4"} <= set(words["alnum"])
+    assert {"9876543.", "special", "brave-tiger", "is:", "13b93773-e385-44f3-8678-b59a4bd120b4"} <= set(words["whitespace"])
 
     from kvcompress.config import KVCompressConfig
     from kvcompress.vllm_glue.tokenizer_checks import number_tokens, pooling_warning

@@ -6,47 +6,38 @@ tokens then keeps 2-3 digits around the most attended one and the answer comes o
 truncated. Pooling over *word spans* gives every token of a word the word's largest
 metric, so a word is kept or evicted whole, whatever the tokenizer.
 
-A word span is a run of tokens with no word boundary between them: token ``t`` joins
-the span of ``t - 1`` when ``t - 1``'s text ends with a letter or digit and ``t``'s text
-starts with one (``str.isalnum``; a leading space, punctuation, a special token or a
-partial UTF-8 byte is a boundary). Spans are cut every ``max_span`` tokens, so text
-without spaces (code, some scripts) never pools over more than that.
+A word span is a run of tokens with no word boundary between them; two rules
+(``--kv-compress-word-spans``) say where a boundary is:
 
-An experiment (``KVCOMPRESS_WORD_SPANS=whitespace``, not the default): a span is a run of
-tokens with no whitespace between them, cut every 64 tokens, so a hyphenated identifier
-(a UUID: 36 one-character tokens in SmolLM2's vocabulary) is kept or evicted whole. The
-default splits it at each hyphen, and on RULER's UUID needles kvc kept only its first
-groups (``benchmarks/results/README.md``, RULER).
+- ``whitespace`` (the default): token ``t`` joins the span of ``t - 1`` when ``t - 1``'s
+  text does not end with whitespace and ``t``'s text does not start with it (an empty
+  text, a special token, is a boundary). A hyphenated identifier (a UUID: 36
+  one-character tokens in SmolLM2's vocabulary) is kept or evicted whole; spans are cut
+  every 64 tokens.
+- ``alnum``: ``t`` joins ``t - 1`` when ``t - 1``'s text ends with a letter or digit and
+  ``t``'s text starts with one (``str.isalnum``; a leading space, punctuation, a special
+  token or a partial UTF-8 byte is a boundary); cut every 16 tokens. It splits a UUID at
+  each hyphen, and on RULER's UUID needles kvc then kept only its first groups
+  (``benchmarks/results/README.md``, RULER).
+
+The cut keeps text without spaces (code, some scripts) from pooling over more than that.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 import torch
 
-MAX_SPAN_TOKENS = 16
-"""Longest word span pooled as one (tokens)."""
-SPAN_RULE_ENV = "KVCOMPRESS_WORD_SPANS"
-SPAN_RULES = {"alnum": MAX_SPAN_TOKENS, "whitespace": 64}
-"""Where a span ends (letters / digits meet, the default; or whitespace, an experiment) and
-its longest run in tokens."""
-
-
-def span_rule() -> str:
-    """The rule ``$KVCOMPRESS_WORD_SPANS`` names (default ``alnum``)."""
-    rule = os.environ.get(SPAN_RULE_ENV, "alnum")
-    if rule not in SPAN_RULES:
-        raise ValueError(f"{SPAN_RULE_ENV}={rule}: one of {', '.join(SPAN_RULES)}")
-    return rule
+SPAN_RULES = {"whitespace": 64, "alnum": 16}
+"""Where a span ends (rule name, ``--kv-compress-word-spans``) -> its longest run (tokens)."""
 
 
 @dataclass(frozen=True)
 class WordEdges:
-    """Per vocabulary id, whether its text starts / ends with a letter or digit.
+    """Per vocabulary id, whether its text starts / ends inside a word (by the span rule).
 
     Attributes:
         starts_in_word: ``[vocab]`` bool.
@@ -56,14 +47,15 @@ class WordEdges:
 
     starts_in_word: np.ndarray
     ends_in_word: np.ndarray
-    max_span: int = MAX_SPAN_TOKENS
+    max_span: int
 
     @classmethod
-    def from_texts(cls, token_texts: Sequence[str], rule: str | None = None) -> "WordEdges":
+    def from_texts(cls, token_texts: Sequence[str], rule: str) -> "WordEdges":
         """From each token id's decoded text (``tokenizer.batch_decode([[i] ...])``), by
-        ``rule`` (default :func:`span_rule`): ``alnum`` joins a letter or digit to a letter
-        or digit, ``whitespace`` joins any two tokens with no whitespace between them."""
-        rule = span_rule() if rule is None else rule
+        ``rule`` (``SPAN_RULES``): ``whitespace`` joins any two tokens with no whitespace
+        between them, ``alnum`` a letter or digit to a letter or digit."""
+        if rule not in SPAN_RULES:
+            raise ValueError(f"word span rule {rule!r}: one of {', '.join(SPAN_RULES)}")
         in_word = str.isalnum if rule == "alnum" else (lambda c: not c.isspace())
 
         def starts_in(t: str) -> bool:

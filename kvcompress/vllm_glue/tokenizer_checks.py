@@ -38,11 +38,12 @@ def sentence_ends(model_config) -> SentenceEnds | None:
     )
 
 
-def word_edges(model_config) -> WordEdges | None:
-    """The model's :class:`WordEdges`; None (with a warning naming the flag) when the
-    tokenizer cannot be had, e.g. ``--skip-tokenizer-init``: word pooling is then off."""
+def word_edges(model_config, rule: str) -> WordEdges | None:
+    """The model's :class:`WordEdges` by span ``rule`` (``--kv-compress-word-spans``);
+    None (with a warning naming the flag) when the tokenizer cannot be had, e.g.
+    ``--skip-tokenizer-init``: word pooling is then off."""
     return _from_vocabulary(
-        model_config, WordEdges.from_texts,
+        model_config, functools.partial(WordEdges.from_texts, rule=rule),
         f"{FLAGS['pool_words']} is off: prompt metrics are pooled over tokens only",
     )
 
