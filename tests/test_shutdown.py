@@ -177,13 +177,19 @@ def _worker_child(ready) -> None:
     _sleep_forever()
 
 
-def test_worker_holds_one_group_signal_while_its_engine_lives():
+def _start_worker() -> multiprocessing.Process:
+    """A child of this process that defers group signals as a VllmWorker does, ready."""
     ctx = multiprocessing.get_context("fork")
     receiver, sender = ctx.Pipe(duplex=False)
     worker = ctx.Process(target=_worker_child, args=(sender,), name="VllmWorker-0")
     worker.start()
+    assert receiver.poll(10) and receiver.recv()
+    return worker
+
+
+def test_worker_holds_one_group_signal_while_its_engine_lives():
+    worker = _start_worker()
     try:
-        assert receiver.poll(10) and receiver.recv()
         os.kill(worker.pid, signal.SIGTERM)  # the group's signal: held
         assert _wait_gone(worker.pid, 1.5) is None
         os.kill(worker.pid, signal.SIGTERM)  # the engine's terminate(): delivered
@@ -196,12 +202,7 @@ def test_worker_holds_one_group_signal_while_its_engine_lives():
 
 
 def _engine_with_worker(pid_pipe) -> None:
-    ctx = multiprocessing.get_context("fork")
-    ready_receiver, ready_sender = ctx.Pipe(duplex=False)
-    worker = ctx.Process(target=_worker_child, args=(ready_sender,), name="VllmWorker-0")
-    worker.start()
-    assert ready_receiver.poll(10) and ready_receiver.recv()
-    pid_pipe.send(worker.pid)
+    pid_pipe.send(_start_worker().pid)
     _sleep_forever()
 
 
