@@ -170,11 +170,11 @@ def test_custom_backend_registration_and_h100_validation(clean_registry, monkeyp
     assert reasons(head_size=96) == [] and reasons(head_size=80) == []  # Triton pads them
     assert any("head_size" in r for r in reasons(head_size=48))
     # (Block sizes are fixed by --kv-compress-block-size before vLLM asks.)
-    # FP8 pages: CPU only so far (the CUDA and Triton kernels do not read them).
+    # FP8 pages (unit scales): the Triton kernels read them on CUDA, the reference on CPU.
     assert reasons(kv_cache_dtype="fp8") == []  # this test runs on a CPU
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
-    assert any("kv_cache_dtype" in r for r in reasons(kv_cache_dtype="fp8"))
-    assert any("kv_cache_dtype" in r for r in reasons(kv_cache_dtype="fp8_e5m2"))
+    assert reasons(kv_cache_dtype="fp8") == [] and reasons(kv_cache_dtype="fp8_e5m2") == []
+    assert any("kv_cache_dtype" in r for r in reasons(kv_cache_dtype="int8_per_token_head"))
     assert any("MLA" in r for r in reasons(use_mla=True))
     assert any("sink" in r for r in reasons(has_sink=True))
 

@@ -269,23 +269,20 @@ def test_mla_model_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
-def test_fp8_kv_cache_runs_on_cpu_and_is_refused_elsewhere_before_any_worker_starts(tmp_path, monkeypatch,
-                                                                                     cache_dtype):
-    """Issue 60: FP8 pages are taken on CPU; where the kernels do not read them (CUDA so
-    far) the config is refused, naming the flag and its value, before any worker starts
-    (it used to stop the engine inside the worker, once the model was loaded)."""
-    from vllm.platforms import current_platform
-
+def test_fp8_kv_cache_is_taken_and_other_cache_dtypes_refused_before_any_worker_starts(tmp_path, cache_dtype):
+    """Issue 60: FP8 pages are taken (on CPU the reference reads them; on CUDA the Triton
+    kernels, ``test_cuda_engine_setup``); any other cache dtype is refused, naming the
+    flag and its value, before any worker starts."""
     from kvcompress.vllm_glue.engine_setup import check_model_supported
 
     model = _write_config(tmp_path)
     config = _engine_config(model, kv_cache_dtype=cache_dtype, **_kvc())
     assert config.cache_config.cache_dtype == cache_dtype
-    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
-    with pytest.raises(KVCompressConfigError, match=rf"--kv-compress does not support model LlamaForCausalLM: "
-                                                    rf"it uses --kv-cache-dtype {cache_dtype}, which kvcompress runs "
-                                                    rf"on CPU only so far .*leave --kv-cache-dtype at auto"):
-        check_model_supported(config, KVCompressConfig.from_additional_config(config.additional_config))
+    settings = KVCompressConfig.from_additional_config(config.additional_config)
+    check_model_supported(config, settings)
+    with pytest.raises(KVCompressConfigError, match=r"--kv-compress does not support model LlamaForCausalLM: "
+                                                    r"it uses --kv-cache-dtype bfloat16 \(kvcompress pages hold auto, fp8"):
+        _engine_config(model, kv_cache_dtype="bfloat16", **_kvc())  # the engine config's own check
 
 
 def test_fp8_pages_take_unit_scales_only():

@@ -322,3 +322,27 @@ def test_a_head_past_its_page_table_is_refused(path):
         else:
             cache.append_one(slots, torch.tensor([12]))
     assert cache.allocator.num_free == free
+
+
+def test_fp8_pages_gather_and_scatter_as_bytes_and_saturate():
+    """FP8 pages move through torch's index kernels as bytes (float8 lacks them on some
+    devices); a write saturates at the format's largest finite value, as vLLM's does."""
+    from kvcompress.ops.kv_pool import gather_pages, scatter_pages
+
+    generator = torch.Generator().manual_seed(0)
+    for page_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        buffer = torch.zeros(6, 2, 4, 8, dtype=page_dtype)
+        key = buffer[:, 0]  # strided, as the engine's halves
+        values = torch.randn(5, 8, generator=generator) * 4
+        values[0, 0], values[1, 1] = 1e6, -1e6
+        pages, offsets = torch.tensor([0, 2, 2, 5, 3]), torch.tensor([1, 0, 3, 2, 2])
+        scatter_pages(key, (pages, offsets), values)
+        limit = torch.finfo(page_dtype).max
+        want = values.clamp(-limit, limit).to(page_dtype)
+        assert torch.equal(key[pages, offsets].float(), want.float())
+        assert key[0, 1, 0].item() == limit and key[2, 0, 1].item() == -limit
+        assert torch.equal(buffer[:, 1].float(), torch.zeros(6, 4, 8))  # V untouched
+        tables = torch.tensor([[2, 0], [5, 5]])
+        gathered = gather_pages(key, tables)
+        assert gathered.dtype == page_dtype and gathered.shape == (2, 2, 4, 8)
+        assert torch.equal(gathered.float(), key.float()[tables])

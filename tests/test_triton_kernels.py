@@ -521,10 +521,63 @@ def test_write_then_attend_through_the_paged_cache_in_chunks():
         _assert_close(out, expected, torch.float32)
 
 
+# -- FP8 pages (--kv-cache-dtype fp8*, unit scales) ---------------------------------------------
+
+
+def _fp8_pages(pool, page_dtype):
+    """The pool with its K / V pages rounded to ``page_dtype``, halves of one buffer."""
+    pages = torch.stack([pool.key_cache, pool.value_cache], dim=1).to(page_dtype)
+    return replace(pool, key_cache=pages[:, 0], value_cache=pages[:, 1])
+
+
+@pytest.mark.parametrize("page_dtype,dtype", [
+    (torch.float8_e4m3fn, torch.float32), (torch.float8_e5m2, torch.bfloat16),
+])
+def test_fp8_pages_mixed_batch_decode_by_slot_and_metrics(page_dtype, dtype):
+    """FP8 pages under float32 / bf16 queries: the varlen, decode and slot-decode kernels
+    and their metrics match the reference reading the same pages (it upcasts them)."""
+    from kvcompress.ops.decode_by_slot import paged_decode_by_slot_reference
+
+    triton_attention, _ = _kernels()
+    block_size, head_dim, kv_heads, group = 16, 64, 2, 2
+    lengths = torch.tensor([[37, 5], [1, 70], [33, 40], [50, 64], [9, 9]])
+    pool, tables, top = _random_cache(21, lengths, block_size, head_dim, torch.float32)
+    pool = _fp8_pages(pool, page_dtype)
+    assert pool.key_cache.dtype == page_dtype
+    query_lens = [3, 1, 21, 1, 9]
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    query_pos = torch.tensor(
+        [p for s, n in enumerate(query_lens) for p in range(top[s] - n + 1, top[s] + 1)], device=DEVICE)
+    query = torch.randn(starts[-1], kv_heads * group, head_dim).to(dtype).to(DEVICE)
+    batch = PagedBatch(tables, lengths.to(DEVICE), starts, query_pos)
+    base = torch.rand(*pool.slot_positions.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    flags = torch.tensor([False, True, False, True, False], device=DEVICE)
+    expected, out, ref_metrics, tri_metrics = _run_both(
+        query, pool, batch, metrics=base, flags=flags, partition_size=32, block_m=16, varlen_tile=32)
+    _assert_close(out, expected, dtype)
+    assert (ref_metrics != base).sum() > 50
+    torch.testing.assert_close(tri_metrics, ref_metrics, atol=1e-6, rtol=1e-4)
+    # The CUDA-graph decode: rows reach their tables through slots.
+    decode = [1, 3]
+    slot_batch = SlotBatch(tables, lengths.to(DEVICE), torch.tensor(decode, dtype=torch.int32, device=DEVICE),
+                           torch.tensor([top[s] for s in decode], device=DEVICE), max_head_len=8 * block_size)
+    rows = query[[starts[s] for s in decode]]
+    sink = MetricSink(torch.ones(len(lengths), dtype=torch.int8, device=DEVICE), 2)
+    ref_metrics, tri_metrics = base.clone(), base.clone()
+    want = paged_decode_by_slot_reference(rows, replace(pool, slot_metrics=ref_metrics), slot_batch, 0.1, metrics=sink)
+    got = triton_attention.paged_decode_by_slot_triton(
+        rows, replace(pool, slot_metrics=tri_metrics), slot_batch, 0.1, out=torch.empty_like(rows), metrics=sink)
+    _assert_close(got, want, dtype)
+    torch.testing.assert_close(tri_metrics, ref_metrics, atol=1e-6, rtol=1e-4)
+    assert (ref_metrics != base).sum() > 50
+
+
 # -- MoveCache ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_move_cache_is_bit_exact(dtype):
     _, triton_move_cache = _kernels()
     generator = torch.Generator().manual_seed(0)
@@ -549,7 +602,7 @@ def test_move_cache_is_bit_exact(dtype):
     tri_kv_pool = KVPool(tri_pool[:, 0], tri_pool[:, 1], tri_positions, tri_metrics)
     triton_move_cache.move_cache_triton(tri_kv_pool, *moves)
     assert not torch.equal(ref_pool, pool.to(DEVICE))  # something moved
-    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    bits = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.int8}.get(dtype, torch.int32)
     assert torch.equal(tri_pool.view(bits), ref_pool.view(bits))
     assert torch.equal(tri_metrics, ref_metrics)
     assert torch.equal(tri_positions, ref_positions)
@@ -774,7 +827,7 @@ import kvcompress.ops.triton_move_cache as tm
 from kvcompress.ops.kv_pool import KVPool, MetricSink, PagedBatch
 
 TY = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
-      torch.int32: "i32", torch.int8: "i8"}
+      torch.int32: "i32", torch.int8: "i8", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
 launches = []
 
 class Recorder:
@@ -788,9 +841,10 @@ for module, names in ((ta, ["_decode_kernel", "_decode_reduce_kernel", "_decode_
     for name in names:
         setattr(module, name, Recorder(getattr(module, name)))
 
-def attention(dtype, head_dim, group, block_size, partition_size, metrics, length_scale=1, window=None):
+def attention(dtype, head_dim, group, block_size, partition_size, metrics, length_scale=1, window=None,
+              page_dtype=None):
     lens = torch.tensor([[40, 5], [70, 3], [16, 16]]) * length_scale
-    pool = torch.zeros(64, 2, block_size, head_dim, dtype=dtype)
+    pool = torch.zeros(64, 2, block_size, head_dim, dtype=page_dtype or dtype)
     query = torch.zeros(7, 2 * group, head_dim, dtype=dtype)
     kv = KVPool(pool[:, 0], pool[:, 1], torch.zeros(64, block_size, dtype=torch.int32),
                 torch.zeros(64, block_size))
@@ -805,6 +859,8 @@ attention(torch.bfloat16, 128, 4, 16, 512, True, length_scale=512)  # 35K-token 
 attention(torch.float16, 64, 1, 32, 512, False)    # v1 decode
 attention(torch.float32, 256, 8, 16, 512, False)   # float32 operands, widest head
 attention(torch.bfloat16, 256, 4, 16, 32, False, window=7)  # a sliding-window layer (Gemma 3's head shape)
+attention(torch.bfloat16, 128, 4, 16, 32, True, page_dtype=torch.float8_e4m3fn)  # --kv-cache-dtype fp8
+attention(torch.float16, 64, 2, 16, 512, True, page_dtype=torch.float8_e5m2)     # fp8_e5m2
 for partition_size in (32, 512):  # the metric pass alone (no output, no V read): several / one partition
     lens = torch.tensor([[40, 5], [70, 3], [16, 16]])
     pool = torch.zeros(64, 2, 16, 128, dtype=torch.bfloat16)
@@ -815,6 +871,9 @@ for partition_size in (32, 512):  # the metric pass alone (no output, no V read)
                              partition_size=partition_size)
 pool = torch.zeros(8, 2, 16, 128, dtype=torch.bfloat16)
 index = torch.zeros(3, dtype=torch.int64)
+kv = KVPool(pool[:, 0], pool[:, 1], torch.zeros(8, 16, dtype=torch.int32), torch.zeros(8, 16))
+tm.move_cache_triton(kv, index, index, index + 1, index)
+pool = torch.zeros(8, 2, 16, 128, dtype=torch.float8_e4m3fn)
 kv = KVPool(pool[:, 0], pool[:, 1], torch.zeros(8, 16, dtype=torch.int32), torch.zeros(8, 16))
 tm.move_cache_triton(kv, index, index, index + 1, index)
 

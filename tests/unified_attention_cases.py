@@ -113,6 +113,20 @@ def _errors(got: torch.Tensor, want: torch.Tensor) -> dict:
     return {"error": error, "rel_error": error / max(want.float().abs().max().item(), 1e-30)}
 
 
+def _pages_as(pool, cache_dtype: torch.dtype | None):
+    """The pool with K / V pages stored in ``cache_dtype`` (FP8 pages: the values
+    rounded to it, halves of one ``[N, 2, b, D]`` buffer as the engine's), or as it is."""
+    if cache_dtype is None:
+        return pool
+    pages = torch.stack([pool.key_cache, pool.value_cache], dim=1).to(cache_dtype)
+    return dataclasses.replace(pool, key_cache=pages[:, 0], value_cache=pages[:, 1])
+
+
+# FP8 pages (--kv-cache-dtype fp8*, unit scales): the kernel casts each loaded tile to
+# the query's dtype. Two shapes, each with one FP8 format.
+FP8_CASES = {0: torch.float8_e4m3fn, 1: torch.float8_e5m2}
+
+
 def main() -> None:
     args = ARGS.parse_args()
     device = torch.device(args.device)
@@ -130,14 +144,19 @@ def main() -> None:
     watches = _watch_metric_passes(unified_attention, triton_attention, device.type == "cuda")
     kinds = {"decode": [1] * 5, "prefill": [23, 9], "mixed": [1, 17, 1, 30, 1], "chunk": [12, 1, 1]}
     shapes = [(2, 4, 64, 16), (1, 8, 128, 32), (4, 1, 80, 16), (2, 2, 96, 32), (3, 3, 64, 32)]
-    cases = [(dtype_name, shape) for dtype_name in args.dtypes for shape in enumerate(shapes)]
-    for dtype_name, (index, (num_kv_heads, group, head_dim, block_size)) in cases:
+    cases = [(dtype_name, shape, None) for dtype_name in args.dtypes for shape in enumerate(shapes)]
+    cases += [(dtype_name, (index, shapes[index]), cache_dtype)
+              for dtype_name in args.dtypes for index, cache_dtype in FP8_CASES.items()]
+    for dtype_name, (index, (num_kv_heads, group, head_dim, block_size)), cache_dtype in cases:
         dtype = getattr(torch, dtype_name)
         tag = "" if dtype_name == "float32" else f" {dtype_name}"
+        if cache_dtype is not None:
+            tag += f" pages {str(cache_dtype).removeprefix('torch.')}"
         # Longer heads on a GPU: several tiles of the kernel's KV loop.
         max_context = 70 if device.type == "cpu" else 1500
         for kind, query_lens in kinds.items():
             pool, batch, query = moved_to(make_case(query_lens, num_kv_heads, group, head_dim, block_size, dtype, index * 7 + len(kind), max_context=max_context, kernel_layout=False), device)
+            pool = _pages_as(pool, cache_dtype)
             batch = _as_the_runner_gives_it(batch)
             scale = head_dim ** -0.5
             selected = torch.tensor([(s % 2 == 0) for s in range(len(query_lens))], device=device)
@@ -149,6 +168,7 @@ def main() -> None:
             got = unified_attention.paged_attention_unified(query, pool, batch, scale, metrics=MetricSink(selected))
             print(json.dumps({
                 "case": f"paged_attention {kind} hkv{num_kv_heads} g{group} d{head_dim} b{block_size}{tag}",
+                "supported": unified_attention.supports(query, pool),
                 **_errors(got, want),
                 "metric_error": (pool.slot_metrics - want_pool.slot_metrics).abs().max().item(),
                 "metric_total": want_pool.slot_metrics.abs().sum().item(),
@@ -157,6 +177,7 @@ def main() -> None:
             }), flush=True)
         # Slot-indexed decode with a padding row on an empty slot.
         pool, batch, query = moved_to(make_case([1] * 4, num_kv_heads, group, head_dim, block_size, dtype, 100 + index, max_context=max_context, kernel_layout=False), device)
+        pool = _pages_as(pool, cache_dtype)
         tables = torch.cat([batch.block_tables, torch.zeros_like(batch.block_tables[:1])])
         lens = torch.cat([batch.head_lens, torch.zeros_like(batch.head_lens[:1])])
         seq_slots = torch.tensor([2, 0, 3, 1, 4], dtype=torch.int32, device=device)

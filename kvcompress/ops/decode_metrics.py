@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvcompress.ops.kv_pool import KVPool
+from kvcompress.ops.kv_pool import KVPool, gather_pages
 from kvcompress.ops.page_tables import decode_tables
 
 
@@ -133,7 +133,7 @@ def _decode_metrics_heads(
     if head_of_page.numel() == 0:
         return
     # K as [D, b] per page: vLLM's CPU layout stores it so (a copy of whole pages).
-    keys = key_cache.transpose(1, 2).index_select(0, page_ids).float()  # [N, D, b]
+    keys = gather_pages(key_cache.transpose(1, 2), page_ids).float()  # [N, D, b]
     scores = torch.bmm(query.float().mul(scale).index_select(0, head_of_page), keys)  # [N, G, b]
     if query_positions is None:
         scores.masked_fill_(past_end.unsqueeze(1), float("-inf"))

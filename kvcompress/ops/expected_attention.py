@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcompress.ops.kv_pool import gather_pages
 from kvcompress.ops.metrics import _logical_slots, write_held_slots
 
 
@@ -171,7 +172,7 @@ def rank_prompt_metrics(
         start = int(positions.max()) + 1
     mean, cov = future_gaussian(query, positions, rope.inv_freq, rope.neox, start, horizon)
     pages = tables.long()
-    keys = key_cache[pages].reshape(heads, num_pages * block_size, key_cache.shape[2])
+    keys = gather_pages(key_cache, pages).reshape(heads, num_pages * block_size, key_cache.shape[2])
     expected = expected_attention(mean, cov, keys, lens, scale)
     slots = _logical_slots(pages, block_size)  # [H, P * b] flat slot ids, logical order
     kvc = slot_metrics.view(-1)[slots]

@@ -23,6 +23,35 @@ import numpy as np
 import torch
 
 
+FP8_PAGE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+"""Page dtypes of ``--kv-cache-dtype fp8*`` (unit scales): the kernels that read them
+cast each loaded value to the query's dtype, exactly (both formats fit in fp16 / bf16)."""
+
+
+def as_indexable(cache: torch.Tensor) -> torch.Tensor:
+    """``cache`` itself, or for FP8 pages the same memory as ``uint8`` (any strides):
+    torch's gather / scatter kernels lack float8 on some devices and versions
+    (``index_select``, ``index``, ``index_put``), so FP8 pages move as bytes and are
+    viewed back (:func:`gather_pages`, :func:`scatter_pages`)."""
+    return cache.view(torch.uint8) if cache.dtype in FP8_PAGE_DTYPES else cache
+
+
+def gather_pages(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``cache[index]`` (indexing dim 0) in ``cache``'s dtype."""
+    return as_indexable(cache)[index].view(cache.dtype)
+
+
+def scatter_pages(cache: torch.Tensor, index: tuple[torch.Tensor, ...], values: torch.Tensor) -> None:
+    """``cache[index] = values``, cast to ``cache``'s dtype; into FP8 pages saturating at
+    the format's largest finite value, as vLLM's own FP8 cache writes (a plain cast
+    would make NaN of e4m3's overflow)."""
+    if cache.dtype in FP8_PAGE_DTYPES:
+        limit = torch.finfo(cache.dtype).max
+        values = values.float().clamp(-limit, limit)
+    as_indexable(cache)[index] = as_indexable(values.to(cache.dtype))
+
+
+
 @dataclass(frozen=True, eq=False)
 class KVPool:
     """The per-(layer, KV head) page pool: page ``n`` holds ``block_size`` KVs of one head.

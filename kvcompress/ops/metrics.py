@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvcompress.ops.kv_pool import gather_pages
 from kvcompress.ops.word_spans import span_max_pool
 
 
@@ -97,7 +98,7 @@ def attention_metrics(
     # K^T of each head [H, D, K]: whole pages gathered as vLLM's CPU layout stores them
     # ([D, b]; other layouts gather strided), then one transposing copy.
     keys_t = (
-        key_cache.transpose(1, 2).index_select(0, flat_pages)
+        gather_pages(key_cache.transpose(1, 2), flat_pages)
         .view(num_kv_heads, num_pages, head_dim, block_size)
         .permute(0, 2, 1, 3).reshape(num_kv_heads, head_dim, num_keys).float()
     )

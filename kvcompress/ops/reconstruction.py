@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from kvcompress.ops.kv_pool import gather_pages
+
 SCORE_COPIES = 4
 """Score-sized float32 temporaries alive at once per query chunk."""
 
@@ -61,8 +63,8 @@ def reconstruction_attention(
     pages = block_tables.long()
     device = pages.device
     # [H, K, D] / [H, D, K]: one batched matmul per head for every query of its group.
-    cached_keys_t = pool.key_cache[pages].reshape(num_kv_heads, num_keys, head_dim).float().transpose(1, 2)
-    cached_values = pool.value_cache[pages].reshape(num_kv_heads, num_keys, head_dim).float()
+    cached_keys_t = gather_pages(pool.key_cache, pages).reshape(num_kv_heads, num_keys, head_dim).float().transpose(1, 2)
+    cached_values = gather_pages(pool.value_cache, pages).reshape(num_kv_heads, num_keys, head_dim).float()
     held = torch.arange(num_keys, device=device) < head_lens.long().unsqueeze(-1)  # [H, K]
     # Skipping the mask when every column is held saves a pass on CPU; on CUDA reading
     # that on the host would wait for the stream at every layer.

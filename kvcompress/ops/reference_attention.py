@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from kvcompress.ops.decode_metrics import decode_metrics
-from kvcompress.ops.kv_pool import KVPool, MetricSink, PagedBatch
+from kvcompress.ops.kv_pool import KVPool, MetricSink, PagedBatch, gather_pages, scatter_pages
 
 
 def reference_write_kv(
@@ -31,8 +31,8 @@ def reference_write_kv(
         key, value: ``[num_tokens, num_kv_heads, head_dim]``.
         write_pages, write_offsets: ``[num_tokens, num_kv_heads]`` int64 targets.
     """
-    key_cache[write_pages, write_offsets] = key.to(key_cache.dtype)
-    value_cache[write_pages, write_offsets] = value.to(value_cache.dtype)
+    scatter_pages(key_cache, (write_pages, write_offsets), key)
+    scatter_pages(value_cache, (write_pages, write_offsets), value)
 
 
 def _attend(
@@ -93,7 +93,7 @@ def _gather_heads(
 ) -> torch.Tensor:
     """``cache [N, b, D]``, ``block_tables [B, H, P]`` -> ``[B, H, P*b, D]``."""
     batch, heads, pages = block_tables.shape
-    gathered = cache[block_tables]  # [B, H, P, b, D]
+    gathered = gather_pages(cache, block_tables)  # [B, H, P, b, D]
     return gathered.reshape(batch, heads, pages * cache.shape[1], cache.shape[2])
 
 

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcompress.ops.decode_by_slot import MAX_GRAPH_PARTITIONS
-from kvcompress.ops.kv_pool import KVPool, MetricSink, PagedBatch, SlotBatch, host_to_device
+from kvcompress.ops.kv_pool import FP8_PAGE_DTYPES, KVPool, MetricSink, PagedBatch, SlotBatch, host_to_device
 
 try:  # pragma: no cover - exercised where triton exists
     import triton
@@ -506,8 +506,9 @@ def _plan_device(device: torch.device) -> torch.device:
 
 def _dot_config(query: torch.Tensor, key_cache: torch.Tensor):
     """(dot operand dtype, emulate bf16 in the interpreter, input precision)."""
-    if query.dtype == key_cache.dtype and query.dtype in (torch.float16, torch.bfloat16):
-        dot_dtype = _TRITON_DTYPES[query.dtype]
+    same_or_fp8 = query.dtype == key_cache.dtype or key_cache.dtype in FP8_PAGE_DTYPES
+    if same_or_fp8 and query.dtype in (torch.float16, torch.bfloat16):
+        dot_dtype = _TRITON_DTYPES[query.dtype]  # FP8 pages convert to it exactly
     else:
         dot_dtype = tl.float32  # float32 caches, or mixed dtypes: upcast
     emulate = interpreter_active() and dot_dtype == tl.bfloat16
@@ -556,9 +557,12 @@ def paged_attention_triton(
         raise ValueError(f"block_size must be a power of two, got {block_size}")
     if key_cache.shape[2] != head_dim or value_cache.shape[2] != head_dim:
         raise ValueError("query, key_cache and value_cache head sizes differ")
-    for name, t in (("key_cache", key_cache), ("value_cache", value_cache), ("query", query)):
-        if t.dtype not in _TRITON_DTYPES:
-            raise TypeError(f"{name} dtype {t.dtype} is not supported (float32, float16, bfloat16)")
+    if query.dtype not in _TRITON_DTYPES:
+        raise TypeError(f"query dtype {query.dtype} is not supported (float32, float16, bfloat16)")
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if t.dtype not in _TRITON_DTYPES and t.dtype not in FP8_PAGE_DTYPES:
+            raise TypeError(f"{name} dtype {t.dtype} is not supported (float32, float16, bfloat16, "
+                            "float8_e4m3fn, float8_e5m2)")
     if out is None:
         out = torch.empty_like(query)
     query_start_loc = batch.query_start_loc

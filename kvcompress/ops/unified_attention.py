@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 
 from kvcompress.ops.flattened import decode_by_slot_flat, paged_attention_flat
-from kvcompress.ops.kv_pool import KVPool, MetricSink, PagedBatch, SlotBatch
+from kvcompress.ops.kv_pool import FP8_PAGE_DTYPES, KVPool, MetricSink, PagedBatch, SlotBatch
 
 _state: dict[str, object] = {}
 
@@ -68,13 +68,16 @@ def unavailable_reason() -> str | None:
 
 
 def supports(query: torch.Tensor, pool: KVPool) -> bool:
-    """Whether the kernel takes this query and pool: one dtype, the head dim contiguous,
-    a Triton device (CUDA, or any under the interpreter)."""
+    """Whether the kernel takes this query and pool: pages of the query's dtype or FP8
+    (unit scales: the kernel's unquantized mode casts each loaded tile to the query's
+    dtype), the head dim contiguous, a Triton device (CUDA, or any under the interpreter)."""
     from kvcompress.ops.triton_attention import interpreter_active
 
+    page_dtype = pool.key_cache.dtype
     return (
         (query.device.type == "cuda" or interpreter_active())
-        and query.dtype == pool.key_cache.dtype == pool.value_cache.dtype
+        and page_dtype == pool.value_cache.dtype
+        and (page_dtype == query.dtype or page_dtype in FP8_PAGE_DTYPES)
         and query.stride(-1) == 1
         and pool.key_cache.stride(2) == 1
         and pool.value_cache.stride(2) == 1

@@ -406,7 +406,7 @@ class KVCompressAttentionBackend(AttentionBackend):
 
     @classmethod
     def supports_kv_cache_dtype(cls, kv_cache_dtype) -> bool:
-        """FP8 pages on CPU only (``kv_layout.kv_cache_dtype_problem``; ``engine_setup``
+        """auto and FP8 pages (``kv_layout.kv_cache_dtype_problem``; ``engine_setup``
         refuses the others first, naming the flag)."""
         if kv_cache_dtype is not None and kv_cache_dtype_problem(kv_cache_dtype) is not None:
             return False

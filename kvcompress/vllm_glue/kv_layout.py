@@ -132,18 +132,12 @@ def page_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     return FP8_CACHE_DTYPES[cache_dtype]
 
 
-def kv_cache_dtype_problem(cache_dtype: str, platform=None) -> str | None:
-    """Why the pages cannot hold ``--kv-cache-dtype cache_dtype`` here, or None: FP8 pages
-    run on CPU (the PyTorch reference attention reads them); the CUDA and Triton kernels
-    do not read them yet. Asked by the engine setup (before any worker starts) and by the
-    attention backend's ``supports_kv_cache_dtype``."""
-    if platform is None:
-        from vllm.platforms import current_platform as platform
-    if cache_dtype == "auto":
+def kv_cache_dtype_problem(cache_dtype: str) -> str | None:
+    """Why the pages cannot hold ``--kv-cache-dtype cache_dtype``, or None. FP8 pages (unit
+    scales) are read on CPU by the PyTorch reference attention, on CUDA by vLLM's Triton
+    unified attention and the project's Triton kernels (the CUDA C++ decode kernel takes
+    only pages of the query's dtype and leaves FP8 to them). Asked by the engine setup
+    (before any worker starts) and by the attention backend's ``supports_kv_cache_dtype``."""
+    if cache_dtype == "auto" or cache_dtype in FP8_CACHE_DTYPES:
         return None
-    if cache_dtype not in FP8_CACHE_DTYPES:
-        return f"--kv-cache-dtype {cache_dtype} (kvcompress pages hold auto, {', '.join(FP8_CACHE_DTYPES)})"
-    if not platform.is_cpu():
-        return (f"--kv-cache-dtype {cache_dtype}, which kvcompress runs on CPU only so far (its CUDA and "
-                "Triton kernels do not read FP8 pages yet: leave --kv-cache-dtype at auto)")
-    return None
+    return f"--kv-cache-dtype {cache_dtype} (kvcompress pages hold auto, {', '.join(FP8_CACHE_DTYPES)})"
