@@ -37,8 +37,11 @@ def as_indexable(cache: torch.Tensor) -> torch.Tensor:
 
 
 def gather_pages(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``cache[index]`` (indexing dim 0) in ``cache``'s dtype."""
-    return as_indexable(cache)[index].view(cache.dtype)
+    """``cache[index]`` (indexing dim 0) in ``cache``'s dtype (``index_select`` for a 1-D
+    index, as the callers used before FP8 pages)."""
+    source = as_indexable(cache)
+    gathered = source.index_select(0, index) if index.dim() == 1 else source[index]
+    return gathered.view(cache.dtype)
 
 
 def scatter_pages(cache: torch.Tensor, index: tuple[torch.Tensor, ...], values: torch.Tensor) -> None:
