@@ -147,6 +147,18 @@ def _run_both(query, pool, batch, *, metrics=None, flags=None, power=2, **triton
     return expected, out, ref_pool.slot_metrics, tri_pool.slot_metrics
 
 
+def _queries_ending_at(top, query_lens, num_q_heads, head_dim, dtype):
+    """Random queries, sequence ``s``'s ``query_lens[s]`` of them at the positions up to
+    its ``top[s]``: (query_start_loc list, positions, query ``[T, num_q_heads, D]``)."""
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    query_pos = torch.tensor(
+        [p for s, n in enumerate(query_lens) for p in range(top[s] - n + 1, top[s] + 1)], device=DEVICE)
+    query = torch.randn(starts[-1], num_q_heads, head_dim).to(dtype).to(DEVICE)
+    return starts, query_pos, query
+
+
 def _assert_close(actual, expected, dtype):
     tol = TOLERANCE[dtype]
     assert not torch.isnan(actual).any(), "a row was not written"
@@ -282,12 +294,7 @@ def test_decode_metric_pass_of_a_mixed_step_launches_only_the_selected_rows(monk
     query_lens = [9] + [1] * 8  # one prompt chunk, eight decode rows
     lengths = torch.tensor([[20, 9]] + [[10 + 7 * s, 40 - 3 * s] for s in range(8)])
     pool, tables, top = _random_cache(31, lengths, block_size, head_dim, torch.float32)
-    starts = [0]
-    for n in query_lens:
-        starts.append(starts[-1] + n)
-    query_pos = torch.tensor(
-        [p for s, n in enumerate(query_lens) for p in range(top[s] - n + 1, top[s] + 1)], device=DEVICE)
-    query = torch.randn(starts[-1], kv_heads * group, head_dim).to(DEVICE)
+    starts, query_pos, query = _queries_ending_at(top, query_lens, kv_heads * group, head_dim, torch.float32)
     batch = PagedBatch(tables, lengths.to(DEVICE), starts, query_pos)
     selected_seq, scale = 4, head_dim ** -0.5
     flags = torch.tensor([s == selected_seq for s in range(len(query_lens))], device=DEVICE)
@@ -447,13 +454,7 @@ def test_sliding_window_in_prefill_chunks_and_decodes(window, dtype):
     block_size, head_dim, kv_heads, group = 16, 64, 2, 2
     lengths = torch.tensor([[37, 5], [1, 70], [33, 40], [50, 64]])
     pool, tables, top = _random_cache(41 + window, lengths, block_size, head_dim, dtype)
-    query_lens = [3, 1, 21, 1]
-    starts = [0]
-    for n in query_lens:
-        starts.append(starts[-1] + n)
-    query_pos = torch.tensor(
-        [p for s, n in enumerate(query_lens) for p in range(top[s] - n + 1, top[s] + 1)], device=DEVICE)
-    query = torch.randn(starts[-1], kv_heads * group, head_dim).to(dtype).to(DEVICE)
+    starts, query_pos, query = _queries_ending_at(top, [3, 1, 21, 1], kv_heads * group, head_dim, dtype)
     batch = PagedBatch(tables, lengths.to(DEVICE), starts, query_pos, sliding_window=window)
     expected, out, _, _ = _run_both(query, pool, batch, partition_size=32, block_m=16, varlen_tile=32)
     _assert_close(out, expected, dtype)
@@ -544,13 +545,7 @@ def test_fp8_pages_mixed_batch_decode_by_slot_and_metrics(page_dtype, dtype):
     pool, tables, top = _random_cache(21, lengths, block_size, head_dim, torch.float32)
     pool = _fp8_pages(pool, page_dtype)
     assert pool.key_cache.dtype == page_dtype
-    query_lens = [3, 1, 21, 1, 9]
-    starts = [0]
-    for n in query_lens:
-        starts.append(starts[-1] + n)
-    query_pos = torch.tensor(
-        [p for s, n in enumerate(query_lens) for p in range(top[s] - n + 1, top[s] + 1)], device=DEVICE)
-    query = torch.randn(starts[-1], kv_heads * group, head_dim).to(dtype).to(DEVICE)
+    starts, query_pos, query = _queries_ending_at(top, [3, 1, 21, 1, 9], kv_heads * group, head_dim, dtype)
     batch = PagedBatch(tables, lengths.to(DEVICE), starts, query_pos)
     base = torch.rand(*pool.slot_positions.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     flags = torch.tensor([False, True, False, True, False], device=DEVICE)
