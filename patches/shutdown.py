@@ -387,7 +387,7 @@ def defer_group_signals(defer_s: float = WORKER_SIGNAL_DEFER_S) -> bool:
     parent = _parent_handle()
     originals = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     held: list[tuple[float, int]] = []  # (monotonic time, signal number), appended only
-    released: list[bool] = []  # set by the watch: the next signal goes to vLLM
+    released: list[bool] = []  # the next signal goes to vLLM (engine gone, deadline, delivered)
 
     def deliver(signum: int, frame: Any) -> None:
         original = originals.get(signum)
@@ -401,20 +401,25 @@ def defer_group_signals(defer_s: float = WORKER_SIGNAL_DEFER_S) -> bool:
         # A second signal (the engine's own terminate() after its grace period, a
         # second Ctrl-C) is delivered at once, as is any signal once released.
         if held or released:
+            released.append(True)
             deliver(signum, frame)
             return
         held.append((time.monotonic(), signum))
 
     def watch() -> None:
-        while not held:
+        while not held and not released:
             time.sleep(SIGNAL_WATCH_POLL_S)
+        if released:
+            return  # delivered at once: nothing held
         since, signum = held[0]
         _logger().info(
             "kvcompress: worker (pid %d) holds %s while its engine (pid %s) stops it",
             os.getpid(), signal.Signals(signum).name, getattr(parent, "pid", "?"),
         )
-        while time.monotonic() < since + defer_s and _alive(parent):
+        while time.monotonic() < since + defer_s and _alive(parent) and not released:
             time.sleep(SIGNAL_WATCH_POLL_S)
+        if released:
+            return  # a second signal already went to vLLM
         released.append(True)
         os.kill(os.getpid(), signal.SIGTERM)
 
