@@ -54,7 +54,6 @@ def scatter_pages(cache: torch.Tensor, index: tuple[torch.Tensor, ...], values: 
     as_indexable(cache)[index] = as_indexable(values.to(cache.dtype))
 
 
-
 @dataclass(frozen=True, eq=False)
 class KVPool:
     """The per-(layer, KV head) page pool: page ``n`` holds ``block_size`` KVs of one head.
