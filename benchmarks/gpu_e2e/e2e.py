@@ -395,11 +395,9 @@ def case_windows(profile: Profile, out: CaseOutput) -> None:
         evict_mismatches=worker["evict_mismatches"], backend=worker.get("attention_backend"),
         idle=_idle_pages({"worker": worker, "sched": sched}),
     )
-    idle = out["idle"]
     out["passed"] = (
         agrees and at_rate1["window_pages_freed"] > 0 and sched["compressions"] > 0
-        and sched["mismatches"] == 0 and worker["evict_mismatches"] == 0
-        and idle["num_free"] == idle["num_pages"] and idle["scheduler_num_free"] == idle["scheduler_num_pages"]
+        and sched["mismatches"] == 0 and worker["evict_mismatches"] == 0 and _all_free(out["idle"])
     )
 
 
@@ -432,6 +430,11 @@ def _idle_pages(run: dict[str, Any]) -> dict[str, Any]:
     return {"num_pages": worker["num_pages"], "num_free": worker["num_free"],
             "held_by_live_requests": worker["held_by_live_requests"], "live_requests": worker["live_requests"],
             "scheduler_num_pages": sched["num_pages"], "scheduler_num_free": sched["num_free"]}
+
+
+def _all_free(idle: dict[str, Any]) -> bool:
+    """Every page free at idle, in the worker's pool and in the scheduler's count."""
+    return idle["num_free"] == idle["num_pages"] and idle["scheduler_num_free"] == idle["scheduler_num_pages"]
 
 
 def case_graphs(profile: Profile, out: CaseOutput) -> None:
@@ -482,11 +485,9 @@ def case_fp8(profile: Profile, out: CaseOutput) -> None:
         scheduler_mismatches=run["sched"]["mismatches"], evict_mismatches=run["worker"]["evict_mismatches"],
         graph_replays=run["replays"], idle=_idle_pages(run),
     )
-    idle = out["idle"]
     out["passed"] = (
         agrees and out["compressions"] > 0 and out["scheduler_mismatches"] == 0 and out["evict_mismatches"] == 0
-        and (out["graph_replays"] > 0 or not profile.gpu)
-        and idle["num_free"] == idle["num_pages"] and idle["scheduler_num_free"] == idle["scheduler_num_pages"]
+        and (out["graph_replays"] > 0 or not profile.gpu) and _all_free(out["idle"])
     )
 
 

@@ -198,7 +198,7 @@ class KVCompressAttentionImpl(AttentionImpl):
             unsupported.append("cross-layer KV sharing")
         if sinks is not None:
             unsupported.append("attention sinks")
-        if kv_cache_dtype != "auto" and kv_cache_dtype not in FP8_CACHE_DTYPES:
+        if kv_cache_dtype_problem(kv_cache_dtype):
             unsupported.append(f"kv_cache_dtype={kv_cache_dtype}")
         if unsupported:
             raise ValueError(

@@ -124,12 +124,10 @@ FP8_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
 def page_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The element type of the pages for vLLM's ``cache_config.cache_dtype``: the model's
     dtype for "auto", a float8 type for the FP8 values (:data:`FP8_CACHE_DTYPES`)."""
-    if cache_dtype == "auto":
-        return model_dtype
-    if cache_dtype not in FP8_CACHE_DTYPES:
-        raise ValueError(f"--kv-compress does not support --kv-cache-dtype {cache_dtype} "
-                         f"(auto, {', '.join(FP8_CACHE_DTYPES)})")
-    return FP8_CACHE_DTYPES[cache_dtype]
+    problem = kv_cache_dtype_problem(cache_dtype)
+    if problem:
+        raise ValueError(f"--kv-compress does not support {problem}")
+    return model_dtype if cache_dtype == "auto" else FP8_CACHE_DTYPES[cache_dtype]
 
 
 def kv_cache_dtype_problem(cache_dtype: str) -> str | None:

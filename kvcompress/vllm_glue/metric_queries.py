@@ -53,7 +53,7 @@ class MetricQuerySelector:
 
     def __post_init__(self) -> None:
         if self.word_edges is None and self.settings.policy_for().metric.pool_words:
-            self.word_edges = word_edges(self.model_config, self.settings.word_spans) or False
+            self._load_word_edges()
 
     def select(self, vllm_requests, req_ids, computed: np.ndarray, num_new: np.ndarray,
                query_start: np.ndarray, slots: np.ndarray, queue_decode: bool) -> MetricQueries | None:
@@ -115,11 +115,15 @@ class MetricQuerySelector:
         """``[prompt_len]`` first position of each prompt token's word span (None
         without a tokenizer or token ids, e.g. prompt embeddings: token pooling only)."""
         if self.word_edges is None:
-            self.word_edges = word_edges(self.model_config, self.settings.word_spans) or False
+            self._load_word_edges()
         token_ids = state.prompt_token_ids
         if not self.word_edges or token_ids is None:
             return None
         return torch.from_numpy(span_starts(token_ids, self.word_edges)).to(self.device)
+
+    def _load_word_edges(self) -> None:
+        """The vocabulary's word edges by the server's span rule (False: no tokenizer)."""
+        self.word_edges = word_edges(self.model_config, self.settings.word_spans) or False
 
     def decode_metric_due(self, position: int) -> bool:
         """Whether the decode query at ``position`` adds to the metrics
