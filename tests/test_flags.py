@@ -268,6 +268,70 @@ def test_mla_model_is_refused(tmp_path):
         _engine_config(model, **_kvc())
 
 
+_LLAMA_TEXT = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+_MAMBA = {"architectures": ["MambaForCausalLM"], "model_type": "mamba", "state_size": 16, "expand": 2,
+          "conv_kernel": 4}
+_JAMBA = {"architectures": ["JambaForCausalLM"], "model_type": "jamba", "attn_layer_period": 2,
+          "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1, "num_experts": 1,
+          "num_experts_per_tok": 1, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_dt_rank": 16}
+_QWEN3_NEXT = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+               "layer_types": ["linear_attention", "full_attention"], "full_attention_interval": 2,
+               "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 64,
+               "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4, "num_experts": 2, "num_experts_per_tok": 1,
+               "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128, "decoder_sparse_step": 1}
+_BART = {"architectures": ["BartForConditionalGeneration"], "model_type": "bart", "d_model": 64, "encoder_layers": 1,
+         "decoder_layers": 1, "encoder_attention_heads": 2, "decoder_attention_heads": 2, "encoder_ffn_dim": 128,
+         "decoder_ffn_dim": 128, "max_position_embeddings": 1024}
+_WHISPER = {"architectures": ["WhisperForConditionalGeneration"], "model_type": "whisper", "d_model": 64,
+            "encoder_layers": 1, "decoder_layers": 1, "encoder_attention_heads": 2, "decoder_attention_heads": 2,
+            "encoder_ffn_dim": 128, "decoder_ffn_dim": 128, "max_source_positions": 1500,
+            "max_target_positions": 512, "num_mel_bins": 80}
+_RECURRENT = r"state-space / linear-attention layers.*, whose recurrent state vLLM 0.32 keeps only in its hybrid KV cache"
+
+
+@pytest.mark.parametrize(
+    "overrides,engine_args,refusal",
+    [
+        (_MAMBA, {}, rf"MambaForCausalLM: it uses {_RECURRENT}"),
+        (_JAMBA, {}, rf"JambaForCausalLM: it uses {_RECURRENT}"),
+        (_QWEN3_NEXT, {}, r"Qwen3NextForCausalLM: it uses state-space / linear-attention layers \(linear_attention\), "),
+        (_BART, {}, r"BartForConditionalGeneration: it uses an encoder-decoder architecture$"),
+        (_WHISPER, {}, r"WhisperForConditionalGeneration: it uses an encoder-decoder architecture; multimodal"),
+        (_LLAMA_TEXT, {"runner": "pooling"}, r"LlamaForCausalLM: it uses the 'pooling' runner"),
+    ],
+    ids=["mamba", "jamba", "qwen3-next", "bart", "whisper", "pooling"],
+)
+def test_models_kvcompress_cannot_page_are_refused_naming_the_feature(tmp_path, overrides, engine_args, refusal):
+    """Issue 60: each remaining refusal names the model, the feature and the flag, while
+    stock vLLM takes the same configuration (so the refusal is kvcompress's)."""
+    model = _write_config(tmp_path, **overrides)
+    stock = _engine_config(model, **engine_args)
+    assert stock.additional_config.get("kvcompress", {}).get("enabled") is not True
+    with pytest.raises(KVCompressConfigError, match=rf"^--kv-compress does not support model {refusal}"):
+        _engine_config(model, **engine_args, **_kvc())
+
+
+def test_vllm_needs_its_hybrid_manager_for_recurrent_state():
+    """Why recurrent (state-space / linear-attention) layers are refused: kvcompress turns
+    vLLM's hybrid KV cache manager off, and with it off vLLM 0.32 itself cannot lay out a
+    cache that mixes recurrent state with attention KVs (``unify_hybrid_kv_cache_specs``,
+    what vLLM calls when the manager is off) -- while sliding-window layers beside full
+    attention it can (they are promoted to full attention: what kvcompress relies on)."""
+    import torch
+    from vllm.v1.core.kv_cache_utils import unify_hybrid_kv_cache_specs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+    def attention(cls=FullAttentionSpec, **extra):
+        return cls(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32, **extra)
+
+    state = MambaSpec(block_size=16, shapes=((4, 64), (2, 16, 16)), dtypes=(torch.float32, torch.float32))
+    with pytest.raises(ValueError, match="Failed to promote local KV cache specs to one unified type"):
+        unify_hybrid_kv_cache_specs({"layers.0.attn": attention(), "layers.1.mixer": state})
+    windowed = {"layers.0.attn": attention(), "layers.1.attn": attention(SlidingWindowSpec, sliding_window=32)}
+    unify_hybrid_kv_cache_specs(windowed)
+    assert all(type(spec) is FullAttentionSpec for spec in windowed.values())
+
+
 @pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
 def test_fp8_kv_cache_is_taken_and_other_cache_dtypes_refused_before_any_worker_starts(tmp_path, cache_dtype):
     """Issue 60: FP8 pages are taken (on CPU the reference reads them; on CUDA the Triton

@@ -301,6 +301,15 @@ def _sliding_window_problems(vllm_config: Any) -> list[str]:
     return []
 
 
+# Measured (tests/test_flags.py): vLLM 0.32 lays out a recurrent layer's state only through
+# its hybrid KV cache manager; with the manager off, as the per-head pool needs it, vLLM's own
+# unify_hybrid_kv_cache_specs refuses a model that mixes state and attention layers.
+_RECURRENT_LAYERS = (
+    "state-space / linear-attention layers{kinds}, whose recurrent state vLLM 0.32 keeps only in its "
+    "hybrid KV cache manager, which kvcompress turns off (the per-head paged cache takes its place)"
+)
+
+
 def check_model_supported(vllm_config: Any, settings: KVCompressConfig) -> None:
     """Refuse models whose attention the per-head paged cache cannot hold."""
     if not settings.enabled:
@@ -315,12 +324,12 @@ def check_model_supported(vllm_config: Any, settings: KVCompressConfig) -> None:
         problems.append("multi-head latent attention (MLA)")
     layer_types = getattr(model_config.hf_text_config, "layer_types", None) or []
     other_kinds = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
-    if other_kinds:
-        problems.append(f"non-full-attention layers ({other_kinds})")
+    if model_config.is_hybrid or model_config.is_attention_free:
+        problems.append(_RECURRENT_LAYERS.format(kinds=f" ({', '.join(other_kinds)})" if other_kinds else ""))
+    elif other_kinds:
+        problems.append(f"layers that are neither full nor sliding-window attention ({', '.join(other_kinds)})")
     if model_config.get_sliding_window() is not None:
         problems += _sliding_window_problems(vllm_config)
-    if model_config.is_hybrid or model_config.is_attention_free:
-        problems.append("state-space / hybrid layers")
     if model_config.is_encoder_decoder:
         problems.append("an encoder-decoder architecture")
     if model_config.is_multimodal_model:
