@@ -2,12 +2,14 @@
 and ``fp8_e5m2`` with ``--kv-compress``.
 
 Oracle: Hugging Face's Llama in float64 whose attention sees each post-RoPE key and value
-rounded through the same float8 type (the values kvcompress stores with unit scales, as
-vLLM's default). Each token kvcompress generated is scored by the oracle on kvcompress's
-own prefix (teacher forcing: one near-tie cannot send the two down different paths), and
-its logprob must match; the same oracle without the rounding must not (the random tiny
-model is sensitive enough that FP8 moves its logprobs by ~1). Stock vLLM cannot be the
-oracle here: its CPU kernel takes FP8 caches only on AVX-512 / AMX hosts.
+rounded through the same float8 type as the engine's pages hold them (unit scales, as
+vLLM's default): by vLLM's CPU writer where the engine's attention is vLLM's CPU kernel
+(it rounds toward zero), else torch's saturating cast (to nearest). Each token kvcompress
+generated is scored by the oracle on kvcompress's own prefix (teacher forcing: one
+near-tie cannot send the two down different paths), and its logprob must match; the same
+oracle without the rounding must not (the random tiny model is sensitive enough that FP8
+moves its logprobs by ~1). Where vLLM's CPU kernel takes FP8 caches (AVX-512 / AMX hosts)
+stock vLLM's FP8 engine is the second oracle: rate 1 must give its tokens and logprobs.
 """
 
 from __future__ import annotations
@@ -31,17 +33,43 @@ float32 against float64 keys may round a few values to the neighbouring float8 s
 unrounded oracle differs by ~1 (the test asks its median difference to be 5x larger)."""
 
 
+def vllm_cpu_rounded(values: torch.Tensor, fp8: torch.dtype) -> torch.Tensor:
+    """``values`` (float32, any shape ``[..., D]``) as vLLM's CPU writer stores them in an
+    FP8 cache, read back as float32 (its ``vec`` path, unit scales)."""
+    from kvcompress.ops.cpu_attention import KERNEL_FP8_CACHE_DTYPES, unavailable_reason
+
+    assert unavailable_reason() is None  # loads vLLM's kernels into this process
+    head_dim, block = values.shape[-1], 32
+    rows = values.reshape(-1, 1, head_dim).contiguous()
+    pages = -(-rows.shape[0] // block)
+    cache = torch.zeros((pages, 1, 2 * block, head_dim), dtype=torch.uint8)
+    key_cache, value_cache = cache.chunk(2, dim=2)
+    torch.ops._C.cpu_attn_reshape_and_cache(rows, rows, key_cache, value_cache, torch.arange(rows.shape[0]),
+                                            "vec", 1.0, 1.0, KERNEL_FP8_CACHE_DTYPES[fp8])
+    stored = value_cache.reshape(pages * block, head_dim)[: rows.shape[0]]  # V pages are [b, D]
+    return stored.view(fp8).float().reshape(values.shape)
+
+
+def engine_rounding(llm, fp8: torch.dtype):
+    """How ``llm``'s FP8 pages hold a float32 value: vLLM's CPU writer when its attention
+    is vLLM's CPU kernel, else torch's saturating cast."""
+    if llm.collective_rpc("kvc_pages_used")[0].get("attention_backend") == "vllm_cpu":
+        return lambda t: vllm_cpu_rounded(t.float(), fp8)
+    limit = torch.finfo(fp8).max
+    return lambda t: t.float().clamp(-limit, limit).to(fp8).float()
+
+
 @contextlib.contextmanager
-def keys_values_rounded_through(fp8: torch.dtype | None):
-    """Hugging Face's eager Llama attention with K and V rounded through ``fp8`` (float32
-    first, as the engine's float32 values are) or as they are (None)."""
+def keys_values_rounded_through(rounding):
+    """Hugging Face's eager Llama attention with K and V through ``rounding`` (a float32
+    tensor's stored value; float32 first, as the engine's values are) or as they are (None)."""
     import transformers.models.llama.modeling_llama as llama
 
     plain = llama.eager_attention_forward
 
     def rounded(module, query, key, value, attention_mask, *args, **kwargs):
-        if fp8 is not None:
-            key, value = (t.float().to(fp8).to(t.dtype) for t in (key, value))
+        if rounding is not None:
+            key, value = (rounding(t).to(t.dtype) for t in (key, value))
         return plain(module, query, key, value, attention_mask, *args, **kwargs)
 
     llama.eager_attention_forward = rounded
@@ -51,11 +79,11 @@ def keys_values_rounded_through(fp8: torch.dtype | None):
         llama.eager_attention_forward = plain
 
 
-def oracle_logprobs(model, prompt: list[int], generated: list[int], fp8: torch.dtype | None) -> list[float]:
+def oracle_logprobs(model, prompt: list[int], generated: list[int], rounding) -> list[float]:
     """Logprob of each ``generated`` token after ``prompt`` and the generated tokens
-    before it, float64 (teacher-forced)."""
+    before it, float64 (teacher-forced), K / V through ``rounding`` (None: as they are)."""
     ids = torch.tensor([prompt + generated[:-1]])
-    with torch.no_grad(), keys_values_rounded_through(fp8):
+    with torch.no_grad(), keys_values_rounded_through(rounding):
         logits = model(ids).logits[0, len(prompt) - 1:].double()
     logprobs = torch.log_softmax(logits, dim=-1)
     return logprobs[torch.arange(len(generated)), torch.tensor(generated)].tolist()
@@ -84,12 +112,13 @@ def fp8_llm(request, tiny_model):
     shutdown(llm)
 
 
-def _generate(llm, prompts, rate: float = 1.0):
+def _generate(llm, prompts, rate: float | None = 1.0):
+    """Greedy tokens and logprobs at ``rate`` (None: no kvcompress field, for stock)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0,
-                            extra_args={"kv_compress_rate": rate})
+                            extra_args=None if rate is None else {"kv_compress_rate": rate})
     return greedy_tokens_and_logprobs(
         llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False))
 
@@ -97,10 +126,11 @@ def _generate(llm, prompts, rate: float = 1.0):
 def test_rate_1_matches_the_float64_oracle_of_fp8_keys_and_values(fp8_llm, hf_model, prompts):
     cache_dtype, llm = fp8_llm
     tokens, logprobs = _generate(llm, prompts)
+    rounding = engine_rounding(llm, FP8_TYPES[cache_dtype])
     rounded_diffs, plain_diffs = [], []
     for prompt, generated, got in zip(prompts, tokens, logprobs, strict=True):
         assert len(generated) == MAX_TOKENS
-        rounded = oracle_logprobs(hf_model, prompt, generated, FP8_TYPES[cache_dtype])
+        rounded = oracle_logprobs(hf_model, prompt, generated, rounding)
         plain = oracle_logprobs(hf_model, prompt, generated, None)
         rounded_diffs += [abs(a - b) for a, b in zip(got, rounded)]
         plain_diffs += [abs(a - b) for a, b in zip(got, plain)]
@@ -108,6 +138,36 @@ def test_rate_1_matches_the_float64_oracle_of_fp8_keys_and_values(fp8_llm, hf_mo
     assert np.median(plain_diffs) > 5 * np.median(rounded_diffs), (np.median(plain_diffs), np.median(rounded_diffs))
     stats = page_stats(llm)
     assert stats["compressions"] == 0 and stats["num_free"] == stats["num_pages"]
+
+
+def test_rate_1_gives_stock_vllms_fp8_tokens_and_logprobs(fp8_llm, tiny_model, prompts):
+    """Where vLLM's CPU kernel takes FP8 caches, kvcompress's FP8 pages are written and
+    read by it (``cpu_attention``): rate 1 answers as stock vLLM's FP8 engine does, token
+    for token, logprobs within float32 summation order (measured: equal)."""
+    from vllm import LLM
+
+    from kvcompress.ops import cpu_attention
+
+    cache_dtype, llm = fp8_llm
+    reason = cpu_attention.unavailable_reason() or cpu_attention.fp8_unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"stock vLLM's FP8 cache on CPU: {reason}")
+    assert llm.collective_rpc("kvc_pages_used")[0].get("attention_backend") == "vllm_cpu"
+    tokens, logprobs = _generate(llm, prompts)
+    stock = LLM(model=tiny_model, kv_cache_dtype=cache_dtype, **TINY_ENGINE_ARGS)
+    try:
+        stock_tokens, stock_logprobs = _generate(stock, prompts, rate=None)
+    finally:
+        _shutdown_quietly(stock)
+    assert tokens == stock_tokens
+    assert max(abs(a - b) for row, stock_row in zip(logprobs, stock_logprobs) for a, b in zip(row, stock_row)) < 1e-4
+
+
+def _shutdown_quietly(llm) -> None:
+    from kvcompress.vllm_glue.llm import shutdown
+
+    with contextlib.suppress(Exception):
+        shutdown(llm)
 
 
 def test_fp8_pages_hold_about_four_times_the_float32_tokens(fp8_llm, kvc_tiny_llm):

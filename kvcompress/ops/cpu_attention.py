@@ -33,6 +33,12 @@ reads row-major pools.
 The kernel's AMX path (bf16, block 32, AMX hosts) packs pages differently; this module
 always asks for ``vec`` / ``vec16``, which run on every x86 host.
 
+**FP8 pages** (``--kv-cache-dtype fp8*``) run on the kernel where vLLM's own CPU backend
+takes FP8 caches (AVX-512 or AMX hosts, head sizes and pages that are multiples of 32:
+the ``vec`` path): every write goes through the kernel's writer (which rounds as stock
+vLLM's FP8 cache does, not as torch's cast: toward zero), so a rate-1 run holds stock's
+bytes and reads them with stock's kernel. Elsewhere FP8 pages run on the reference.
+
 The kernel returns no attention probabilities: decode rows that add to the eviction
 metrics get them from :func:`kvcompress.ops.decode_metrics.decode_metrics` (a separate pass
 over the selected rows only).
@@ -58,10 +64,14 @@ import torch
 from kvcompress.ops.backend import ATTENTION_OPS, KernelBackend
 from kvcompress.ops.decode_metrics import DeferredDecodeQueries, decode_metrics_by_head
 from kvcompress.ops.flattened import decode_by_slot_flat, paged_attention_flat
-from kvcompress.ops.kv_pool import KVPool, MetricSink, PagedBatch, SlotBatch
+from kvcompress.ops.kv_pool import KVPool, MetricSink, PagedBatch, SlotBatch, as_indexable
 from kvcompress.ops.page_tables import ChunkedPageTables, decode_tables
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# FP8 page dtypes and the ``kv_cache_dtype`` vLLM's kernel is told for them: it stores
+# each value it writes in that format (its own rounding, unit scales) and reads them back
+# in the query's dtype, so pages it wrote hold what stock vLLM's FP8 cache holds.
+KERNEL_FP8_CACHE_DTYPES = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
 # vLLM 0.32's CPU attention head sizes (``CPUAttentionBackend.get_supported_head_sizes``).
 KERNEL_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 
@@ -69,6 +79,20 @@ def unavailable_reason() -> str | None:
     """None when vLLM's CPU attention kernel can run here, else why not (probed once,
     by the backend object)."""
     return BACKEND.kernel_unavailable_reason()
+
+
+def fp8_unavailable_reason() -> str | None:
+    """None when vLLM's CPU kernel takes FP8 caches on this host, else why not (vLLM
+    0.32's own rule, ``cpu_attn._get_attn_isa``: AVX-512 or AMX)."""
+    if torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported():
+        return None
+    return "vLLM's CPU attention kernel takes FP8 caches on AVX-512 or AMX hosts only"
+
+
+def kernel_cache_dtype(pool: KVPool) -> str:
+    """The ``kv_cache_dtype`` vLLM's kernel is given for ``pool``'s pages: ``"auto"``
+    (the query's dtype) or the FP8 format (:data:`KERNEL_FP8_CACHE_DTYPES`)."""
+    return KERNEL_FP8_CACHE_DTYPES.get(pool.key_cache.dtype, "auto")
 
 
 def _probe_kernel() -> str | None:
@@ -157,7 +181,9 @@ def _kernel_caches(pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
 
 def kernel_cache_views(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's ``[N, 1, b, D]`` views of K / V ``[N, b, D]`` in its page layout
-    (:func:`pool_views`): one KV head, the pages' own stride."""
+    (:func:`pool_views`): one KV head, the pages' own stride; FP8 pages as ``uint8``
+    (the kernel's FP8 cache type)."""
+    key, value = as_indexable(key), as_indexable(value)
     num_pages, block_size, head_dim = key.shape
     page_stride = key.stride(0)
     key4 = torch.as_strided(
@@ -200,14 +226,17 @@ def write_kv_at_slots(pool: KVPool, key: torch.Tensor, value: torch.Tensor, flat
     """:func:`write_kv_cpu` with the targets given as ``flat_slots [T * H]`` int64
     ``page * b + offset``."""
     key4, value4 = _kernel_caches(pool)
+    cache_dtype = kernel_cache_dtype(pool)
     num_tokens, num_kv_heads, head_dim = key.shape
     rows = num_tokens * num_kv_heads
+    if cache_dtype == "auto":  # FP8: the kernel rounds the values itself
+        key, value = key.to(key4.dtype), value.to(value4.dtype)
     # Each (token, KV head) is one row of a one-head cache; key / value are strided
     # slices of the model's fused QKV rows, made row-major here (torch's reshape copy
     # runs on every thread; one stack of both takes longer at prompt sizes).
     torch.ops._C.cpu_attn_reshape_and_cache(
-        key.to(key4.dtype).reshape(rows, 1, head_dim), value.to(value4.dtype).reshape(rows, 1, head_dim),
-        key4, value4, flat_slots, kernel_isa(pool.block_size, head_dim), 1.0, 1.0, "auto",
+        key.reshape(rows, 1, head_dim), value.reshape(rows, 1, head_dim),
+        key4, value4, flat_slots, kernel_isa(pool.block_size, head_dim), 1.0, 1.0, cache_dtype,
     )
 
 
@@ -216,12 +245,13 @@ def write_kv_planned(layer: "KernelDecodeLayer", key: torch.Tensor, value: torch
     ``write_slots`` (the decode plan keeps them between steps); the rows' copy goes to a
     buffer kept per shape, so a layer's write is one copy and one op call."""
     key4, value4 = layer.key_cache, layer.value_cache
-    both, key_rows, value_rows = _kv_rows(key.shape, key4.dtype)
-    if key.dtype != key4.dtype:
-        key, value = key.to(key4.dtype), value.to(key4.dtype)
+    rows_dtype = key4.dtype if layer.cache_dtype == "auto" else key.dtype  # FP8: the kernel rounds
+    both, key_rows, value_rows = _kv_rows(key.shape, rows_dtype)
+    if key.dtype != rows_dtype:
+        key, value = key.to(rows_dtype), value.to(rows_dtype)
     torch.stack((key, value), out=both)
     torch.ops._C.cpu_attn_reshape_and_cache(
-        key_rows, value_rows, key4, value4, layer.write_slots, layer.isa, 1.0, 1.0, "auto",
+        key_rows, value_rows, key4, value4, layer.write_slots, layer.isa, 1.0, 1.0, layer.cache_dtype,
     )
 
 
@@ -232,12 +262,13 @@ def _kv_rows(shape: torch.Size, dtype: torch.dtype) -> tuple[torch.Tensor, torch
 
 def _scheduler_metadata(
     num_seqs: int, group: int, head_dim: int, seq_lens: torch.Tensor, dtype: torch.dtype,
-    query_start_loc: torch.Tensor, block_size: int, sliding_window: int = -1,
+    query_start_loc: torch.Tensor, block_size: int, sliding_window: int = -1, cache_dtype: str = "auto",
 ) -> torch.Tensor:
-    """The kernel's split of the work over threads for these sequences (one KV head each)."""
+    """The kernel's split of the work over threads for these sequences (one KV head each;
+    ``dtype`` the queries', ``cache_dtype`` :func:`kernel_cache_dtype`)."""
     return torch.ops._C.get_scheduler_metadata(
         num_seqs, group, 1, head_dim, seq_lens, dtype, query_start_loc, True, sliding_window,
-        kernel_isa(block_size, head_dim), True, None, "auto",
+        kernel_isa(block_size, head_dim), True, None, cache_dtype,
     )
 
 
@@ -260,13 +291,14 @@ def _attend(
             (see :attr:`VllmCpuBackend.sliding_window`).
     """
     key4, value4 = _kernel_caches(pool)
+    cache_dtype = kernel_cache_dtype(pool)
     metadata = _scheduler_metadata(
         seq_lens.shape[0], query.shape[1], query.shape[2], seq_lens, query.dtype,
-        query_start_loc, pool.block_size, sliding_window,
+        query_start_loc, pool.block_size, sliding_window, cache_dtype,
     )
     torch.ops._C.cpu_attention_with_kv_cache(
         query, key4, value4, out, query_start_loc, seq_lens, scale, True, None, sliding_window,
-        block_table, 0.0, metadata, None, None, 1.0, 1.0, "auto",
+        block_table, 0.0, metadata, None, None, 1.0, 1.0, cache_dtype,
     )
 
 
@@ -384,6 +416,7 @@ class KernelDecodeLayer:
         write_slots: ``[R]`` int64 ``page * b + offset`` of each sequence's new KV (its
             head's last; :class:`~kvcompress.ops.cpu_decode_plan.DecodeBatchPlan` keeps
             them between steps).
+        cache_dtype: the pages' ``kv_cache_dtype`` for the kernel (:func:`kernel_cache_dtype`).
     """
 
     layer: int
@@ -396,11 +429,13 @@ class KernelDecodeLayer:
     metrics: DecodeStepMetrics | None
     isa: str
     write_slots: torch.Tensor
+    cache_dtype: str = "auto"
 
 
 def plan_decode_step(
     pool: KVPool, page_tables: ChunkedPageTables | torch.Tensor, head_lens: torch.Tensor, seq_slots: torch.Tensor,
     num_q_heads: int, metric_rows: torch.Tensor | None = None, uniform: bool | None = None,
+    query_dtype: torch.dtype | None = None,
 ) -> list[KernelDecodeLayer]:
     """Every layer's :class:`KernelDecodeLayer` for a decode step, built once per step
     (one gather of the rows' tables for all layers, no per-layer host work but the
@@ -419,12 +454,13 @@ def plan_decode_step(
         uniform: True when the caller knows each (row, KV head) holds as many KVs in
             every layer (no row was ever compressed: every head holds all its tokens);
             None: checked here.
+        query_dtype: the queries' dtype (None: the pages'; FP8 pages need it given).
     """
     rows = seq_slots.to(torch.int64).numpy()
     tables, lens = decode_tables(pool.block_size, page_tables, rows, head_lens.numpy()[rows])
     if uniform is None:
         uniform = lens_agree_across_layers(lens)
-    return decode_layers(pool, torch.from_numpy(tables), lens, num_q_heads, metric_rows, uniform)
+    return decode_layers(pool, torch.from_numpy(tables), lens, num_q_heads, metric_rows, uniform, query_dtype)
 
 
 def lens_agree_across_layers(lens: np.ndarray) -> bool:
@@ -434,7 +470,7 @@ def lens_agree_across_layers(lens: np.ndarray) -> bool:
 
 def decode_layers(
     pool: KVPool, tables: torch.Tensor, lens: np.ndarray, num_q_heads: int,
-    metric_rows: torch.Tensor | None, uniform: bool,
+    metric_rows: torch.Tensor | None, uniform: bool, query_dtype: torch.dtype | None = None,
 ) -> list[KernelDecodeLayer]:
     """The step's :class:`KernelDecodeLayer` of every layer.
 
@@ -452,7 +488,7 @@ def decode_layers(
     layers = unplanned_decode_layers(
         pool, tables, torch.from_numpy(lens).view(num_layers, num_rows * num_kv_heads), write_slots,
     )
-    set_decode_work(layers, pool, tables, lens, num_q_heads, metric_rows, uniform)
+    set_decode_work(layers, pool, tables, lens, num_q_heads, metric_rows, uniform, query_dtype)
     return layers
 
 
@@ -464,9 +500,10 @@ def unplanned_decode_layers(
     and metrics (:func:`set_decode_work` sets them)."""
     starts = _query_starts(seq_lens.shape[1])
     key4, value4 = _kernel_caches(pool)
-    isa = kernel_isa(pool.block_size, key4.shape[3])
+    isa, cache_dtype = kernel_isa(pool.block_size, key4.shape[3]), kernel_cache_dtype(pool)
     return [
-        KernelDecodeLayer(layer, layer_table, layer_lens, starts, None, key4, value4, None, isa, layer_slots)
+        KernelDecodeLayer(layer, layer_table, layer_lens, starts, None, key4, value4, None, isa, layer_slots,
+                          cache_dtype)
         for layer, (layer_table, layer_lens, layer_slots)
         in enumerate(zip(tables.unbind(0), seq_lens.unbind(0), write_slots.unbind(0)))
     ]
@@ -474,17 +511,20 @@ def unplanned_decode_layers(
 
 def set_decode_work(
     layers: list[KernelDecodeLayer], pool: KVPool, tables: torch.Tensor, lens: np.ndarray, num_q_heads: int,
-    metric_rows: torch.Tensor | None, uniform: bool,
+    metric_rows: torch.Tensor | None, uniform: bool, query_dtype: torch.dtype | None = None,
 ) -> None:
     """Give ``layers`` (over ``tables [L, B * H, P]`` and lengths ``lens [L, B, H]``,
     the memory of their views) this step's work split, one for all layers when
-    ``uniform``, and the metric pass of ``metric_rows`` (``[M]`` batch rows, or None)."""
+    ``uniform``, and the metric pass of ``metric_rows`` (``[M]`` batch rows, or None).
+    ``query_dtype``: the queries' (None: the pages', which FP8 pages cannot be)."""
     num_layers, num_rows, num_kv_heads = lens.shape
     num_seqs = num_rows * num_kv_heads
-    group, head_dim, dtype = num_q_heads // num_kv_heads, pool.key_cache.shape[2], pool.key_cache.dtype
-    starts = layers[0].query_start_loc
+    group, head_dim = num_q_heads // num_kv_heads, pool.key_cache.shape[2]
+    dtype = kernel_query_dtype(pool, query_dtype)
+    starts, cache_dtype = layers[0].query_start_loc, layers[0].cache_dtype
     shared = (
-        _scheduler_metadata(num_seqs, group, head_dim, layers[0].seq_lens, dtype, starts, pool.block_size)
+        _scheduler_metadata(num_seqs, group, head_dim, layers[0].seq_lens, dtype, starts, pool.block_size,
+                            cache_dtype=cache_dtype)
         if uniform else None
     )
     metrics = None
@@ -495,9 +535,19 @@ def set_decode_work(
         )
     for layer in layers:
         layer.scheduler_metadata = shared if uniform else _scheduler_metadata(
-            num_seqs, group, head_dim, layer.seq_lens, dtype, starts, pool.block_size
+            num_seqs, group, head_dim, layer.seq_lens, dtype, starts, pool.block_size, cache_dtype=cache_dtype
         )
         layer.metrics = metrics
+
+
+def kernel_query_dtype(pool: KVPool, query_dtype: torch.dtype | None) -> torch.dtype:
+    """The queries' dtype over ``pool``: ``query_dtype``, or (None) the pages' own, which
+    only unquantized pages can stand for."""
+    if query_dtype is not None:
+        return query_dtype
+    if pool.key_cache.dtype in KERNEL_FP8_CACHE_DTYPES:
+        raise ValueError("FP8 pages: the queries' dtype must be given (query_dtype)")
+    return pool.key_cache.dtype
 
 
 def _query_starts(num_seqs: int) -> torch.Tensor:
@@ -530,7 +580,7 @@ def decode_planned(
     torch.ops._C.cpu_attention_with_kv_cache(
         flat_query, tables.key_cache, tables.value_cache, flat_out, tables.query_start_loc,
         tables.seq_lens, scale, True, None, -1 if sliding_window is None else int(sliding_window),
-        tables.block_table, 0.0, tables.scheduler_metadata, None, None, 1.0, 1.0, "auto",
+        tables.block_table, 0.0, tables.scheduler_metadata, None, None, 1.0, 1.0, tables.cache_dtype,
     )
     if flat_out.data_ptr() != out.data_ptr():
         out.copy_(flat_out.view(num_rows, num_q_heads, head_dim))
@@ -601,15 +651,22 @@ class VllmCpuBackend(KernelBackend):
             decided = self._supported[pool] = {}
         answer = decided.get(dtype)
         if answer is None:
+            page_dtype = pool.key_cache.dtype
             answer = decided[dtype] = (
                 pool.device.type == "cpu"
-                and dtype == pool.key_cache.dtype
                 and dtype in KERNEL_DTYPES
+                and (dtype == page_dtype or (page_dtype in KERNEL_FP8_CACHE_DTYPES and self._takes_fp8(pool)))
                 and pool.key_cache.shape[-1] in KERNEL_HEAD_SIZES
                 and in_kernel_layout(pool)
                 and self.kernel_unavailable_reason() is None
             )
         return answer
+
+    @staticmethod
+    def _takes_fp8(pool: KVPool) -> bool:
+        """FP8 pages as vLLM's own CPU backend takes them: on AVX-512 / AMX, its ``vec``
+        path (head size and page size multiples of 32)."""
+        return fp8_unavailable_reason() is None and kernel_isa(pool.block_size, pool.key_cache.shape[-1]) == "vec"
 
     def kernel_caches(self, pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
         """The kernel's ``[N, 1, b, D]`` K and V caches over the pool's storage (it reads
@@ -669,7 +726,8 @@ class VllmCpuBackend(KernelBackend):
         the op's flat slots costs more than they do; decode steps on the kernel's plan
         keep them: :meth:`decode_planned`)."""
         rows = key.shape[0] * key.shape[1]
-        if rows >= KERNEL_WRITE_MIN_ROWS and supports(key, pool):
+        fp8 = pool.key_cache.dtype in KERNEL_FP8_CACHE_DTYPES  # the kernel's rounding, every row
+        if (rows >= KERNEL_WRITE_MIN_ROWS or fp8) and supports(key, pool):
             write_kv_cpu(pool, key, value, write_pages, write_offsets)
             return
         super().write_kv(pool, key, value, write_pages, write_offsets)

@@ -48,12 +48,14 @@ class DecodeBatchPlan:
         num_q_heads: query heads of the model.
     """
 
-    def __init__(self, cache: PerHeadPagedCache, pool: KVPool, num_q_heads: int) -> None:
+    def __init__(self, cache: PerHeadPagedCache, pool: KVPool, num_q_heads: int,
+                 query_dtype: torch.dtype | None = None) -> None:
         if cache.host is None:
             raise ValueError("DecodeBatchPlan needs a CPU cache (numpy host views)")
         self.cache = cache
         self.pool = pool
         self.num_q_heads = num_q_heads
+        self.query_dtype = query_dtype  # None: the pages' (FP8 pages need it given)
         self._rows_key: object | None = None
         self._version = -1
         # [2, L, B, H] int32 after the last step: [0] KVs held per head (the kernel's
@@ -98,6 +100,7 @@ class DecodeBatchPlan:
             self._rebuild(rows_key, slots, positions, uniform)
         set_decode_work(
             self._layers, self.pool, self._tables_t, self._counters[0], self.num_q_heads, metric_rows, self._uniform,
+            self.query_dtype,
         )
         return self._plan, self._layers
 

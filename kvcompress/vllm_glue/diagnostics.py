@@ -29,9 +29,19 @@ def pages_used(runner) -> dict[str, int]:
         "held_by_live_requests": int(cache.pages_held().sum().item()),
         "live_requests": len(runner.kvc_requests),
         "sequence_slots": cache.max_seqs,  # the padding rows' slot included
-        "attention_backend": runner.kvc_state.ops.backends["paged_attention"],
+        "attention_backend": attention_backend(runner),
         **dataclasses.asdict(runner.kvc_stats),
     }
+
+
+def attention_backend(runner) -> str:
+    """The backend that runs the pool's attention: the dispatch's choice for the device,
+    or its fallback where it does not take these pages (vLLM's CPU kernel and FP8 pages
+    on hosts where vLLM's CPU backend refuses FP8 caches)."""
+    ops = runner.kvc_state.ops
+    if ops.kernel_page_layout and not runner.kvc_planner.plan_kernel_decode:
+        return ops.backend("paged_attention").fallbacks[0]
+    return ops.backends["paged_attention"]
 
 
 def head_lens(runner) -> dict[str, list]:

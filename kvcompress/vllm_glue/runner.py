@@ -140,7 +140,7 @@ class KVCompressRunnerMixin:
             state.cache.num_layers, self.kvc_decode_metric_power, self.kvc_scoring,
         )
         return StepPlanner(
-            state, built.shape.dtype, self.kvc_requests, self.kvc_settings, self.kvc_stats,
+            state, config.model_config.dtype, self.kvc_requests, self.kvc_settings, self.kvc_stats,
             config.model_config.get_num_attention_heads(config.parallel_config), self.kvc_prefix_groups,
             selector, window_layers=self.kvc_compress_layers is not None,
         )

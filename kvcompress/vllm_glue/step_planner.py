@@ -39,8 +39,8 @@ _MAX_ONE_TOKEN_SHAPES = 64
 class StepPlanner:
     """The step plans of one page pool.
 
-    ``state``: the worker's pool (``cache`` is ``state.cache``); ``kv_dtype``: the KV
-    cache's dtype (vLLM's KV-cache spec); ``requests``: its live requests; ``stats``: the
+    ``state``: the worker's pool (``cache`` is ``state.cache``); ``query_dtype``: the
+    model's (its queries'; FP8 pages hold another); ``requests``: its live requests; ``stats``: the
     worker's counters (decode-only steps); ``num_q_heads``: query heads of this rank
     (vLLM's CPU kernel's plan); ``prefix_groups``: the page groups of vLLM's cached
     blocks (None: prefix caching off); ``metric_queries``: chooses the metric queries of
@@ -52,7 +52,7 @@ class StepPlanner:
     several at once (``diagnostics.defer_decode_metrics`` may swap it)."""
 
     state: WorkerCacheState
-    kv_dtype: torch.dtype
+    query_dtype: torch.dtype
     requests: WorkerRequests
     settings: KVCompressConfig
     stats: WorkerStats
@@ -76,13 +76,13 @@ class StepPlanner:
     def __post_init__(self) -> None:
         state = self.state
         self.plan_kernel_decode = bool(state.ops.kernel_page_layout) and cpu_attention.supports_pool(
-            self.kv_dtype, state.pool)
+            self.query_dtype, state.pool)
         self.decode_metrics = DecodeMetrics(
             self.cache, state.pool, self.metric_power,
             DeferredDecodeQueries() if self.plan_kernel_decode else None,
         )
         if self.plan_kernel_decode and self.cache.host is not None:
-            self.decode_plan = DecodeBatchPlan(self.cache, state.pool, self.num_q_heads)
+            self.decode_plan = DecodeBatchPlan(self.cache, state.pool, self.num_q_heads, self.query_dtype)
 
     @property
     def cache(self) -> PerHeadPagedCache:
@@ -270,7 +270,7 @@ class StepPlanner:
             kernel_decode = cpu_attention.plan_decode_step(
                 self.state.pool, cache.tables, cache.head_lens, rows.seq_slots, self.num_q_heads,
                 torch.from_numpy(flagged) if flagged.size else None,
-                uniform=self._uniform_heads(rows),
+                uniform=self._uniform_heads(rows), query_dtype=self.query_dtype,
             )
             self._record_kernel_metrics(kernel_decode, rows, computed, flagged)
         else:
