@@ -73,3 +73,17 @@ def test_plot_and_summary_line(passkey_results, tmp_path):
     assert png and (tmp_path / "passkey.png").stat().st_size > 0
     line = passkey.summary_line(passkey_results)
     assert line.startswith("summary: passkeys found: stock ") and "r8 " in line
+
+
+def test_stock_takes_the_fp8_cache_where_vllms_cpu_kernel_does(monkeypatch):
+    """Stock beside kvcompress's FP8 pages: the same FP8 cache where vLLM's CPU kernel
+    takes one (then rate 1 can be token-identical), else the model's dtype."""
+    import torch
+
+    passkey = load_benchmark("passkey")
+    assert passkey.stock_cache_dtype("auto") == "auto"
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: True)
+    assert passkey.stock_cache_dtype("fp8_e5m2") == "fp8_e5m2"
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert passkey.stock_cache_dtype("fp8") == "auto"

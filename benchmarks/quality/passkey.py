@@ -258,8 +258,9 @@ def run_passkey(
     log=print,
 ) -> dict[str, Any]:
     """Stock vLLM, then kvcompress at every rate, on the same passkey prompts.
-    ``kv_cache_dtype``: kvcompress's pages (e.g. "fp8"); stock keeps the model's dtype
-    (vLLM's CPU kernel takes FP8 only on AVX-512 / AMX hosts).
+    ``kv_cache_dtype``: kvcompress's pages (e.g. "fp8"); stock's cache too where vLLM's
+    CPU kernel takes FP8 caches (AVX-512 / AMX hosts: :func:`stock_cache_dtype`), else
+    the model's dtype.
 
     Returns ``{"config", "prompts", "stock", "kvcompress": {rate: run}, "rate1_identical"
     (None without rate 1), "wall_seconds"}``; a run has ``texts``, ``token_ids``,
@@ -291,8 +292,9 @@ def run_passkey(
         f"{max(p['prompt_tokens'] for p in prompts)} tokens ({prompt_format} format)")
 
     started = time.perf_counter()
-    stock = LLM(model=model, **args)
-    log(f"stock vLLM engine up in {time.perf_counter() - started:.0f} s")
+    stock_dtype = stock_cache_dtype(kv_cache_dtype)
+    stock = LLM(model=model, kv_cache_dtype=stock_dtype, **args)
+    log(f"stock vLLM engine (--kv-cache-dtype {stock_dtype}) up in {time.perf_counter() - started:.0f} s")
     try:
         stock_run = _generate(stock, prompts, [params() for _ in prompts])
     finally:
@@ -339,6 +341,7 @@ def run_passkey(
             "protected_window": protected_window,
             "engine_args": args,
             "kvcompress_kv_cache_dtype": kv_cache_dtype,
+            "stock_kv_cache_dtype": stock_dtype,
         },
         "prompts": [
             {k: v for k, v in p.items() if k != "prompt_token_ids"} for p in prompts
@@ -348,6 +351,16 @@ def run_passkey(
         "rate1_identical": None if rate1 is None else rate1["token_ids"] == stock_run["token_ids"],
         "wall_seconds": time.perf_counter() - wall,
     }
+
+
+def stock_cache_dtype(kv_cache_dtype: str) -> str:
+    """Stock vLLM's ``--kv-cache-dtype`` beside kvcompress's: the same, unless that is FP8
+    and vLLM's CPU kernel refuses FP8 caches here (then the model's dtype)."""
+    if kv_cache_dtype == "auto":
+        return "auto"
+    from kvcompress.ops import cpu_attention
+
+    return "auto" if cpu_attention.fp8_unavailable_reason() else kv_cache_dtype
 
 
 # --------------------------------------------------------------------------------------
@@ -389,9 +402,12 @@ def format_table(results: dict) -> str:
         depth_line.append(f"  depth {depth:g}: " + ", ".join(cells))
     lines.extend(depth_line)
     cache_dtype = config.get("kvcompress_kv_cache_dtype", "auto")
-    if cache_dtype != "auto":
+    stock_dtype = config.get("stock_kv_cache_dtype", "auto")
+    if cache_dtype != stock_dtype:
         lines.append(f"kvcompress pages: --kv-cache-dtype {cache_dtype}; stock: the model's dtype "
                      "(rate 1 is not expected to be token-identical)")
+    elif cache_dtype != "auto":
+        lines.append(f"kvcompress and stock: --kv-cache-dtype {cache_dtype}")
     identical = results["rate1_identical"]
     if identical is not None:
         lines.append(
@@ -444,7 +460,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--show-outputs", action="store_true", help="print every answer")
     parser.add_argument("--json", default=None, help="also write the results here (and a PNG beside it)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
-                        help="kvcompress's pages (stock keeps the model's dtype)")
+                        help="kvcompress's pages; stock's too where vLLM's CPU kernel takes FP8 "
+                             "(AVX-512 / AMX), else the model's dtype")
     parser.add_argument("--model", default=None,
                         help="a model directory, or 'gemma3' (Gemma 3 270M, offline); default SmolLM2-135M-Instruct")
     args = parser.parse_args(argv)
