@@ -47,7 +47,9 @@ def gather_pages(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def scatter_pages(cache: torch.Tensor, index: tuple[torch.Tensor, ...], values: torch.Tensor) -> None:
     """``cache[index] = values``, cast to ``cache``'s dtype; into FP8 pages saturating at
     the format's largest finite value, as vLLM's own FP8 cache writes (a plain cast
-    would make NaN of e4m3's overflow)."""
+    would make NaN of e4m3's overflow), rounding to nearest as vLLM's CUDA writer does.
+    (vLLM's CPU writer rounds toward zero: where its kernel takes FP8 pages it writes
+    them, :mod:`kvcompress.ops.cpu_attention`.)"""
     if cache.dtype in FP8_PAGE_DTYPES:
         limit = torch.finfo(cache.dtype).max
         values = values.float().clamp(-limit, limit)
