@@ -46,6 +46,7 @@ class DecodeBatchPlan:
         cache: the CPU :class:`PerHeadPagedCache` (numpy host views).
         pool: the kernel-layout pool the attention reads.
         num_q_heads: query heads of the model.
+        query_dtype: the queries' dtype (None: the pages'; FP8 pages need it given).
     """
 
     def __init__(self, cache: PerHeadPagedCache, pool: KVPool, num_q_heads: int,
@@ -55,7 +56,7 @@ class DecodeBatchPlan:
         self.cache = cache
         self.pool = pool
         self.num_q_heads = num_q_heads
-        self.query_dtype = query_dtype  # None: the pages' (FP8 pages need it given)
+        self.query_dtype = query_dtype
         self._rows_key: object | None = None
         self._version = -1
         # [2, L, B, H] int32 after the last step: [0] KVs held per head (the kernel's
