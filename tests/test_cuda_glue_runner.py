@@ -27,7 +27,8 @@ def _kv_cache_config(num_blocks: int):
 def _vllm_config(prefix_caching: bool):
     settings = KVCompressConfig(enabled=True, rate=8, block_size=BLOCK)
     return SimpleNamespace(
-        model_config=SimpleNamespace(max_model_len=512, seed=0, get_num_attention_heads=lambda parallel: Q_HEADS,
+        model_config=SimpleNamespace(max_model_len=512, seed=0, dtype=torch.float32,
+                                     get_num_attention_heads=lambda parallel: Q_HEADS,
                                      get_sliding_window=lambda: None),
         scheduler_config=SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=64),
         cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching, num_gpu_blocks=None, cache_dtype="auto"),
