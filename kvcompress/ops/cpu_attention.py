@@ -724,9 +724,10 @@ class VllmCpuBackend(KernelBackend):
         """Prompt-sized batches by vLLM's own ``cpu_attn_reshape_and_cache`` (half the
         indexed copy's time at 2048 tokens); a few rows take the indexed copy (building
         the op's flat slots costs more than they do; decode steps on the kernel's plan
-        keep them: :meth:`decode_planned`)."""
+        keep them: :meth:`decode_planned`), except into FP8 pages, which the op writes
+        whatever the rows (its rounding, stock vLLM's, not the indexed copy's cast)."""
         rows = key.shape[0] * key.shape[1]
-        fp8 = pool.key_cache.dtype in KERNEL_FP8_CACHE_DTYPES  # the kernel's rounding, every row
+        fp8 = pool.key_cache.dtype in KERNEL_FP8_CACHE_DTYPES
         if (rows >= KERNEL_WRITE_MIN_ROWS or fp8) and supports(key, pool):
             write_kv_cpu(pool, key, value, write_pages, write_offsets)
             return
