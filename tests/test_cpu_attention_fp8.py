@@ -104,9 +104,10 @@ def test_planned_fp8_decode_step_equals_the_reference_and_needs_the_query_dtype(
     assert torch.allclose(pool.slot_metrics, reference_pool.slot_metrics, atol=1e-6)
 
 
-def _stock_layout_bytes(key: torch.Tensor, value: torch.Tensor, cache_dtype: str, block_size: int):
+def stock_layout_bytes(key: torch.Tensor, value: torch.Tensor, cache_dtype: str, block_size: int):
     """What vLLM's writer stores for ``key`` / ``value`` ``[T, H, D]`` in stock vLLM's own
-    cache (``[N, H, b, D]`` K and V, token ``t`` at slot ``t``): ``[T, H, D]`` uint8 each."""
+    cache (``[N, H, b, D]`` K and V, token ``t`` at slot ``t``): ``[T, H, D]`` uint8 each
+    (also the engine test's FP8 oracle, ``test_fp8_cache_engine.vllm_cpu_rounded``)."""
     num_tokens, num_kv_heads, head_dim = key.shape
     pages = -(-num_tokens // block_size)
     cache = torch.zeros((pages, num_kv_heads, 2 * block_size, head_dim), dtype=torch.uint8)
@@ -154,7 +155,7 @@ def test_fp8_writes_store_stocks_bytes_rounded_toward_zero(fp8_kernel, cache_dty
     value = qkv[:, num_kv_heads * head_dim : 2 * num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
     ops.write_kv(pool, key, value, pages, offsets)
     stored_key, stored_value = pool.key_cache[pages, offsets], pool.value_cache[pages, offsets]
-    want_key, want_value = _stock_layout_bytes(key, value, cache_dtype, block_size)
+    want_key, want_value = stock_layout_bytes(key, value, cache_dtype, block_size)
     assert torch.equal(stored_key.view(torch.uint8), want_key)
     assert torch.equal(stored_value.view(torch.uint8), want_value)
     normal = key.abs() >= torch.finfo(fp8).smallest_normal

@@ -37,16 +37,11 @@ def vllm_cpu_rounded(values: torch.Tensor, fp8: torch.dtype) -> torch.Tensor:
     """``values`` (float32, any shape ``[..., D]``) as vLLM's CPU writer stores them in an
     FP8 cache, read back as float32 (its ``vec`` path, unit scales)."""
     from kvcompress.ops.cpu_attention import KERNEL_FP8_CACHE_DTYPES, unavailable_reason
+    from test_cpu_attention_fp8 import stock_layout_bytes
 
     assert unavailable_reason() is None  # loads vLLM's kernels into this process
-    head_dim, block = values.shape[-1], 32
-    rows = values.reshape(-1, 1, head_dim).contiguous()
-    pages = -(-rows.shape[0] // block)
-    cache = torch.zeros((pages, 1, 2 * block, head_dim), dtype=torch.uint8)
-    key_cache, value_cache = cache.chunk(2, dim=2)
-    torch.ops._C.cpu_attn_reshape_and_cache(rows, rows, key_cache, value_cache, torch.arange(rows.shape[0]),
-                                            "vec", 1.0, 1.0, KERNEL_FP8_CACHE_DTYPES[fp8])
-    stored = value_cache.reshape(pages * block, head_dim)[: rows.shape[0]]  # V pages are [b, D]
+    rows = values.reshape(-1, 1, values.shape[-1])
+    _, stored = stock_layout_bytes(rows, rows, KERNEL_FP8_CACHE_DTYPES[fp8], block_size=32)
     return stored.view(fp8).float().reshape(values.shape)
 
 
