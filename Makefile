@@ -30,8 +30,9 @@ bench: setup
 # Issue 61's check, every rate-1 regime of benchmarks/results/ again in one go (stock vs
 # kvcompress rates 1 and 8, 3 interleaved repetitions each; ~1.5 h on 2 cores, run it on
 # otherwise idle cores): the two preemption regimes and SmolLM2's, the two decode-heavy
-# regimes, issue 58's prefill-heavy one, then `vllm bench serve` under 1.5 requests' KV memory. Files:
-# benchmarks/results/rate1-parity-<regime>-r3-<isa>-cpu.{md,json}.
+# regimes, issue 58's prefill-heavy one, `vllm bench serve` under 1.5 requests' KV memory, then
+# `make demo`'s run and the prefix-caching run three times each (their scripts run stock first).
+# Files: benchmarks/results/rate1-parity-<regime>-{r3,rep<i>}-<isa>-cpu.{md,json}.
 RATE1_ISA := $(shell grep -q avx512f /proc/cpuinfo 2>/dev/null && echo avx512 || echo avx2)
 RATE1_OUT := benchmarks/results/rate1-parity
 RATE1_BENCH := $(PY) benchmarks/throughput/benchmark_throughput.py --rates 1 8 --repeats 3
@@ -43,6 +44,10 @@ rate1-parity: setup
 	$(RATE1_BENCH) --model smollm2 --input-lens 2048 --num-prompts 16 --output-len 256 --kv-tokens 9472 --output-prefix $(RATE1_OUT)-smollm2-decode-heavy-r3-$(RATE1_ISA)-cpu
 	$(RATE1_BENCH) --input-lens 2048 --num-prompts 48 --output-len 64 --kv-tokens 6144 --output-prefix $(RATE1_OUT)-tiny-prefill-heavy-out64-r3-$(RATE1_ISA)-cpu
 	$(PY) benchmarks/throughput/bench_serve.py --rates 1 8 --kv-documents 1.5 --num-prompts 12 --repeats 3 --out $(RATE1_OUT)-bench-serve-smollm2-docs1.5-r3-$(RATE1_ISA)-cpu
+	for i in 1 2 3; do \
+	  $(PY) benchmarks/serving/demo.py --rates 1 8 --out $(RATE1_OUT)-demo-smollm2-rep$$i-$(RATE1_ISA)-cpu && \
+	  $(PY) benchmarks/throughput/bench_prefix_caching.py --rates 1 8 --out $(RATE1_OUT)-prefix-caching-smollm2-rep$$i-$(RATE1_ISA)-cpu || exit 1; \
+	done
 
 # Quality suite (SmolLM2-135M, RULER-style tasks) as % of the full cache; EVAL_ARGS=--limit 1 for a quick run.
 eval: setup

@@ -128,6 +128,9 @@ def measure(args) -> dict[str, Any]:
     with engine_core_in_process():
         stock = LLM(model=model, **engine_args)
         try:
+            cache = stock.llm_engine.vllm_config.cache_config
+            # vLLM's BlockPool holds one block back (its null block).
+            results["stock_kv_capacity_tokens"] = (cache.num_gpu_blocks - 1) * cache.block_size
             stock_greedy = greedy(stock, check, check_params)
             run = timed_run(stock, prompts, params, "stock vLLM + APC")
             results["rows"].append({"engine": STOCK, "rate": 1.0, **run})
@@ -139,6 +142,13 @@ def measure(args) -> dict[str, Any]:
             kv_compress_protected_window=args.protected_window, **engine_args,
         )
         try:
+            stats = page_stats(kvc)
+            per_token_pages = stats["num_layers"] * stats["num_kv_heads"]
+            # Whole tokens the pages hold (after the slot metadata and tables in the same
+            # bytes) and the token blocks vLLM's scheduler counts (its prefix cache's)
+            results["kvcompress_kv_capacity_tokens"] = stats["num_pages"] * stats["block_size"] // per_token_pages
+            cache = kvc.llm_engine.vllm_config.cache_config
+            results["kvcompress_scheduler_tokens"] = cache.num_gpu_blocks * cache.block_size
             rate_1 = check_params.clone()
             rate_1.extra_args = {"kv_compress_rate": 1}
             kvc_greedy = greedy(kvc, check, rate_1)
@@ -180,7 +190,10 @@ def markdown(results: dict[str, Any]) -> str:
         f"- requests: {results['num_prompts']} x ({results['shared']} shared + {results['private']} "
         f"private tokens), {results['output_len']} output tokens each (ignore_eos)",
         f"- KV memory (both engines): {results['kv_cache_memory_bytes']} bytes = "
-        f"{results['kv_tokens_uncompressed']} tokens uncompressed",
+        f"{results['kv_tokens_uncompressed']} tokens uncompressed; usable: stock "
+        f"{results.get('stock_kv_capacity_tokens', '-')} tokens (its blocks less vLLM's null block), kvcompress "
+        f"{results.get('kvcompress_kv_capacity_tokens', '-')} tokens in its pages, "
+        f"{results.get('kvcompress_scheduler_tokens', '-')} in the token blocks it tells vLLM (num_gpu_blocks)",
         f"- rate 1 greedy tokens equal stock's: {results.get('rate1_tokens_equal_stock')}; "
         f"cached tokens per request equal stock's: {results.get('rate1_cached_tokens_equal_stock')} "
         f"({results.get('rate1_cached_tokens')})",
