@@ -28,7 +28,7 @@ bench: setup
 	$(PY) benchmarks/throughput/benchmark_throughput.py
 
 # Issue 61's check, every rate-1 regime of benchmarks/results/ again in one go (stock vs
-# kvcompress rates 1 and 8, 3 interleaved repetitions each; ~1.5 h on 2 cores, run it on
+# kvcompress rates 1 and 8, 3 interleaved repetitions each; ~2 h on 2 cores, run it on
 # otherwise idle cores): the two preemption regimes and SmolLM2's, the two decode-heavy
 # regimes, issue 58's prefill-heavy one, `vllm bench serve` under 1.5 requests' KV memory, then
 # `make demo`'s run and the prefix-caching run three times each (their scripts run stock first).
