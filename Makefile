@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test demo serve bench eval ruler ruler-setup clean gpu-kit gpu-kit-rehearse rate1-parity
+.PHONY: setup test demo serve bench eval ruler ruler-setup clean gpu-kit gpu-kit-rehearse rate1-parity rate1-parity-more
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -48,6 +48,15 @@ rate1-parity: setup
 	  $(PY) benchmarks/serving/demo.py --rates 1 8 --out $(RATE1_OUT)-demo-smollm2-rep$$i-$(RATE1_ISA)-cpu && \
 	  $(PY) benchmarks/throughput/bench_prefix_caching.py --rates 1 8 --out $(RATE1_OUT)-prefix-caching-smollm2-rep$$i-$(RATE1_ISA)-cpu || exit 1; \
 	done
+
+# The older shapes with a published rate-1 figure that rate1-parity does not cover yet (4096-token
+# prompts on both models, SmolLM2 prefill only, Gemma 3's sliding-window layers; ~1 h).
+rate1-parity-more: setup
+	$(RATE1_BENCH) --input-lens 4096 --num-prompts 32 --output-len 512 --kv-tokens 12288 --output-prefix $(RATE1_OUT)-tiny-decode-heavy-in4096-out512-r3-$(RATE1_ISA)-cpu
+	$(RATE1_BENCH) --model smollm2 --dataset essays --input-lens 4096 --num-prompts 16 --output-len 256 --kv-tokens 17408 --output-prefix $(RATE1_OUT)-smollm2-decode-heavy-in4096-r3-$(RATE1_ISA)-cpu
+	$(RATE1_BENCH) --model smollm2 --input-lens 2048 --num-prompts 8 --output-len 1 --kv-tokens 9472 --output-prefix $(RATE1_OUT)-smollm2-prefill-only-r3-$(RATE1_ISA)-cpu
+	$(RATE1_BENCH) --model "$$($(PY) -c 'from benchmarks.common.offline_assets import gemma3_270m_checkpoint as c; print(c())')" --dtype float32 \
+	  --input-lens 1024 2048 --output-len 64 --num-prompts 12 --kv-sequences 3 --max-num-batched-tokens 512 --output-prefix $(RATE1_OUT)-gemma3-270m-r3-$(RATE1_ISA)-cpu
 
 # Quality suite (SmolLM2-135M, RULER-style tasks) as % of the full cache; EVAL_ARGS=--limit 1 for a quick run.
 eval: setup
