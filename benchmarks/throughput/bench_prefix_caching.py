@@ -49,9 +49,11 @@ from benchmarks.throughput.benchmark_throughput import (
     engine_core_in_process,
     essay_tokens,
     kv_bytes_per_token,
+    kvcompress_capacity_tokens,
     kv_shape,
     resolve_model,
     run_batch,
+    stock_capacity_tokens,
     synthetic_prompts,
 )
 from benchmarks.common.machine import cpu_model_name, usable_cores
@@ -128,9 +130,7 @@ def measure(args) -> dict[str, Any]:
     with engine_core_in_process():
         stock = LLM(model=model, **engine_args)
         try:
-            cache = stock.llm_engine.vllm_config.cache_config
-            # vLLM's BlockPool holds one block back (its null block).
-            results["stock_kv_capacity_tokens"] = (cache.num_gpu_blocks - 1) * cache.block_size
+            results["stock_kv_capacity_tokens"] = stock_capacity_tokens(stock.llm_engine.vllm_config.cache_config)
             stock_greedy = greedy(stock, check, check_params)
             run = timed_run(stock, prompts, params, "stock vLLM + APC")
             results["rows"].append({"engine": STOCK, "rate": 1.0, **run})
@@ -142,11 +142,8 @@ def measure(args) -> dict[str, Any]:
             kv_compress_protected_window=args.protected_window, **engine_args,
         )
         try:
-            stats = page_stats(kvc)
-            per_token_pages = stats["num_layers"] * stats["num_kv_heads"]
-            # Whole tokens the pages hold (after the slot metadata and tables in the same
-            # bytes) and the token blocks vLLM's scheduler counts (its prefix cache's)
-            results["kvcompress_kv_capacity_tokens"] = stats["num_pages"] * stats["block_size"] // per_token_pages
+            results["kvcompress_kv_capacity_tokens"] = kvcompress_capacity_tokens(page_stats(kvc))
+            # The token blocks vLLM's scheduler counts (its prefix cache's)
             cache = kvc.llm_engine.vllm_config.cache_config
             results["kvcompress_scheduler_tokens"] = cache.num_gpu_blocks * cache.block_size
             rate_1 = check_params.clone()

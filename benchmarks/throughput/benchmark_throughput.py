@@ -608,8 +608,7 @@ def _stock_phase(LLM, model_path, args, bytes_per_token, prompts, params, result
     cache = stock.llm_engine.vllm_config.cache_config
     results["stock_block_size"] = cache.block_size
     if cache.num_gpu_blocks:
-        # vLLM's BlockPool holds one block back (its null block).
-        results["stock_kv_capacity_tokens"] = (cache.num_gpu_blocks - 1) * cache.block_size
+        results["stock_kv_capacity_tokens"] = stock_capacity_tokens(cache)
     if "kv_cache_memory_bytes" not in args:
         # Memory-fraction budget: give kvcompress exactly the KV memory stock got.
         args.pop("gpu_memory_utilization", None)
@@ -625,6 +624,18 @@ def _stock_phase(LLM, model_path, args, bytes_per_token, prompts, params, result
         _print_row(rows[-1])
     _shutdown(stock)
     return rows
+
+
+def stock_capacity_tokens(cache_config) -> int:
+    """Tokens stock vLLM's KV blocks hold (vLLM's ``CacheConfig``): its BlockPool holds
+    one block back (its null block)."""
+    return (cache_config.num_gpu_blocks - 1) * cache_config.block_size
+
+
+def kvcompress_capacity_tokens(stats: dict) -> int:
+    """Whole tokens kvcompress's pages hold (``page_stats``: every (layer, KV head) pays a
+    slot per token; the slot metadata and tables came out of the same bytes before)."""
+    return stats["num_pages"] * stats["block_size"] // (stats["num_layers"] * stats["num_kv_heads"])
 
 
 def _kvcompress_phase(
@@ -651,8 +662,7 @@ def _kvcompress_phase(
     results["kv_cache_memory_bytes"] = args["kv_cache_memory_bytes"]
     results["kv_budget_tokens_uncompressed"] = args["kv_cache_memory_bytes"] // results["kv_bytes_per_token"]
     stats = page_stats(kvc)
-    per_token_pages = stats["num_layers"] * stats["num_kv_heads"]
-    results["kvcompress_kv_capacity_tokens"] = stats["num_pages"] * stats["block_size"] // per_token_pages
+    results["kvcompress_kv_capacity_tokens"] = kvcompress_capacity_tokens(stats)
     results["kvcompress_block_size"] = stats["block_size"]
     results["kvcompress_num_blocks"] = kvc.llm_engine.vllm_config.cache_config.num_gpu_blocks
     results["kvcompress_memory_split"] = memory_split(kvc, args["kv_cache_memory_bytes"])
