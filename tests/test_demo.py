@@ -66,3 +66,14 @@ def test_every_figure_is_a_measurement_and_every_file_is_written(demo):
     assert not re.search(r"\| 0\.0 \(", table), table  # no clamped or zero tokens/s
     assert out.with_suffix(".png").stat().st_size > 10_000
     assert stdout.strip().splitlines()[-1].startswith("summary: kvcompress rate 8 holds")
+
+
+def test_the_pool_is_recorded_and_fills_the_kv_memory(demo):
+    stdout, _, saved = demo
+    pool = saved["runs"][1]["extra"]["pool"]
+    kv_bytes = saved["engine_args"]["kv_cache_memory_bytes"]
+    # float32 K and V of head dim 64 fill most of the bytes (the rest: slot metadata, tables)
+    page_bytes = pool["pages"] * pool["block_size"] * 2 * 64 * 4
+    assert 0.9 * kv_bytes <= page_bytes <= kv_bytes
+    assert f"kvcompress pool: {pool['pages']} pages of {pool['block_size']} slots" in stdout
+    assert "--kv-cache-dtype: kvcompress auto, stock auto" in stdout

@@ -24,6 +24,11 @@ be read (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Writes ``OUT.md``, ``OUT.json`` 
 
     python benchmarks/serving/demo.py                     # ~3 min on 2 cores once SmolLM2 is cached
     python benchmarks/serving/demo.py --documents 4 --rates 1 8 --length 1024
+    python benchmarks/serving/demo.py --model gemma3 --dtype bfloat16 --kv-cache-dtype fp8
+
+``--dtype`` / ``--kv-cache-dtype`` set the model's dtype and the pages' (stock takes the same
+FP8 cache where vLLM's CPU kernel does); ``--kv-documents`` counts documents in the pages'
+dtype, so each dtype meets the same pressure, and the report gives the pool's bytes per slot.
 """
 
 from __future__ import annotations
@@ -185,13 +190,16 @@ class Workload:
     documents: list[dict]
     output_tokens: int
     engine_args: dict
-    bytes_per_token: int  # uncompressed K and V of one token, all layers and KV heads
+    bytes_per_token: int  # uncompressed K and V of one token, all layers and KV heads (kvcompress's pages)
     head_token_bytes: int  # K and V of one token of one (layer, KV head)
+    kv_cache_dtype: str = "auto"  # kvcompress's pages
+    stock_kv_cache_dtype: str = "auto"  # stock's cache: the same where vLLM's CPU kernel takes it
+    stock_bytes_per_token: int = 0  # bytes_per_token in stock's cache dtype
 
     def stock_kv_bytes(self, block_size: int) -> float:
         """What stock vLLM holds per request once its prompt is in: whole blocks of every
         prompt token and the first output token (mean over documents)."""
-        held = [math.ceil((d["prompt_tokens"] + 1) / block_size) * block_size * self.bytes_per_token
+        held = [math.ceil((d["prompt_tokens"] + 1) / block_size) * block_size * self.stock_bytes_per_token
                 for d in self.documents]
         return sum(held) / len(held)
 
@@ -213,8 +221,8 @@ def stock_run(work: Workload, log) -> EngineRun:
     from kvcompress.vllm_glue.llm import shutdown
 
     started = time.perf_counter()
-    llm = LLM(model=work.model, **work.engine_args)
-    log(f"stock vLLM engine up in {time.perf_counter() - started:.0f} s")
+    llm = LLM(model=work.model, kv_cache_dtype=work.stock_kv_cache_dtype, **work.engine_args)
+    log(f"stock vLLM engine (--kv-cache-dtype {work.stock_kv_cache_dtype}) up in {time.perf_counter() - started:.0f} s")
     block_size = llm.llm_engine.vllm_config.cache_config.block_size
     try:
         run_documents(llm, work.documents[:1], 4, None, "stock vLLM: warm-up", False)
@@ -232,10 +240,12 @@ def kvcompress_runs(work: Workload, rates, log) -> list[EngineRun]:
     from kvcompress.vllm_glue.llm import page_stats, shutdown
 
     started = time.perf_counter()
-    llm = kvcompress.LLM(work.model, kv_compress=True, **work.engine_args)
-    log(f"kvcompress engine up in {time.perf_counter() - started:.0f} s")
+    llm = kvcompress.LLM(work.model, kv_compress=True, kv_cache_dtype=work.kv_cache_dtype, **work.engine_args)
+    log(f"kvcompress engine (--kv-cache-dtype {work.kv_cache_dtype}) up in {time.perf_counter() - started:.0f} s")
     runs = []
     try:
+        pool = page_stats(llm)
+        pool = {"pages": pool["num_pages"], "block_size": pool["block_size"]}
         run_documents(llm, work.documents[:1], 4, {"kv_compress_rate": 1}, "kvcompress: warm-up", False)
         for rate in rates:
             label = f"kvcompress rate {rate:g}"
@@ -247,7 +257,7 @@ def kvcompress_runs(work: Workload, rates, log) -> list[EngineRun]:
             held = [pages * page_bytes for pages in run["pages_held"] if pages is not None]
             engine_run = work.engine_run(label, rate, run, sum(held) / max(1, len(held)))
             engine_run.preempted = after["num_preemptions"] - before["num_preemptions"]
-            engine_run.extra = {"pages_freed": after["pages_freed"] - before["pages_freed"],
+            engine_run.extra = {"pool": pool, "pages_freed": after["pages_freed"] - before["pages_freed"],
                                 "mismatches": after["mismatches"],
                                 "page_reading_seconds": run["page_reading_seconds"]}
             runs.append(engine_run)
@@ -336,6 +346,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--model", default="smollm2",
                         help="'smollm2' (SmolLM2-135M-Instruct), 'gemma3' (Gemma 3 270M: sliding-window "
                              "layers), or a model directory")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="the model's dtype in both engines (and the pages', unless --kv-cache-dtype)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+                        help="kvcompress's pages; stock's cache too where vLLM's CPU kernel takes FP8 "
+                             "(AVX-512 / AMX), else the model's dtype. --kv-documents counts documents "
+                             "in this dtype, so both dtypes face the same pressure")
     parser.add_argument("--out", default=DEFAULT_OUT,
                         help="writes OUT.md (the tables), OUT.json (every figure and answer), OUT.png")
     args = parser.parse_args(argv)
@@ -351,16 +367,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 def prepare(args, log) -> Workload:
     from transformers import AutoTokenizer
 
-    from benchmarks.throughput.benchmark_throughput import kv_bytes_per_token, kv_shape
     from benchmarks.common.offline_assets import named_checkpoint
+    from benchmarks.quality.passkey import stock_cache_dtype
+    from benchmarks.throughput.benchmark_throughput import kv_bytes_per_token, kv_shape
 
     model = named_checkpoint(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model)
     documents = build_documents(tokenizer, args.documents, args.length, args.seed)
     shape = kv_shape(model)
-    bytes_per_token = kv_bytes_per_token(shape, "float32")
+    bytes_per_token = kv_bytes_per_token(shape, args.dtype, args.kv_cache_dtype)
+    stock_dtype = stock_cache_dtype(args.kv_cache_dtype)
     kv_bytes = int(args.kv_documents * args.length * bytes_per_token)
-    engine_args = {**ENGINE_ARGS, "kv_cache_memory_bytes": kv_bytes,
+    engine_args = {**ENGINE_ARGS, "dtype": args.dtype, "kv_cache_memory_bytes": kv_bytes,
                    "max_model_len": args.length + args.output_tokens, "max_num_seqs": args.documents}
     log(f"{len(documents)} documents of {min(d['prompt_tokens'] for d in documents)}-"
         f"{max(d['prompt_tokens'] for d in documents)} tokens, {args.output_tokens} output tokens each; "
@@ -368,7 +386,10 @@ def prepare(args, log) -> Workload:
         f"uncompressed tokens ({bytes_per_token // 1024} KiB per token)")
     return Workload(model=model, tokenizer=tokenizer, documents=documents,
                     output_tokens=args.output_tokens, engine_args=engine_args,
-                    bytes_per_token=bytes_per_token, head_token_bytes=2 * shape["head_dim"] * 4)
+                    bytes_per_token=bytes_per_token,
+                    head_token_bytes=bytes_per_token // (shape["num_layers"] * shape["num_kv_heads"]),
+                    kv_cache_dtype=args.kv_cache_dtype, stock_kv_cache_dtype=stock_dtype,
+                    stock_bytes_per_token=kv_bytes_per_token(shape, args.dtype, stock_dtype))
 
 
 def report(work: Workload, runs: list[EngineRun], args, wall: float) -> None:
@@ -381,6 +402,13 @@ def report(work: Workload, runs: list[EngineRun], args, wall: float) -> None:
         f"{machine_description()}", "",
         *summary_table(runs), "", *answers_table(work.documents, runs),
     ]
+    pool = next((r.extra["pool"] for r in runs[1:] if "pool" in r.extra), None)
+    if pool:
+        kv_bytes = work.engine_args["kv_cache_memory_bytes"]
+        lines += ["", f"model {args.dtype}; --kv-cache-dtype: kvcompress {work.kv_cache_dtype}, stock "
+                  f"{work.stock_kv_cache_dtype}; kvcompress pool: {pool['pages']} pages of {pool['block_size']} "
+                  f"slots (one layer, one KV head each) in {kv_bytes} bytes = "
+                  f"{kv_bytes / (pool['pages'] * pool['block_size']):.1f} bytes per (layer, head) slot"]
     if rate1 is not None:
         lines += ["", f"rate 1 (nothing evicted) token-identical to stock: {rate1.token_ids == runs[0].token_ids}"]
     print("\n" + "\n".join(lines))
