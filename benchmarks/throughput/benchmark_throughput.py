@@ -483,12 +483,15 @@ def _measure(
     repeats: int = 1,
     engine_args: dict[str, Any] | None = None,
     stock_engine_args: dict[str, Any] | None = None,
+    kvcompress_extra_kv_bytes: int = 0,
 ) -> dict[str, Any]:
     """Run stock vLLM (one engine) then kvcompress (one engine, every rate), ``repeats``
     times alternating which goes first; the results (each row the median-time run).
     ``engine_args``: more ``vllm.LLM`` arguments for both engines (e.g. the GPU kit's
     ``load_format="dummy"`` and ``compilation_config``), applied last; ``stock_engine_args``
-    for stock vLLM only (e.g. ``attention_backend``, which kvcompress sets itself)."""
+    for stock vLLM only (e.g. ``attention_backend``, which kvcompress sets itself).
+    ``kvcompress_extra_kv_bytes``: a diagnostic, not a comparison: kvcompress gets that many
+    bytes of KV memory more than stock (e.g. its slot metadata, to see what the bytes cost)."""
     _setup_env()
     started_all = time.perf_counter()
     model_path, description, default_dtype = resolve_model(model)
@@ -581,7 +584,7 @@ def _measure(
         return _kvcompress_phase(
             kvcompress.LLM, model_path, args, rates, prompts, params, results, progress,
             protected_window=protected_window, min_cache_tokens=min_cache_tokens, block_size=block_size,
-            interval=interval,
+            interval=interval, extra_kv_bytes=kvcompress_extra_kv_bytes,
         )
 
     runs = _alternating_runs(phases, repeats, run_phase, results)
@@ -641,10 +644,15 @@ def kvcompress_capacity_tokens(stats: dict) -> int:
 def _kvcompress_phase(
     LLM, model_path, args, rates, prompts, params, results, progress, *,
     protected_window: int, min_cache_tokens: int, block_size: int | None, interval: int = 0,
+    extra_kv_bytes: int = 0,
 ) -> list[dict]:
     """Start kvcompress, run every (input length, rate), shut it down; its rows (none,
     with ``results["kvcompress_error"]`` set, when the engine does not start)."""
     t0 = time.perf_counter()
+    kvc_args = dict(args)
+    if extra_kv_bytes:
+        kvc_args["kv_cache_memory_bytes"] = args["kv_cache_memory_bytes"] + extra_kv_bytes
+        results["kvcompress_extra_kv_bytes"] = extra_kv_bytes
     try:
         kvc = LLM(
             model_path,
@@ -652,7 +660,7 @@ def _kvcompress_phase(
             kv_compress_min_cache_tokens=min_cache_tokens,
             kv_compress_block_size=block_size,
             kv_compress_interval=interval,
-            **args,
+            **kvc_args,
         )
     except Exception as error:  # keep the stock results (e.g. a platform kvcompress lacks)
         results["kvcompress_error"] = f"{type(error).__name__}: {error}"
@@ -665,7 +673,7 @@ def _kvcompress_phase(
     results["kvcompress_kv_capacity_tokens"] = kvcompress_capacity_tokens(stats)
     results["kvcompress_block_size"] = stats["block_size"]
     results["kvcompress_num_blocks"] = kvc.llm_engine.vllm_config.cache_config.num_gpu_blocks
-    results["kvcompress_memory_split"] = memory_split(kvc, args["kv_cache_memory_bytes"])
+    results["kvcompress_memory_split"] = memory_split(kvc, kvc_args["kv_cache_memory_bytes"])
     # The long warm-up at the highest rate: its compression compiles MoveCache and the metrics.
     for prompt_len in _warmup_lengths(prompts):
         _warmup(kvc, params({"kv_compress_rate": max(rates) if prompt_len > 64 else 1}), prompt_len)
@@ -853,6 +861,11 @@ def header_lines(results: dict[str, Any]) -> list[str]:
         total = sum(split.values())
         parts = ", ".join(f"{MEMORY_PARTS[key]} {100 * value / total:.2f}%" for key, value in split.items())
         lines.append(f"kvcompress's KV memory (one worker): {parts}")
+    if results.get("kvcompress_extra_kv_bytes"):
+        lines.append(
+            f"DIAGNOSTIC, not a same-memory comparison: kvcompress got {results['kvcompress_extra_kv_bytes']} "
+            "bytes of KV memory more than stock (--kvcompress-extra-kv-bytes)"
+        )
     if results.get("wall_seconds") is not None:
         starts = ", ".join(f"{k} {v:.0f} s" for k, v in results.get("engine_start_seconds", {}).items())
         lines.append(f"wall time {results['wall_seconds']:.0f} s (engine starts: {starts})")
@@ -1163,6 +1176,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--engines", nargs="+", choices=(STOCK.split()[0], KVC), default=["stock", KVC],
                         help="run only some engines (multipliers need stock)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kvcompress-extra-kv-bytes", type=int, default=0, metavar="BYTES",
+                        help="DIAGNOSTIC, not a same-memory comparison: give kvcompress this many bytes of "
+                             "KV memory more than stock (e.g. its slot metadata), to measure what they cost")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run every engine this many times, alternating which goes first; "
                              "each row is the median-time run (odd counts recommended)")
@@ -1227,6 +1243,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         progress=not args.no_progress,
         engines=tuple(STOCK if name == "stock" else KVC for name in args.engines),
         repeats=args.repeats,
+        kvcompress_extra_kv_bytes=args.kvcompress_extra_kv_bytes,
     )
     if args.kv_sequences is not None:
         results["kv_sequences"] = args.kv_sequences
