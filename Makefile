@@ -50,7 +50,7 @@ rate1-parity: setup
 	done
 
 # The older shapes with a published rate-1 figure that rate1-parity does not cover yet (4096-token
-# prompts on both models, SmolLM2 prefill only, Gemma 3's sliding-window layers; ~1 h).
+# prompts on both models, SmolLM2 prefill only, Gemma 3's sliding-window layers; ~70 min on 2 cores, SmolLM2 4096 half of it).
 rate1-parity-more: setup
 	$(RATE1_BENCH) --input-lens 4096 --num-prompts 32 --output-len 512 --kv-tokens 12288 --output-prefix $(RATE1_OUT)-tiny-decode-heavy-in4096-out512-r3-$(RATE1_ISA)-cpu
 	$(RATE1_BENCH) --model smollm2 --dataset essays --input-lens 4096 --num-prompts 16 --output-len 256 --kv-tokens 17408 --output-prefix $(RATE1_OUT)-smollm2-decode-heavy-in4096-r3-$(RATE1_ISA)-cpu
