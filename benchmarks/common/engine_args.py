@@ -18,3 +18,13 @@ def eager_float32_engine_args(**sized: Any) -> dict[str, Any]:
     The keys keep that order: results files record these arguments as given.
     """
     return dict(dtype="float32", enforce_eager=True, **sized, enable_prefix_caching=False, seed=0)
+
+
+def stock_cache_dtype(kv_cache_dtype: str) -> str:
+    """Stock vLLM's ``--kv-cache-dtype`` beside kvcompress's: the same, unless that is FP8
+    and vLLM's CPU kernel refuses FP8 caches here (then the model's dtype)."""
+    if kv_cache_dtype == "auto":
+        return "auto"
+    from kvcompress.ops import cpu_attention
+
+    return "auto" if cpu_attention.fp8_unavailable_reason() else kv_cache_dtype

@@ -34,7 +34,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:  # run as a file: `benchmarks` imports from the repository root
     sys.path.append(str(REPO_ROOT))  # last: the installed kvcompress still wins
 
-from benchmarks.common.engine_args import eager_float32_engine_args
+from benchmarks.common.engine_args import eager_float32_engine_args, stock_cache_dtype
 from benchmarks.common.engine_requests import add_token_requests
 from benchmarks.common.offline_assets import essay_text, model_label, named_checkpoint, sentence_starts
 from benchmarks.common.plots import two_bar_charts
@@ -356,16 +356,6 @@ def run_passkey(
         "rate1_identical": None if rate1 is None else rate1["token_ids"] == stock_run["token_ids"],
         "wall_seconds": time.perf_counter() - wall,
     }
-
-
-def stock_cache_dtype(kv_cache_dtype: str) -> str:
-    """Stock vLLM's ``--kv-cache-dtype`` beside kvcompress's: the same, unless that is FP8
-    and vLLM's CPU kernel refuses FP8 caches here (then the model's dtype)."""
-    if kv_cache_dtype == "auto":
-        return "auto"
-    from kvcompress.ops import cpu_attention
-
-    return "auto" if cpu_attention.fp8_unavailable_reason() else kv_cache_dtype
 
 
 # --------------------------------------------------------------------------------------

@@ -367,8 +367,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def prepare(args, log) -> Workload:
     from transformers import AutoTokenizer
 
+    from benchmarks.common.engine_args import stock_cache_dtype
     from benchmarks.common.offline_assets import named_checkpoint
-    from benchmarks.quality.passkey import stock_cache_dtype
     from benchmarks.throughput.benchmark_throughput import kv_bytes_per_token, kv_shape
 
     model = named_checkpoint(args.model)
