@@ -24,6 +24,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:  # run as a file: `benchmarks` imports from the repository root
     sys.path.append(str(REPO_ROOT))  # last: the installed kvcompress still wins
 
+from benchmarks.common.engine_requests import add_token_requests  # noqa: E402
 from benchmarks.throughput import benchmark_throughput as bench  # noqa: E402  (sets VLLM_TARGET_DEVICE)
 from benchmarks.throughput.side_scripts import side_script_parser, side_workload  # noqa: E402
 
@@ -57,21 +58,19 @@ def trace(llm, prompts, output_len: int, rate_args) -> tuple[list[str], int, int
 
     engine = llm.llm_engine
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0, extra_args=rate_args)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    index_of = add_token_requests(engine, "trace", prompts, [params] * len(prompts))
     scheduler = engine.engine_core.engine_core.scheduler
-    name = lambda request: request.request_id.split("-")[0]  # noqa: E731  (vLLM appends a suffix)
     lines, preemptions, step, before = [], 0, 0, set()
     while engine.has_unfinished_requests():
         engine.step()
         step += 1
-        running = {name(r): r.num_computed_tokens for r in scheduler.running}
-        waiting = {name(r) for r in scheduler.waiting}
-        events = [f"preempt {r}" for r in sorted(before & waiting - running.keys(), key=int)]
-        events += [f"admit {r}" for r in sorted(running.keys() - before, key=int)]
+        running = {index_of[r.request_id]: r.num_computed_tokens for r in scheduler.running}
+        waiting = {index_of[r.request_id] for r in scheduler.waiting}
+        events = [f"preempt {i}" for i in sorted(before & waiting - running.keys())]
+        events += [f"admit {i}" for i in sorted(running.keys() - before)]
         preemptions += sum(e.startswith("preempt") for e in events)
         if events:
-            tokens = ", ".join(f"{r}: {n}" for r, n in sorted(running.items(), key=lambda kv: int(kv[0])))
+            tokens = ", ".join(f"{i}: {n}" for i, n in sorted(running.items()))
             lines.append(f"step {step}: {'; '.join(events)} | running (tokens computed) {tokens}")
         before = set(running)
     return lines, preemptions, step
