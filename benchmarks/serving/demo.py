@@ -192,9 +192,9 @@ class Workload:
     engine_args: dict
     bytes_per_token: int  # uncompressed K and V of one token, all layers and KV heads (kvcompress's pages)
     head_token_bytes: int  # K and V of one token of one (layer, KV head)
-    kv_cache_dtype: str = "auto"  # kvcompress's pages
-    stock_kv_cache_dtype: str = "auto"  # stock's cache: the same where vLLM's CPU kernel takes it
-    stock_bytes_per_token: int = 0  # bytes_per_token in stock's cache dtype
+    kv_cache_dtype: str  # kvcompress's pages
+    stock_kv_cache_dtype: str  # stock's cache: the same where vLLM's CPU kernel takes it
+    stock_bytes_per_token: int  # bytes_per_token in stock's cache dtype
 
     def stock_kv_bytes(self, block_size: int) -> float:
         """What stock vLLM holds per request once its prompt is in: whole blocks of every

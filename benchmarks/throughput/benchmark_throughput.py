@@ -650,10 +650,10 @@ def _kvcompress_phase(
     with ``results["kvcompress_error"]`` set, when the engine does not start)."""
     t0 = time.perf_counter()
     kvc_args = dict(args)
-    if extra_kv_bytes and "kv_cache_memory_bytes" not in args:
-        raise ValueError("--kvcompress-extra-kv-bytes needs a fixed KV budget (--kv-tokens, --kv-sequences "
-                         "or --kv-cache-memory-bytes), or stock run first")
     if extra_kv_bytes:
+        if "kv_cache_memory_bytes" not in args:
+            raise ValueError("--kvcompress-extra-kv-bytes needs a fixed KV budget (--kv-tokens, --kv-sequences "
+                             "or --kv-cache-memory-bytes), or stock run first")
         kvc_args["kv_cache_memory_bytes"] = args["kv_cache_memory_bytes"] + extra_kv_bytes
         results["kvcompress_extra_kv_bytes"] = extra_kv_bytes
     try:
