@@ -4,7 +4,7 @@ vLLM vs kvcompress at rates 1 and 8 under the same KV memory (room for 2.2 docum
 Checked against stock vLLM in the same run: rate 1 is token-identical to stock; rate 8
 holds fewer KV bytes per request and decodes more requests at once than stock; every time
 and rate is a positive measurement; the tables, JSON and PNG are written. Answers are
-listed, not asserted (the quality floor is tests/test_eval_quality.py's)."""
+listed, not asserted (the quality floors are tests/test_quality_floor.py's and tests/test_ruler_floor.py's)."""
 
 from __future__ import annotations
 

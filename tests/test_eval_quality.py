@@ -1,16 +1,14 @@
 """Quality benchmark (benchmarks/quality/eval_quality.py), smoke-sized: SmolLM2-135M-Instruct,
 one sample per RULER task at ~1K tokens, one perplexity window (512 prefilled + 32
 teacher-forced tokens), stock vLLM vs kvcompress at rates 1 and 8 under the policies kvc,
-snapkv and random (rate 1 run once; ~4 min on 2 cores). Then quality asserted at CI
-size: 8 single needles and 2 perplexity windows at 1K tokens, kvc (the default) and
-random eviction at rate 8 (~3 min).
+snapkv and random (rate 1 run once; ~4 min on 2 cores). Marked slow (the benchmark
+script's plumbing; CI's default run keeps the quality floors: tests/test_quality_floor.py
+on these tasks, tests/test_ruler_floor.py on RULER): `pytest -m slow tests/test_eval_quality.py`.
 
 Checked: every task is scored for the full cache and both rates of every policy; rate 1
 (evicts nothing) is token-identical to stock and scores the same; scores are fractions in
 [0, 1]; the teacher-forced perplexity is finite and the same at rate 1; rate 8 keeps well
-under half of the KVs under every policy; the summary table lists every policy; the
-default policy keeps needles and perplexity within stated margins of the full cache at
-rate 8 where random eviction of as many KVs does not."""
+under half of the KVs under every policy; the summary table lists every policy."""
 
 from __future__ import annotations
 
@@ -22,7 +20,7 @@ import pytest
 
 from conftest import load_benchmark
 
-pytestmark = [pytest.mark.engine, pytest.mark.assets]
+pytestmark = [pytest.mark.engine, pytest.mark.assets, pytest.mark.slow]
 
 RATES = (1.0, 8.0)
 LENGTH = 1024
@@ -178,44 +176,3 @@ def test_a_run_on_the_full_answers_of_another_scores_as_that_run_did(quality, tm
         assert got == want and len(got) >= 2, policy
     written = json.loads(partial.read_text())
     assert list(written["runs"]) == ["full", "kvc"] and list(written["runs"]["kvc"]) == ["8.0"]
-
-
-QUALITY_SAMPLES = 8
-NEEDLE_MARGIN = 0.25
-"""kvc at rate 8 may lose 2 of the 8 needles the full cache finds (measured here: the
-full cache 8 of 8, kvc 8 of 8, random eviction 0 of 8). 8 samples cannot bound a small
-loss; the margin catches a broken policy, and random eviction must fail it."""
-PPL_FACTOR = 1.25
-"""kvc's perplexity at rate 8 within 1.25 x the full cache's (measured here 1.15 x, 2
-windows of 1024 + 64 tokens; 1.10 x at 2K, 4 windows); random eviction measured 3.5 x:
-it must fail."""
-
-
-@pytest.fixture(scope="module")
-def quality_floor():
-    bench = load_benchmark("eval_quality")
-    return bench.run_quality(
-        tasks=["niah_single", "ppl"], lengths=[LENGTH], rates=[8], policies=["kvc", "random"],
-        limit=QUALITY_SAMPLES, ppl_samples=2, ppl_context=LENGTH, ppl_tokens=64, log=lambda _: None,
-    )
-
-
-def test_default_policy_keeps_needles_and_perplexity_where_random_eviction_does_not(quality_floor):
-    results = quality_floor
-    (full,) = _rows(results, policy="full", task="niah_single")
-    (full_ppl,) = _rows(results, policy="full", task="ppl")
-    assert full["score"] >= 0.75, "the full cache should find most needles at 1K"
-    scores = {}
-    for policy in ("kvc", "random"):
-        (needles,) = _rows(results, policy=policy, rate=8.0, task="niah_single")
-        (ppl,) = _rows(results, policy=policy, rate=8.0, task="ppl")
-        assert needles["kv_kept"] < 0.3  # both really evict (same budget)
-        scores[policy] = (needles["score"], ppl["score"] / full_ppl["score"])
-    print(f"\nfull: needles {full['score']:.2f}, ppl {full_ppl['score']:.2f}; "
-          f"rate 8 (needles, ppl / full): {scores}")
-    kvc_needles, kvc_ppl = scores["kvc"]
-    random_needles, random_ppl = scores["random"]
-    assert kvc_needles >= full["score"] - NEEDLE_MARGIN
-    assert kvc_ppl <= PPL_FACTOR
-    assert random_needles < full["score"] - NEEDLE_MARGIN and random_ppl > PPL_FACTOR
-
