@@ -140,3 +140,24 @@ def test_vllm_bench_throughput_with_kv_compress_flags(tmp_path):
     assert report["num_requests"] == 8
     assert report["total_num_tokens"] == 8 * (256 + 16)
     assert report["tokens_per_second"] > 0
+
+
+def test_stock_capacity_counts_tokens_held_in_every_layer():
+    """Stock's usable tokens in kvcompress's unit. One group: its blocks less the null
+    block. Gemma 3 270M (18 layers: 15 sliding-window, 3 full attention; vLLM groups them
+    into 6 KV cache groups of 3 layers sharing each block), the budget of
+    rate1-parity-gemma3-270m-r3: 299 blocks of 128 tokens in 235339776 bytes, 36864 bytes a
+    token in all 18 layers: a block holds 128 tokens of 3 layers, so 298 usable blocks hold
+    298 * 128 / 6 tokens of every layer (the report said 38144 before, 6x too many)."""
+    from types import SimpleNamespace
+
+    bench = load_benchmark("benchmark_throughput")
+    tiny = SimpleNamespace(num_gpu_blocks=136, block_size=128)
+    bytes_per_token = 4 * 2 * 2 * 64 * 4  # 4 layers, 2 KV heads, K and V, head 64, float32
+    budget = 17408 * bytes_per_token + 1000  # whole blocks and a remainder vLLM leaves unused
+    assert bench.stock_layer_groups(tiny, budget, bytes_per_token) == 1
+    assert bench.stock_capacity_tokens(tiny, budget, bytes_per_token) == 135 * 128
+    assert bench.stock_capacity_tokens(tiny) == 135 * 128  # budget unknown: one group
+    gemma = SimpleNamespace(num_gpu_blocks=299, block_size=128)
+    assert bench.stock_layer_groups(gemma, 235339776, 36864) == 6
+    assert bench.stock_capacity_tokens(gemma, 235339776, 36864) == 298 * 128 // 6

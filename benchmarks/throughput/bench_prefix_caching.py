@@ -130,7 +130,8 @@ def measure(args) -> dict[str, Any]:
     with engine_core_in_process():
         stock = LLM(model=model, **engine_args)
         try:
-            results["stock_kv_capacity_tokens"] = stock_capacity_tokens(stock.llm_engine.vllm_config.cache_config)
+            results["stock_kv_capacity_tokens"] = stock_capacity_tokens(
+                stock.llm_engine.vllm_config.cache_config, results["kv_cache_memory_bytes"], bytes_per_token)
             stock_greedy = greedy(stock, check, check_params)
             run = timed_run(stock, prompts, params, "stock vLLM + APC")
             results["rows"].append({"engine": STOCK, "rate": 1.0, **run})

@@ -610,12 +610,14 @@ def _stock_phase(LLM, model_path, args, bytes_per_token, prompts, params, result
     results["engine_start_seconds"].setdefault(STOCK, time.perf_counter() - t0)
     cache = stock.llm_engine.vllm_config.cache_config
     results["stock_block_size"] = cache.block_size
-    if cache.num_gpu_blocks:
-        results["stock_kv_capacity_tokens"] = stock_capacity_tokens(cache)
     if "kv_cache_memory_bytes" not in args:
         # Memory-fraction budget: give kvcompress exactly the KV memory stock got.
         args.pop("gpu_memory_utilization", None)
         args["kv_cache_memory_bytes"] = cache.num_gpu_blocks * cache.block_size * bytes_per_token
+    if cache.num_gpu_blocks:
+        results["stock_kv_capacity_tokens"] = stock_capacity_tokens(
+            cache, args["kv_cache_memory_bytes"], bytes_per_token)
+        results["stock_kv_layer_groups"] = stock_layer_groups(cache, args["kv_cache_memory_bytes"], bytes_per_token)
     results["kv_cache_memory_bytes"] = args["kv_cache_memory_bytes"]
     results["kv_budget_tokens_uncompressed"] = args["kv_cache_memory_bytes"] // bytes_per_token
     for prompt_len in _warmup_lengths(prompts):
@@ -629,10 +631,26 @@ def _stock_phase(LLM, model_path, args, bytes_per_token, prompts, params, result
     return rows
 
 
-def stock_capacity_tokens(cache_config) -> int:
-    """Tokens stock vLLM's KV blocks hold (vLLM's ``CacheConfig``): its BlockPool holds
-    one block back (its null block)."""
-    return (cache_config.num_gpu_blocks - 1) * cache_config.block_size
+def stock_layer_groups(cache_config, kv_cache_memory_bytes: int | None, bytes_per_token: int | None) -> int:
+    """How many layer groups share stock vLLM's blocks: 1, or for a hybrid model (Gemma 3:
+    sliding-window and full-attention layers) the number of KV cache groups, each block
+    holding ``block_size`` tokens of ONE group's layers. Read from the bytes: a block of a
+    G-group model takes 1/G of ``block_size`` tokens' bytes in every layer
+    (``bytes_per_token``). 1 when the budget or the token's bytes are unknown."""
+    if not kv_cache_memory_bytes or not bytes_per_token or not cache_config.num_gpu_blocks:
+        return 1
+    block_bytes = kv_cache_memory_bytes / cache_config.num_gpu_blocks
+    return max(1, round(cache_config.block_size * bytes_per_token / block_bytes))
+
+
+def stock_capacity_tokens(cache_config, kv_cache_memory_bytes: int | None = None,
+                          bytes_per_token: int | None = None) -> int:
+    """Tokens stock vLLM's KV blocks hold in every layer (vLLM's ``CacheConfig``), the unit
+    of kvcompress's figure: its BlockPool holds one block back (its null block), and a
+    hybrid model's blocks are shared by its layer groups (``stock_layer_groups``; without
+    the budget and the token's bytes a model is taken as one group)."""
+    groups = stock_layer_groups(cache_config, kv_cache_memory_bytes, bytes_per_token)
+    return (cache_config.num_gpu_blocks - 1) * cache_config.block_size // groups
 
 
 def kvcompress_capacity_tokens(stats: dict) -> int:
@@ -859,6 +877,12 @@ def header_lines(results: dict[str, Any]) -> list[str]:
         f"(KV bytes per rank); max_num_seqs {results['max_num_seqs']}, "
         f"max_num_batched_tokens {results['max_num_batched_tokens']}, max_model_len {results['max_model_len']}",
     ]
+    if results.get("stock_kv_layer_groups", 1) > 1:
+        lines.append(
+            f"usable tokens are tokens held in every layer: stock's blocks are shared by its "
+            f"{results['stock_kv_layer_groups']} layer groups; sliding-window layers keep at most their "
+            "window, so both engines hold more sequences than these figures"
+        )
     split = results.get("kvcompress_memory_split")
     if split:
         total = sum(split.values())
