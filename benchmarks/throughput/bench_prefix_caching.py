@@ -31,9 +31,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
