@@ -19,6 +19,7 @@ running.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import multiprocessing
@@ -249,8 +250,9 @@ _STACKS_ON_SIGUSR2 = (
 )
 
 
+@functools.cache
 def _stack_dump_dir() -> Path:
-    folder = Path(tempfile.mkdtemp(prefix="kvc-stacks-"))
+    folder = Path(tempfile.mkdtemp(prefix="kvc-stacks-"))  # one for the whole session
     (folder / "sitecustomize.py").write_text(_STACKS_ON_SIGUSR2)
     return folder
 
