@@ -139,6 +139,11 @@ def load_benchmark(name: str):
     return module
 
 
+def quality_rows(results: dict, **key) -> list[dict]:
+    """The rows of an eval_quality result (``run_quality`` / ``main``) whose fields equal ``key``."""
+    return [r for r in results["rows"] if all(r[k] == v for k, v in key.items())]
+
+
 def worker_page_stats(llm) -> dict:
     """Worker-side page counters (model-runner process)."""
     return llm.collective_rpc("kvc_pages_used")[0]

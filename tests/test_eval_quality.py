@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import load_benchmark
+from conftest import load_benchmark, quality_rows
 
 pytestmark = [pytest.mark.engine, pytest.mark.assets, pytest.mark.slow]
 
@@ -40,18 +40,14 @@ def quality(tmp_path_factory):
     return bench, results, prefix
 
 
-def _rows(results, **key):
-    return [r for r in results["rows"] if all(r[k] == v for k, v in key.items())]
-
-
 def test_every_task_is_scored_for_full_and_every_rate(quality):
     bench, results, _ = quality
     for task in bench.TASKS:
         length = 512 if task == "ppl" else LENGTH
-        (full,) = _rows(results, policy="full", task=task, length=length)
+        (full,) = quality_rows(results, policy="full", task=task, length=length)
         assert full["n"] == 1 and full["rate"] == 1.0
         for rate in RATES:
-            (row,) = _rows(results, policy="kvc", rate=rate, task=task, length=length)
+            (row,) = quality_rows(results, policy="kvc", rate=rate, task=task, length=length)
             assert row["n"] == 1
             if task != "ppl":
                 assert 0.0 <= row["score"] <= 1.0
@@ -59,7 +55,7 @@ def test_every_task_is_scored_for_full_and_every_rate(quality):
         if task != "ppl":
             assert 0.0 <= full["score"] <= 1.0
     for rate in RATES:  # the summary rows
-        assert _rows(results, policy="kvc", rate=rate, task="all", length="all")
+        assert quality_rows(results, policy="kvc", rate=rate, task="all", length="all")
     samples = [s for s in results["samples"] if s["task"] != "ppl"]
     assert all(LENGTH - 100 <= s["prompt_tokens"] <= LENGTH for s in samples)
 
@@ -68,8 +64,8 @@ def test_rate1_matches_the_full_cache(quality):
     _, results, _ = quality
     assert results["rate1_identical"] is True
     assert results["runs"]["kvc"][1.0]["texts"] == results["runs"]["full"]["texts"]
-    for full in _rows(results, policy="full"):
-        (rate1,) = _rows(results, policy="kvc", rate=1.0, task=full["task"], length=full["length"])
+    for full in quality_rows(results, policy="full"):
+        (rate1,) = quality_rows(results, policy="kvc", rate=1.0, task=full["task"], length=full["length"])
         if full["task"] == "ppl":
             assert rate1["score"] == pytest.approx(full["score"], rel=1e-3)
         else:
@@ -82,10 +78,10 @@ def test_rate1_matches_the_full_cache(quality):
 
 def test_perplexity_is_teacher_forced(quality):
     _, results, _ = quality
-    full = _rows(results, policy="full", task="ppl")[0]["score"]
+    full = quality_rows(results, policy="full", task="ppl")[0]["score"]
     assert math.isfinite(full) and 1.0 < full < 1000.0
     for rate in RATES:
-        (row,) = _rows(results, policy="kvc", rate=rate, task="ppl")
+        (row,) = quality_rows(results, policy="kvc", rate=rate, task="ppl")
         assert math.isfinite(row["score"]) and row["score"] > 1.0
         (nll,) = [x for x in results["runs"]["kvc"][rate]["nll"] if x is not None]
         assert len(nll) == 32
@@ -96,7 +92,7 @@ def test_rate8_compresses(quality):
     run = results["runs"]["kvc"][8.0]
     assert run["compressions"] >= len(results["samples"]) and run["pages_freed"] > 0
     assert run["mismatches"] == 0
-    (summary,) = _rows(results, policy="kvc", rate=8.0, task="all", length="all")
+    (summary,) = quality_rows(results, policy="kvc", rate=8.0, task="all", length="all")
     assert summary["kv_kept"] < 0.5
 
 
@@ -112,13 +108,13 @@ def test_every_policy_is_scored_and_compresses(quality):
         assert run["mismatches"] == 0
         for task in bench.TASKS:
             length = 512 if task == "ppl" else LENGTH
-            (row,) = _rows(results, policy=policy, rate=8.0, task=task, length=length)
+            (row,) = quality_rows(results, policy=policy, rate=8.0, task=task, length=length)
             assert row["n"] == 1
             if task == "ppl":
                 assert math.isfinite(row["score"]) and row["score"] > 1.0
             else:
                 assert 0.0 <= row["score"] <= 1.0
-        (summary,) = _rows(results, policy=policy, rate=8.0, task="all", length="all")
+        (summary,) = quality_rows(results, policy=policy, rate=8.0, task="all", length="all")
         assert 0.0 <= summary["score"] <= 1.0 and summary["kv_kept"] < 0.5
 
 
@@ -171,8 +167,8 @@ def test_a_run_on_the_full_answers_of_another_scores_as_that_run_did(quality, tm
     )
     assert again["timings"]["full_engine_start"] == 0.0
     for policy, rate in (("full", 1.0), ("kvc", 8.0)):
-        want = {(r["task"], r["length"]): r["score"] for r in _rows(results, policy=policy, rate=rate)}
-        got = {(r["task"], r["length"]): r["score"] for r in _rows(again, policy=policy, rate=rate)}
+        want = {(r["task"], r["length"]): r["score"] for r in quality_rows(results, policy=policy, rate=rate)}
+        got = {(r["task"], r["length"]): r["score"] for r in quality_rows(again, policy=policy, rate=rate)}
         assert got == want and len(got) >= 2, policy
     written = json.loads(partial.read_text())
     assert list(written["runs"]) == ["full", "kvc"] and list(written["runs"]["kvc"]) == ["8.0"]

@@ -9,17 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import load_benchmark
+from conftest import load_benchmark, quality_rows
 
 pytestmark = [pytest.mark.engine, pytest.mark.assets]
 
 LENGTH = 1024
-
-
-def _rows(results, **key):
-    return [r for r in results["rows"] if all(r[k] == v for k, v in key.items())]
-
-
 QUALITY_SAMPLES = 8
 NEEDLE_MARGIN = 0.25
 """kvc at rate 8 may lose 2 of the 8 needles the full cache finds (measured here: the
@@ -42,13 +36,13 @@ def quality_floor():
 
 def test_default_policy_keeps_needles_and_perplexity_where_random_eviction_does_not(quality_floor):
     results = quality_floor
-    (full,) = _rows(results, policy="full", task="niah_single")
-    (full_ppl,) = _rows(results, policy="full", task="ppl")
+    (full,) = quality_rows(results, policy="full", task="niah_single")
+    (full_ppl,) = quality_rows(results, policy="full", task="ppl")
     assert full["score"] >= 0.75, "the full cache should find most needles at 1K"
     scores = {}
     for policy in ("kvc", "random"):
-        (needles,) = _rows(results, policy=policy, rate=8.0, task="niah_single")
-        (ppl,) = _rows(results, policy=policy, rate=8.0, task="ppl")
+        (needles,) = quality_rows(results, policy=policy, rate=8.0, task="niah_single")
+        (ppl,) = quality_rows(results, policy=policy, rate=8.0, task="ppl")
         assert needles["kv_kept"] < 0.3  # both really evict (same budget)
         scores[policy] = (needles["score"], ppl["score"] / full_ppl["score"])
     print(f"\nfull: needles {full['score']:.2f}, ppl {full_ppl['score']:.2f}; "
