@@ -67,6 +67,10 @@ def test_configurations_are_stock_then_every_policy_and_rate():
     assert configs[4].flags() == ["--kv-compress-rate", "8", "--kv-compress-policy", "snapkv"]
 
 
+def test_no_policies_is_stock_alone():
+    assert [c.label for c in ruler.configurations(ruler.parse_args(["--policies"]))] == ["stock"]
+
+
 def test_every_server_gets_the_same_kv_memory_and_context(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(
         {"num_hidden_layers": 30, "num_key_value_heads": 3, "hidden_size": 576, "num_attention_heads": 9}))

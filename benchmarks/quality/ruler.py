@@ -291,7 +291,9 @@ def length_tag(length: int) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="benchmarks/quality/ruler.py", description=__doc__.split("\n\n")[0])
     add_sample_arguments(parser)
-    parser.add_argument("--policies", nargs="+", default=["kvc"])
+    parser.add_argument("--policies", nargs="*", default=["kvc"],
+                        help="kvcompress policies (none: stock vLLM only, e.g. to fill a sample set's stock folder "
+                             "while another process runs the policies)")
     parser.add_argument("--rates", nargs="+", type=float, default=[8.0])
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight (the client's --threads)")
     parser.add_argument("--kv-sequences", type=int, default=4, help="KV memory for this many full sequences, every server")
