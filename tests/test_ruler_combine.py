@@ -81,6 +81,17 @@ def test_files_that_are_not_one_experiment_are_refused_naming_why(other, named):
     assert "other.json" in str(refused.value)
 
 
+def test_sets_whose_qa_questions_overlap_are_refused():
+    """Set 1 of 20 asks questions 20-39, set 2 of 10 asks 20-29: the same questions;
+    set 1 of 10 (10-19) and set 3 of 5 (15-19) too; set 4 of 5 (20-24) does not."""
+    for first, second in ((("set1-n20.json", 1, 20), ("set2-n10.json", 2, 10)),
+                          (("set1-n10.json", 1, 10), ("set3-n5.json", 3, 5))):
+        with pytest.raises(combine.PoolError, match="QA questions") as refused:
+            combine.pool({name: _result(k, n, seed=k) for name, k, n in (first, second)})
+        assert first[0] in str(refused.value) and second[0] in str(refused.value)
+    assert combine.pool({"set1-n10.json": _result(1, 10, seed=1), "set4-n5.json": _result(4, 5, seed=4)})["rows"]
+
+
 def test_stock_only_files_pool_across_engine_code():
     """Stock vLLM's answers do not depend on kvcompress's code (ruler.prediction_stamp)."""
     first, second = _result(1, 4, seed=1, engine_code="a"), _result(2, 4, seed=2, engine_code="b")

