@@ -107,6 +107,36 @@ def test_the_worker_cuts_the_prompt_tokens_at_the_question():
     assert tokenizer.decode(question_ids[0]) == question and tokenizer.decode(context_ids[0]) == context
 
 
+def test_the_prompt_split_presses_all_but_the_last_prompt_token(tmp_path):
+    """--split prompt: the worker's pressed part is the whole prompt, question and answer
+    prefix included, but its last token (kvcompress's reading in vllm serve)."""
+    from transformers import AutoTokenizer
+
+    from benchmarks.common.offline_assets import smollm2_checkpoint
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_checkpoint())
+    for task, context, question in RULER_LINES:
+        (tmp_path / task).mkdir()
+        (tmp_path / task / "validation.jsonl").write_text(json.dumps({"index": 0, "input": context + question}) + "\n")
+    tasks = [line[0] for line in RULER_LINES]
+    answer_tokens = dict.fromkeys(tasks, 8)
+    by_context = ruler_kvpress.job_items(tmp_path, tasks, 1, answer_tokens)
+    by_prompt = ruler_kvpress.job_items(tmp_path, tasks, 1, answer_tokens, "prompt", tokenizer)
+    for (task, context, question), item, reference in zip(RULER_LINES, by_prompt, by_context, strict=True):
+        pressed, rest = worker.split_ids(tokenizer, item["input"], item["question_start"])
+        whole = tokenizer(context + question)["input_ids"]
+        assert pressed[0].tolist() == whole[:-1] and rest[0].tolist() == whole[-1:], task
+        assert item["question_start"] > reference["question_start"], task  # the question is pressed too
+
+
+def test_prompt_split_rows_are_labelled_and_kept_apart():
+    configs = ruler_kvpress.configurations(ruler_kvpress.parse_args(["--presses", "snapkv", "--split", "prompt"]))
+    assert [c.label for c in configs] == ["no press", "kvpress snapkv r8 +question"]
+    assert configs[0].split == "context"  # the reference reads the prompt the same either way
+    default = ruler_kvpress.configurations(ruler_kvpress.parse_args(["--presses", "snapkv"]))
+    assert default[1].label == "kvpress snapkv r8"
+
+
 def test_every_press_name_is_a_kvpress_class_name():
     assert all(name.endswith("Press") and name[0].isupper() for name in worker.PRESS_CLASSES.values())
     assert worker.make_press(None, 0.5) is None

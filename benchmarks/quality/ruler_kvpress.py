@@ -21,6 +21,12 @@ cache): the question starts at the last occurrence of the task template's questi
 the answer prefix included, is the question. The prompt tokens are exactly those stock vLLM
 read (see the worker's docstring); only where the cache is compressed differs.
 
+``--split prompt`` is the other reading, kvcompress's in ``vllm serve``: the press compresses
+the whole prompt, question and answer prefix included, all but its last token (which then
+starts the answer, as the last prompt token does in vLLM), so a press that scores keys by
+the prompt's last queries (SnapKV's observation window) sees the question as kvcompress's
+policies do. Those rows are labelled ``+question``; the no-press reference is the same run.
+
     python benchmarks/quality/ruler_kvpress.py --length 1000 --tasks niah_single_2,vt --samples 4 \\
         --presses snapkv knorm --rates 8 --vllm-results benchmarks/results/ruler-smollm2-1k-cpu-quick.json
 
@@ -99,6 +105,16 @@ def task_family(task: str) -> str:
     return "niah" if task.startswith("niah") else task.split("_")[0]
 
 
+SPLITS = ("context", "prompt")
+
+
+def last_token_start(tokenizer, text: str) -> int:
+    """Character offset where ``text``'s last prompt token begins (``--split prompt``: the
+    worker then cuts every token before it into the pressed part)."""
+    offsets = tokenizer(text, return_offsets_mapping=True)["offset_mapping"]
+    return offsets[-1][0]
+
+
 def question_start(task: str, text: str) -> int:
     """Character offset in a RULER input where its question begins (after the newlines
     that end the context)."""
@@ -131,6 +147,7 @@ class PressConfig:
 
     press: str | None = None
     compression_ratio: float = 0.0
+    split: str = "context"  # SPLITS; the no-press run reads the prompt the same either way
 
     @property
     def rate(self) -> float | None:
@@ -138,16 +155,21 @@ class PressConfig:
 
     @property
     def label(self) -> str:
-        return REFERENCE if self.press is None else f"kvpress {self.press} r{self.rate:.3g}"
+        if self.press is None:
+            return REFERENCE
+        return f"kvpress {self.press} r{self.rate:.3g}" + (" +question" if self.split == "prompt" else "")
 
 
-def job_items(data_dir: Path, tasks: list[str], samples: int, answer_tokens: dict[str, int]) -> list[dict]:
-    """The worker's items: every task's first ``samples`` samples with their split."""
+def job_items(data_dir: Path, tasks: list[str], samples: int, answer_tokens: dict[str, int],
+              split: str = "context", tokenizer=None) -> list[dict]:
+    """The worker's items: every task's first ``samples`` samples with their split
+    (``split`` "prompt" needs the model's ``tokenizer``)."""
     items = []
     for task in tasks:
         for sample in read_jsonl(data_dir / task / "validation.jsonl")[:samples]:
-            items.append({"task": task, "index": sample["index"], "input": sample["input"],
-                          "question_start": question_start(task, sample["input"]),
+            text = sample["input"]
+            cut = question_start(task, text) if split == "context" else last_token_start(tokenizer, text)
+            items.append({"task": task, "index": sample["index"], "input": text, "question_start": cut,
                           "max_new_tokens": answer_tokens[task]})
     return items
 
@@ -186,8 +208,8 @@ def generate(python: Path, job: dict, pred_dir: Path, progress, threads: int | N
 def run_configuration(config: PressConfig, python: Path, ruler, data_dir: Path, items: list[dict],
                       args, stamp: dict, bar) -> dict[str, Any]:
     """Answer every item under ``config``, write the package's prediction files, score."""
-    pred_dir = Path(args.work) / config.label.replace(" ", "-")
-    reset_dir(pred_dir, {**stamp, "config": config.label})
+    pred_dir = Path(args.work) / config.label.replace(" ", "-").replace("+", "")
+    reset_dir(pred_dir, {**stamp, "config": config.label, **({"split": config.split} if config.split != "context" else {})})
     started = time.monotonic()
     job = {"model_dir": str(args.checkpoint), "press": config.press,
            "compression_ratio": config.compression_ratio, "items": items}
@@ -268,8 +290,11 @@ def write_report(results: dict, prefix: str) -> list[str]:
         f"{setup.get('haystack', 'essays')}, the same files as "
         f"`ruler.py`), greedy, float32 on the CPU, the package's answer lengths and scorer; {len(tasks)} tasks",
         f"- kvpress venv: {', '.join(setup['kvpress_requirements'])}; commit {setup['commit']}",
-        f"- press compresses the context only (kvpress's RULER split); the question and answer prefix are read "
-        f"after; prompt tokens as `vllm serve` tokenizes them. compression_ratio = 1 - 1/rate ({mapping})",
+        (f"- press compresses the context only (kvpress's RULER split); the question and answer prefix are read after"
+         if setup.get("split", "context") == "context" else
+         "- rows marked +question: the press compresses the whole prompt but its last token, question and answer "
+         "prefix included (as kvcompress in `vllm serve`); the no-press run reads the same tokens")
+        + f"; prompt tokens as `vllm serve` tokenizes them. compression_ratio = 1 - 1/rate ({mapping})",
         f"- reference for %: {REFERENCE} (full cache, same transformers path); kvpress prunes KVs, it frees no memory",
         "- context KV pairs left after the press (measured, first layer): " + kept_summary(results["runs"]),
         f"- machine: {results['machine']['cpu']}, {results['machine']['cores']} cores",
@@ -297,6 +322,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     amount.add_argument("--ratios", nargs="+", type=float, default=None, help="kvpress compression_ratio values")
     parser.add_argument("--vllm-results", default=None,
                         help="ruler.py result JSON (or stock prediction folder): report identical no-press answers")
+    parser.add_argument("--split", choices=SPLITS, default="context",
+                        help="what the press compresses: the context before the question (kvpress's RULER "
+                             "split), or the whole prompt but its last token (as kvcompress in vllm serve; "
+                             "rows labelled +question)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads in the worker (default: torch's)")
     parser.add_argument("--kvpress-venv", default=str(REPO_ROOT / ".venv-kvpress"))
     parser.add_argument("--ruler-venv", default=str(REPO_ROOT / ".venv-ruler"))
@@ -329,7 +358,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
 
 
 def configurations(args) -> list[PressConfig]:
-    return [PressConfig()] + [PressConfig(p, r) for p in args.presses for r in args.compression_ratios]
+    return [PressConfig()] + [PressConfig(p, r, args.split) for p in args.presses for r in args.compression_ratios]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -346,19 +375,25 @@ def main(argv: list[str] | None = None) -> dict:
     args.checkpoint, description = model_dir(args.model)
     spec = SampleSet(args.checkpoint, args.length, args.samples, args.sample_set, args.haystack)
     data_dir = prepare_samples(ruler, spec, args.tasks, log=log)
-    items = job_items(data_dir, args.tasks, args.samples, tokens_to_generate(ruler, args.tasks))
+    answer_tokens = tokens_to_generate(ruler, args.tasks)
+    items = {"context": job_items(data_dir, args.tasks, args.samples, answer_tokens)}
+    if args.split == "prompt":
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
+        items["prompt"] = job_items(data_dir, args.tasks, args.samples, answer_tokens, "prompt", tokenizer)
     # What the answers depend on: not the commit (nothing of kvcompress runs), only the
     # samples, the kvpress venv, the worker and the split; a changed one starts afresh.
     stamp = {"samples": spec.key, "requirements": list(KVPRESS_REQUIREMENTS), "openings": QUESTION_OPENINGS,
              "worker": hashlib.sha256(WORKER.read_bytes()).hexdigest()[:16]}
     configs = configurations(args)
     runs = {}
-    with tqdm(total=len(configs) * len(items), desc="RULER kvpress", unit="sample", file=sys.stderr) as bar:
+    with tqdm(total=len(configs) * len(items["context"]), desc="RULER kvpress", unit="sample", file=sys.stderr) as bar:
         for config in configs:
-            runs[config.label] = run_configuration(config, python, ruler, data_dir, items, args, stamp, bar)
+            runs[config.label] = run_configuration(config, python, ruler, data_dir, items[config.split], args, stamp, bar)
     results = {
         "setup": {"model": description, "length": args.length, "samples": args.samples, "sample_set": args.sample_set, "haystack": args.haystack,
-                  "commit": git_commit(), "presses": args.presses, "compression_ratios": args.compression_ratios,
+                  "commit": git_commit(), "presses": args.presses, "split": args.split, "compression_ratios": args.compression_ratios,
                   "kvpress_requirements": list(KVPRESS_REQUIREMENTS), "question_openings": QUESTION_OPENINGS},
         "machine": machine_info(), "tasks": args.tasks, "runs": runs,
         "rows": summarize(runs, args.tasks, reference=REFERENCE),
