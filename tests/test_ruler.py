@@ -202,3 +202,9 @@ def test_kvcompress_predictions_survive_commits_that_leave_the_engine_code_alone
     monkeypatch.setattr(ruler, "engine_code_id", lambda: "code-2")
     reset_dir(folder, ruler.prediction_stamp(stamp, ServeConfig("kvc", 8.0)))
     assert not (folder / "vt.jsonl").exists()  # other code: started afresh
+
+
+def test_the_kept_share_is_what_compressions_did_not_evict():
+    metrics = {"kvcompress:kvs_before_compression_total": 8000.0, "kvcompress:kvs_evicted_total": 6500.0}
+    assert ruler.kept_share(metrics) == pytest.approx(0.1875)
+    assert ruler.kept_share({"kvcompress:kvs_evicted_total": 0.0}) is None  # nothing compressed

@@ -143,16 +143,39 @@ def run_configuration(config: ServeConfig, env: RulerEnv, data_dir: Path, tasks:
     reset_dir(pred_dir, prediction_stamp(stamp, config))
     missing = [t for t in tasks if count_lines(pred_dir / f"{t}.jsonl") < args.samples]
     started = time.monotonic()
+    kept = None
     if missing:
         flags = server_flags(args, checkpoint)
         with serving(config, checkpoint, flags, pred_dir / "server.log", args.startup_timeout) as url:
             for task in missing:
                 bar.set_postfix_str(f"{config.label}: {task}")
                 predict(env, data_dir, pred_dir, task, url, args.concurrency, bar.update)
+            if config.policy is not None:
+                kept = server_kept_share(url)
     else:
         bar.update(len(tasks) * args.samples)
     return {"policy": config.policy, "rate": config.rate, "wall_s": round(time.monotonic() - started, 1),
-            "pred_dir": str(pred_dir), "scores": score(env, pred_dir, tasks)}
+            "pred_dir": str(pred_dir), "kept_fraction": kept, "scores": score(env, pred_dir, tasks)}
+
+
+def server_kept_share(url: str) -> float | None:
+    """:func:`kept_share` of the server answering at ``url`` (its completions URL); None,
+    said on stderr, when ``/metrics`` cannot be read (the scores do not depend on it)."""
+    from benchmarks.serving.soak import scrape_metrics
+
+    try:
+        return kept_share(scrape_metrics(url.rsplit("/v1/", 1)[0]))
+    except Exception as error:  # noqa: BLE001 - an auxiliary figure; the run's scores stand without it
+        print(f"ruler: kept share not read from {url}: {error}", file=sys.stderr)
+        return None
+
+
+def kept_share(metrics: dict[str, float]) -> float | None:
+    """The share of KVs kvcompress's compressions kept (``/metrics``: 1 - evicted / held
+    before compression, over the server's life; None when it compressed nothing): the
+    figure to set beside a kvpress press's kept fraction."""
+    before = metrics.get("kvcompress:kvs_before_compression_total", 0.0)
+    return 1.0 - metrics.get("kvcompress:kvs_evicted_total", 0.0) / before if before else None
 
 
 # --------------------------------------------------------------------------------------
@@ -223,6 +246,7 @@ def write_report(results: dict, prefix: str) -> list[str]:
         f"commit {setup['commit']}; RULER venv: {', '.join(setup['ruler_requirements'])}",
         "- sentence splitting of the essay haystacks: NLTK Punkt trained on the package's essays "
         "(`benchmarks/quality/ruler_punkt.py`; the `punkt_tab` download is not reachable here)",
+        *kept_lines(results["runs"]),
         "- (lo-hi): 95% percentile-bootstrap interval over samples (paired with stock for %)", "",
         "## Score (0-100)", "", *table_lines(rows, tasks, pct=False), "",
         "## % of stock", "", *table_lines(rows, tasks, pct=True), "",
@@ -233,6 +257,14 @@ def write_report(results: dict, prefix: str) -> list[str]:
     if write_plot(rows, f"{prefix}.png", f"RULER {setup['length']}, {setup['model'].split(' ')[0]}"):
         written.append(f"{prefix}.png")
     return written
+
+
+def kept_lines(runs: dict[str, dict]) -> list[str]:
+    """The report's line on the KVs compressions kept, where the servers recorded it."""
+    kept = [(label, run.get("kept_fraction")) for label, run in runs.items()]
+    shown = ", ".join(f"{label} {100 * f:.1f}%" for label, f in kept if f is not None)
+    return [f"- KVs kept by kvcompress's compressions (server `/metrics`, the samples this run's server answered): {shown}"
+            ] if shown else []
 
 
 def write_plot(rows: list[dict], path: str, title: str) -> str | None:
