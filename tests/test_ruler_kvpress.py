@@ -184,3 +184,54 @@ def test_kept_fraction_pools_the_counted_samples():
     assert ruler_kvpress.kept_fraction([{"answer": "x"}]) is None
     runs = {"no press": {"kept_fraction": 1.0}, "kvpress snapkv r8": {"kept_fraction": 0.125}, "old": {}}
     assert ruler_kvpress.kept_summary(runs) == "no press 100.0%, kvpress snapkv r8 12.5%"
+
+
+def _tiny_causal_lm():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    return LlamaForCausalLM(config).eval()
+
+
+def _prefilled(model, context):
+    import torch
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    with torch.no_grad():
+        model.model(input_ids=context, past_key_values=cache)
+    return cache
+
+
+def test_the_worker_decodes_greedily_and_stops_at_a_stop_token_as_vllm_does():
+    """The worker's greedy loop against transformers' own greedy generate (the oracle);
+    a stop token ends the answer unkept, also as the FIRST answer token (vLLM: empty
+    answer; kvpress 0.5.5's loop went on)."""
+    import torch
+
+    model = _tiny_causal_lm()
+    prompt = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(1))
+    context, question = prompt[:, :9], prompt[:, 9:]
+    with torch.no_grad():
+        expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)[0, 12:].tolist()
+    ids = worker.greedy_ids(model, question, _prefilled(model, context), 9, 6, stop_ids=set())
+    assert ids == expected
+    later = next(k for k in range(1, 6) if expected[k] not in expected[:k])  # a token not answered before
+    assert worker.greedy_ids(model, question, _prefilled(model, context), 9, 6, {expected[later]}) == expected[:later]
+    assert worker.greedy_ids(model, question, _prefilled(model, context), 9, 6, {expected[0]}) == []
+
+
+def test_stop_tokens_are_the_tokenizers_eos_and_the_generation_configs():
+    from types import SimpleNamespace
+
+    def model(eos):
+        return SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=eos))
+
+    tokenizer = SimpleNamespace(eos_token_id=2)
+    assert worker.stop_token_ids(model([2, 7]), tokenizer) == {2, 7}
+    assert worker.stop_token_ids(model(5), tokenizer) == {2, 5}
+    assert worker.stop_token_ids(model(None), SimpleNamespace(eos_token_id=None)) == set()

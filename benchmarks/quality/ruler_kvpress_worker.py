@@ -80,11 +80,50 @@ def split_ids(tokenizer, text: str, question_start: int):
     return as_tensor(ids[:cut]), as_tensor(ids[cut:])
 
 
+def stop_token_ids(model, tokenizer) -> set[int]:
+    """The tokens ``vllm serve`` stops a completion at: the tokenizer's EOS and the
+    generation config's (vLLM adds those as stop tokens)."""
+    configured = model.generation_config.eos_token_id
+    configured = [] if configured is None else configured if isinstance(configured, list) else [configured]
+    return {*configured, *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])}
+
+
+def greedy_ids(model, question_ids, cache, context_length: int, max_new_tokens: int, stop_ids: set[int]) -> list[int]:
+    """Greedy answer ids after ``question_ids`` read against ``cache`` (holding the pressed
+    context, positions from ``context_length`` on), stopping AT a stop token (not kept) as
+    vLLM does, the first answer token included: kvpress 0.5.5's own loop checks only from
+    the second token, so an answer whose first token is EOS (vLLM: an empty answer) went
+    on past it there (measured on SmolLM2's RULER QA samples)."""
+    import torch
+
+    positions = torch.arange(context_length, context_length + question_ids.shape[1]).unsqueeze(0)
+    inputs, ids = question_ids, []
+    with torch.no_grad():
+        while len(ids) < max_new_tokens:
+            logits = model(input_ids=inputs, past_key_values=cache, position_ids=positions, logits_to_keep=1).logits
+            token = int(logits[0, -1].argmax())
+            if token in stop_ids:
+                break
+            ids.append(token)
+            positions = positions[:, -1:] + 1
+            inputs = torch.tensor([[token]], dtype=torch.long)
+    return ids
+
+
 def answer(pipe, press, item: dict) -> dict:
     """The answer to ``item`` and the KV pairs kept of its context (first layer: the
-    pipeline trims the question and answer off the cache after generating)."""
+    pipeline trims the question and answer off the cache after generating). The
+    pipeline's own prefill under the press; its greedy loop replaced by
+    :func:`greedy_ids` (vLLM's stop rule)."""
     from transformers import DynamicCache
 
+    stops = stop_token_ids(pipe.model, pipe.tokenizer)
+
+    def generate_answer(question_ids, cache, context_length: int, max_new_tokens: int) -> str:
+        ids = greedy_ids(pipe.model, question_ids, cache, context_length, max_new_tokens, stops)
+        return pipe.tokenizer.decode(ids, skip_special_tokens=True)
+
+    pipe.generate_answer = generate_answer  # the instance's, called by pipe.forward
     context_ids, question_ids = split_ids(pipe.tokenizer, item["input"], item["question_start"])
     inputs = {"context_ids": context_ids, "questions_ids": [question_ids]}
     cache = DynamicCache()
