@@ -14,7 +14,8 @@ whole input is tokenized once, exactly as ``vllm serve`` tokenizes a completion 
 and the ids are cut at the first token that ends past ``question_start``: the context ids
 are prefilled under the press (compressed), the question ids (question and the answer
 prefix) are then fed against the compressed cache and answered greedily; this is the
-pipeline's own prefill/decode stage (``KVPressTextGenerationPipeline.forward``). The
+pipeline's own prefill/decode stage (``KVPressTextGenerationPipeline.forward``) with its
+greedy loop replaced by :func:`greedy_ids`, which stops as vLLM does (:func:`answer`). The
 pipeline's text front-end is bypassed on purpose: it would wrap the context in the chat
 template (or prepend BOS) and put a newline before the answer prefix, and the model would
 then read other tokens than stock vLLM read.
