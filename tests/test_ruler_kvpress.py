@@ -187,13 +187,13 @@ def test_kept_fraction_pools_the_counted_samples():
 
 
 def _tiny_causal_lm():
+    """The project's tiny random GQA Llama (``offline_assets.tiny_llama_checkpoint``) in transformers."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    return LlamaForCausalLM(config).eval()
+    from benchmarks.common.offline_assets import tiny_llama_checkpoint
+
+    return LlamaForCausalLM.from_pretrained(tiny_llama_checkpoint(), dtype=torch.float32).eval()
 
 
 def _prefilled(model, context):
@@ -213,7 +213,7 @@ def test_the_worker_decodes_greedily_and_stops_at_a_stop_token_as_vllm_does():
     import torch
 
     model = _tiny_causal_lm()
-    prompt = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(1))
+    prompt = torch.randint(3, 1024, (1, 12), generator=torch.Generator().manual_seed(1))  # ids 0-2: unk/bos/eos
     context, question = prompt[:, :9], prompt[:, 9:]
     with torch.no_grad():
         expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False,

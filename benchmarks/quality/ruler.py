@@ -259,10 +259,15 @@ def write_report(results: dict, prefix: str) -> list[str]:
     return written
 
 
+def kept_summary(runs: dict[str, dict]) -> str:
+    """``label NN.N%`` for every run that recorded a ``kept_fraction`` ("" if none did)."""
+    kept = [(label, run.get("kept_fraction")) for label, run in runs.items()]
+    return ", ".join(f"{label} {100 * f:.1f}%" for label, f in kept if f is not None)
+
+
 def kept_lines(runs: dict[str, dict]) -> list[str]:
     """The report's line on the KVs compressions kept, where the servers recorded it."""
-    kept = [(label, run.get("kept_fraction")) for label, run in runs.items()]
-    shown = ", ".join(f"{label} {100 * f:.1f}%" for label, f in kept if f is not None)
+    shown = kept_summary(runs)
     return [f"- KVs kept by kvcompress's compressions (server `/metrics`, the samples this run's server answered): {shown}"
             ] if shown else []
 

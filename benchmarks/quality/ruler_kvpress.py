@@ -54,6 +54,7 @@ from benchmarks.quality.ruler import (  # noqa: E402
     add_sample_arguments,
     check_tasks,
     git_commit,
+    kept_summary,
     length_tag,
     model_dir,
     summarize,
@@ -209,7 +210,7 @@ def run_configuration(config: PressConfig, python: Path, ruler, data_dir: Path, 
                       args, stamp: dict, bar) -> dict[str, Any]:
     """Answer every item under ``config``, write the package's prediction files, score."""
     pred_dir = Path(args.work) / config.label.replace(" ", "-").replace("+", "")
-    reset_dir(pred_dir, {**stamp, "config": config.label, **({"split": config.split} if config.split != "context" else {})})
+    reset_dir(pred_dir, {**stamp, "config": config.label})  # the label names the split
     started = time.monotonic()
     job = {"model_dir": str(args.checkpoint), "press": config.press,
            "compression_ratio": config.compression_ratio, "items": items}
@@ -276,9 +277,6 @@ def agreement_line(agreement: dict) -> str:
 # Report
 
 
-def kept_summary(runs: dict[str, dict]) -> str:
-    kept = [(label, run.get("kept_fraction")) for label, run in runs.items()]
-    return ", ".join(f"{label} {100 * f:.1f}%" for label, f in kept if f is not None) or "not recorded"
 
 
 def write_report(results: dict, prefix: str) -> list[str]:
@@ -296,7 +294,7 @@ def write_report(results: dict, prefix: str) -> list[str]:
          "prefix included (as kvcompress in `vllm serve`); the no-press run reads the same tokens")
         + f"; prompt tokens as `vllm serve` tokenizes them. compression_ratio = 1 - 1/rate ({mapping})",
         f"- reference for %: {REFERENCE} (full cache, same transformers path); kvpress prunes KVs, it frees no memory",
-        "- context KV pairs left after the press (measured, first layer): " + kept_summary(results["runs"]),
+        "- context KV pairs left after the press (measured, first layer): " + (kept_summary(results["runs"]) or "not recorded"),
         f"- machine: {results['machine']['cpu']}, {results['machine']['cores']} cores",
         "- (lo-hi): 95% percentile-bootstrap interval over samples (paired with the reference for %)", "",
         "## Score (0-100)", "", *table_lines(rows, tasks, pct=False), "",

@@ -15,7 +15,7 @@ and the ids are cut at the first token that ends past ``question_start``: the co
 are prefilled under the press (compressed), the question ids (question and the answer
 prefix) are then fed against the compressed cache and answered greedily; this is the
 pipeline's own prefill/decode stage (``KVPressTextGenerationPipeline.forward``) with its
-greedy loop replaced by :func:`greedy_ids`, which stops as vLLM does (:func:`answer`). The
+greedy loop replaced by :func:`greedy_ids`, which stops as vLLM does (:func:`load_pipeline`). The
 pipeline's text front-end is bypassed on purpose: it would wrap the context in the chat
 template (or prepend BOS) and put a newline before the answer prefix, and the model would
 then read other tokens than stock vLLM read.
@@ -58,7 +58,8 @@ def make_press(name: str | None, compression_ratio: float):
 
 
 def load_pipeline(model_dir: str):
-    """kvpress's text-generation pipeline over the float32 checkpoint at ``model_dir``."""
+    """kvpress's text-generation pipeline over the float32 checkpoint at ``model_dir``,
+    its greedy loop replaced by :func:`greedy_ids` (vLLM's stop rule)."""
     import kvpress  # noqa: F401  registers "kv-press-text-generation"
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
@@ -66,7 +67,15 @@ def load_pipeline(model_dir: str):
     torch.manual_seed(0)  # RandomPress draws from torch's generator
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
+    stops = stop_token_ids(model, tokenizer)
+
+    def generate_answer(question_ids, cache, context_length: int, max_new_tokens: int) -> str:
+        ids = greedy_ids(model, question_ids, cache, context_length, max_new_tokens, stops)
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    pipe.generate_answer = generate_answer  # the instance's, called by pipe.forward
+    return pipe
 
 
 def split_ids(tokenizer, text: str, question_start: int):
@@ -113,18 +122,10 @@ def greedy_ids(model, question_ids, cache, context_length: int, max_new_tokens: 
 
 def answer(pipe, press, item: dict) -> dict:
     """The answer to ``item`` and the KV pairs kept of its context (first layer: the
-    pipeline trims the question and answer off the cache after generating). The
-    pipeline's own prefill under the press; its greedy loop replaced by
-    :func:`greedy_ids` (vLLM's stop rule)."""
+    pipeline trims the question and answer off the cache after generating); ``pipe`` from
+    :func:`load_pipeline`."""
     from transformers import DynamicCache
 
-    stops = stop_token_ids(pipe.model, pipe.tokenizer)
-
-    def generate_answer(question_ids, cache, context_length: int, max_new_tokens: int) -> str:
-        ids = greedy_ids(pipe.model, question_ids, cache, context_length, max_new_tokens, stops)
-        return pipe.tokenizer.decode(ids, skip_special_tokens=True)
-
-    pipe.generate_answer = generate_answer  # the instance's, called by pipe.forward
     context_ids, question_ids = split_ids(pipe.tokenizer, item["input"], item["question_start"])
     inputs = {"context_ids": context_ids, "questions_ids": [question_ids]}
     cache = DynamicCache()
