@@ -131,3 +131,21 @@ def test_one_file_is_not_a_pool(capsys):
     with pytest.raises(SystemExit):
         combine.main(["only.json", "--out", "x"])
     assert "at least two" in capsys.readouterr().err
+
+
+def test_each_sets_kept_fraction_is_carried_and_reported_where_recorded(tmp_path):
+    first, second = _result(1, 8, seed=1), _result(2, 8, seed=2)
+    first["runs"]["kvc r8"]["kept_fraction"] = 0.142
+    second["runs"]["kvc r8"]["kept_fraction"] = 0.1437
+    paths = []
+    for k, result in ((1, first), (2, second)):
+        paths.append(str(tmp_path / f"set{k}.json"))
+        (tmp_path / f"set{k}.json").write_text(json.dumps(result))
+    results = combine.main(paths + ["--out", str(tmp_path / "pooled")])
+    assert results["runs"]["kvc r8"]["kept_fraction_by_set"] == {"1": 0.142, "2": 0.1437}
+    assert results["runs"]["stock"]["kept_fraction_by_set"] == {}
+    report = (tmp_path / "pooled.md").read_text()
+    assert "- kvc r8: set 1 14.2%, set 2 14.4%" in report and "- stock:" not in report
+    del second["runs"]["kvc r8"]["kept_fraction"]
+    pooled = combine.pool({"a.json": first, "b.json": second})
+    assert pooled["runs"]["kvc r8"]["kept_fraction_by_set"] == {"1": 0.142}

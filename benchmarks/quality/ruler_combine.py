@@ -114,8 +114,10 @@ def pooled_runs(named: dict[str, dict]) -> tuple[dict[str, dict], list[str]]:
             for task, per_sample in run["scores"].items():
                 scores.setdefault(task, {}).update({f"set{k}:{i}": s for i, s in per_sample.items()})
         some = next(iter(named.values()))["runs"][label]
+        kept = {str(r["setup"]["sample_set"]): r["runs"][label].get("kept_fraction") for r in named.values()}
         runs[label] = {"policy": some["policy"], "rate": some["rate"], "scores": scores,
-                       "wall_s": sum(r["runs"][label].get("wall_s", 0.0) for r in named.values())}
+                       "wall_s": sum(r["runs"][label].get("wall_s", 0.0) for r in named.values()),
+                       "kept_fraction_by_set": {k: f for k, f in kept.items() if f is not None}}
     return runs, left_out
 
 
@@ -138,6 +140,15 @@ def pool(named: dict[str, dict]) -> dict[str, Any]:
             "rows": summarize(runs, tasks, reference=reference_label(first))}
 
 
+def kept_by_set_lines(runs: dict[str, dict]) -> list[str]:
+    """The report's lines on the KVs each configuration kept, set by set, where the source
+    runs recorded it (kvcompress: the server's ``/metrics``; kvpress: the press's fraction).
+    Not pooled into one figure: each set's share is over the prompts its server answered."""
+    shown = [f"- {label}: " + ", ".join(f"set {k} {100 * f:.1f}%" for k, f in sorted(run["kept_fraction_by_set"].items(), key=lambda kv: int(kv[0])))
+             for label, run in runs.items() if run.get("kept_fraction_by_set")]
+    return ["## KVs kept, by sample set", "", *shown, ""] if shown else []
+
+
 def write_report(results: dict, prefix: str) -> list[str]:
     setup, rows, tasks = results["setup"], results["rows"], results["tasks"]
     reference = rows[0]["label"]
@@ -155,6 +166,7 @@ def write_report(results: dict, prefix: str) -> list[str]:
         f"- (lo-hi): 95% percentile-bootstrap interval over the pooled samples (paired with {reference} for %)", "",
         "## Score (0-100)", "", *table_lines(rows, tasks, pct=False), "",
         f"## % of {reference}", "", *table_lines(rows, tasks, pct=True), "",
+        *kept_by_set_lines(results["runs"]),
     ]  # fmt: skip
     Path(f"{prefix}.md").write_text("\n".join(text))
     Path(f"{prefix}.json").write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
