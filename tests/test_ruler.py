@@ -187,11 +187,12 @@ def test_kvcompress_predictions_survive_commits_that_leave_the_engine_code_alone
     committed = commit("kvcompress/a.py", "A = 3\n")
     assert committed not in (first, other_dirty) and "-dirty" not in committed
 
-    stamp = {"commit": "abc1234", "samples": "m-L4000-n5-set1", "flags": ["--seed", "0"]}
+    stamp = {"commit": "abc1234", "engine_code": "code-1", "samples": "m-L4000-n5-set1", "flags": ["--seed", "0"]}
     stock = ruler.prediction_stamp(stamp, ServeConfig())
     # The folders of runs made before engine stamps existed keep resuming for stock.
-    assert stock == {**stamp, "config": "stock", "commit": None}
-    monkeypatch.setattr(ruler, "engine_code_id", lambda: "code-1")
+    assert stock == {"samples": stamp["samples"], "flags": stamp["flags"], "config": "stock", "commit": None}
+    # kvcompress's: the engine code the run read at its start (a checkout edited during a
+    # long run does not change what its folders and results say they ran)
     kvc = ruler.prediction_stamp(stamp, ServeConfig("kvc", 8.0))
     assert kvc["engine_code"] == "code-1" and kvc["config"] == "kvc r8"
     folder = tmp_path / "kvc-r8"
@@ -199,8 +200,7 @@ def test_kvcompress_predictions_survive_commits_that_leave_the_engine_code_alone
     (folder / "vt.jsonl").write_text("{}\n")
     reset_dir(folder, kvc)
     assert (folder / "vt.jsonl").exists()  # same code: resumed
-    monkeypatch.setattr(ruler, "engine_code_id", lambda: "code-2")
-    reset_dir(folder, ruler.prediction_stamp(stamp, ServeConfig("kvc", 8.0)))
+    reset_dir(folder, ruler.prediction_stamp(stamp | {"engine_code": "code-2"}, ServeConfig("kvc", 8.0)))
     assert not (folder / "vt.jsonl").exists()  # other code: started afresh
 
 

@@ -132,7 +132,7 @@ def prediction_stamp(stamp: dict, config: ServeConfig) -> dict:
     the run's samples and flags; for kvcompress also the engine's code. Stock vLLM's answers
     do not depend on this repository (rate-1 parity is tested apart): its folder survives
     any commit, so a long comparison can span sessions."""
-    engine = {"commit": None} if config.policy is None else {"commit": None, "engine_code": engine_code_id()}
+    engine = {"commit": None} if config.policy is None else {"commit": None, "engine_code": stamp["engine_code"]}
     return {"samples": stamp["samples"], "flags": stamp["flags"], "config": config.label, **engine}
 
 
@@ -372,7 +372,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.prepare_only:
         print(data_dir)
         return {}
-    stamp = {"commit": git_commit(), "samples": spec.key, "flags": server_flags(args, checkpoint)}
+    # Read once, before any server starts: a checkout edited during a long run must not
+    # stamp (or record) code its servers did not run.
+    stamp = {"commit": git_commit(), "engine_code": engine_code_id(), "samples": spec.key,
+             "flags": server_flags(args, checkpoint)}
     configs = configurations(args)
     runs = {}
     with tqdm(total=len(configs) * len(args.tasks) * args.samples, desc="RULER", unit="sample", file=sys.stderr) as bar:
@@ -380,7 +383,7 @@ def main(argv: list[str] | None = None) -> dict:
             runs[config.label] = run_configuration(config, env, data_dir, args.tasks, args, checkpoint, stamp, bar)
     results = {
         "setup": {"model": description, "length": args.length, "samples": args.samples, "sample_set": args.sample_set,
-                  "haystack": args.haystack, "commit": stamp["commit"], "engine_code": engine_code_id(),
+                  "haystack": args.haystack, "commit": stamp["commit"], "engine_code": stamp["engine_code"],
                   "server_flags": stamp["flags"],
                   "ruler_requirements": list(RULER_REQUIREMENTS)},
         "machine": machine_info(), "tasks": args.tasks, "runs": runs, "rows": summarize(runs, args.tasks),
