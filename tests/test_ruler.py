@@ -154,7 +154,7 @@ def _git(root, *args: str) -> str:
     return subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True, text=True).stdout
 
 
-def test_kvcompress_predictions_survive_commits_that_leave_the_engine_code_alone(tmp_path, monkeypatch):
+def test_kvcompress_predictions_survive_commits_that_leave_the_engine_code_alone(tmp_path):
     """A kvcompress prediction folder is resumed under the same engine code only: a commit
     of benchmarks or docs keeps its stamp, an edit of kvcompress/ or patches/ (uncommitted,
     each edit its own, or committed) changes it; stock's stamp never names the code."""
