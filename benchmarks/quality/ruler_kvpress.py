@@ -277,8 +277,6 @@ def agreement_line(agreement: dict) -> str:
 # Report
 
 
-
-
 def write_report(results: dict, prefix: str) -> list[str]:
     rows, tasks, setup = results["rows"], results["tasks"], results["setup"]
     mapping = ", ".join(f"r{ratio_to_rate(r):.3g} = {r:g}" for r in setup["compression_ratios"])
