@@ -71,6 +71,33 @@ def test_no_policies_is_stock_alone():
     assert [c.label for c in ruler.configurations(ruler.parse_args(["--policies"]))] == ["stock"]
 
 
+def test_stock_from_another_run_goes_last_and_waits_for_that_runs_lines(tmp_path):
+    import threading
+
+    args = ruler.parse_args(["--rates", "8", "16", "--stock-from-another-run"])
+    assert [c.label for c in ruler.configurations(args)] == ["kvc r8", "kvc r16", "stock"]
+    tasks, samples = ["vt", "qa_1"], 3
+    (tmp_path / "vt.jsonl").write_text('{"a": 1}\n' * samples)
+
+    class Bar:
+        updated = 0
+
+        def set_postfix_str(self, _): pass
+
+        def update(self, n): self.updated += n
+
+    bar = Bar()
+    waiter = threading.Thread(target=ruler.wait_for_predictions, args=(tmp_path, tasks, samples, bar, 0.01))
+    waiter.start()
+    (tmp_path / "qa_1.jsonl").write_text('{"a": 1}\n' * (samples - 1))
+    waiter.join(0.2)
+    assert waiter.is_alive() and bar.updated == 0  # one qa_1 sample still missing
+    with open(tmp_path / "qa_1.jsonl", "a") as handle:
+        handle.write('{"a": 1}\n')
+    waiter.join(5)
+    assert not waiter.is_alive() and bar.updated == len(tasks) * samples
+
+
 def test_every_server_gets_the_same_kv_memory_and_context(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(
         {"num_hidden_layers": 30, "num_key_value_heads": 3, "hidden_size": 576, "num_attention_heads": 9}))

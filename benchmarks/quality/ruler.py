@@ -94,7 +94,9 @@ def server_flags(args, checkpoint: Path) -> list[str]:
 
 
 def configurations(args) -> list[ServeConfig]:
-    return [ServeConfig()] + [ServeConfig(policy, rate) for policy in args.policies for rate in args.rates]
+    policies = [ServeConfig(policy, rate) for policy in args.policies for rate in args.rates]
+    # Stock last when another process fills its folder: the policies need not wait for it.
+    return policies + [ServeConfig()] if args.stock_from_another_run else [ServeConfig()] + policies
 
 
 def git_commit() -> str:
@@ -144,7 +146,9 @@ def run_configuration(config: ServeConfig, env: RulerEnv, data_dir: Path, tasks:
     missing = [t for t in tasks if count_lines(pred_dir / f"{t}.jsonl") < args.samples]
     started = time.monotonic()
     kept = None
-    if missing:
+    if missing and config.policy is None and args.stock_from_another_run:
+        wait_for_predictions(pred_dir, tasks, args.samples, bar)
+    elif missing:
         flags = server_flags(args, checkpoint)
         with serving(config, checkpoint, flags, pred_dir / "server.log", args.startup_timeout) as url:
             for task in missing:
@@ -156,6 +160,16 @@ def run_configuration(config: ServeConfig, env: RulerEnv, data_dir: Path, tasks:
         bar.update(len(tasks) * args.samples)
     return {"policy": config.policy, "rate": config.rate, "wall_s": round(time.monotonic() - started, 1),
             "pred_dir": str(pred_dir), "kept_fraction": kept, "scores": score(env, pred_dir, tasks)}
+
+
+def wait_for_predictions(pred_dir: Path, tasks: list[str], samples: int, bar, poll_s: float = 30.0) -> None:
+    """Wait until another process (``--policies`` with no policy, same ``--work``) has
+    predicted every sample of ``tasks`` in ``pred_dir``."""
+    bar.set_postfix_str(f"waiting for stock's predictions in {pred_dir}")
+    while any(count_lines(pred_dir / f"{t}.jsonl") < samples for t in tasks):
+        time.sleep(poll_s)
+    time.sleep(poll_s)  # its last line written, let it score before this process does
+    bar.update(len(tasks) * samples)
 
 
 def server_kept_share(url: str) -> float | None:
@@ -332,6 +346,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="kvcompress policies (none: stock vLLM only, e.g. to fill a sample set's stock folder "
                              "while another process runs the policies)")
     parser.add_argument("--rates", nargs="+", type=float, default=[8.0])
+    parser.add_argument("--stock-from-another-run", action="store_true",
+                        help="run the policies first, then wait for stock's predictions from another process "
+                             "given the same --work and --policies with none (two cores, one server each)")
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight (the client's --threads)")
     parser.add_argument("--kv-sequences", type=int, default=4, help="KV memory for this many full sequences, every server")
     parser.add_argument("--prefix-caching", action="store_true", help="--enable-prefix-caching on every server")
