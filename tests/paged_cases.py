@@ -109,3 +109,34 @@ def scrambled_cache(seed, lengths_per_head, block_size, head_dim, dtype=torch.fl
             dense[(s, h)] = (k.double(), v.double(), positions)
     slot_metrics = torch.zeros(num_pages, block_size)
     return KVPool(key_cache, value_cache, slot_positions, slot_metrics), tables, dense
+
+
+def scrambled_rows(pool, seed, extra_rows=9):
+    """``pool`` with its slot metadata moved to rows of larger tensors: page ``n``'s
+    positions and metrics at a random row (never row ``n``), every other row garbage
+    (positions in range, so that a bypass of ``page_meta_row`` reads plausible but wrong
+    ones). The K / V are ``pool``'s own; ops on it must equal ops on ``pool``."""
+    gen = torch.Generator().manual_seed(seed)
+    num_pages, block_size = pool.slot_positions.shape
+    num_rows = num_pages + extra_rows
+    while True:
+        rows = torch.randperm(num_rows, generator=gen)[:num_pages]
+        if not bool((rows == torch.arange(num_pages)).any()):
+            break
+    high = max(1, int(pool.slot_positions.max()) + 1)
+    positions = torch.randint(0, high, (num_rows, block_size), generator=gen).to(torch.int32)
+    metrics = torch.rand((num_rows, block_size), generator=gen) * 3.0
+    positions[rows] = pool.slot_positions
+    metrics[rows] = pool.slot_metrics
+    return dataclasses.replace(
+        pool, slot_positions=positions, slot_metrics=metrics, page_meta_row=rows.to(torch.int32)
+    )
+
+
+def by_page(pool):
+    """``(positions, metrics)`` ``[num_pages, b]`` of a pool, read through its rows."""
+    pages = torch.arange(pool.page_meta_row.shape[0]) if pool.page_meta_row is not None else None
+    if pages is None:
+        return pool.slot_positions, pool.slot_metrics
+    rows = pool.meta_index(pages)
+    return pool.slot_positions[rows], pool.slot_metrics[rows]

@@ -56,6 +56,9 @@ class KernelBackend:
         sliding_window: whether its attention applies a batch's ``sliding_window``
             (:attr:`~kvcompress.ops.kv_pool.PagedBatch.sliding_window`); calls with a
             window go to a fallback that does otherwise (the reference does).
+        meta_rows: whether its ops read slot positions and metrics through a pool's
+            ``page_meta_row`` (:class:`~kvcompress.ops.kv_pool.KVPool`); calls on a pool
+            with rows go to a fallback that does otherwise (the reference does).
     """
 
     name: str = "reference"
@@ -65,6 +68,7 @@ class KernelBackend:
     capturable_decode: bool = False
     plans_decode_steps: bool = False
     sliding_window: bool = False
+    meta_rows: bool = True
 
     def __repr__(self) -> str:
         return f"<kernel backend {self.name}>"

@@ -78,6 +78,7 @@ class CudaBackend(KernelBackend):
     """``kvcompress._C``; the import is tried once per backend object."""
 
     name = "cuda"
+    meta_rows = False  # its kernels read slot metadata by page id (design-61-metadata-rows.md)
     ops = frozenset(("paged_attention", "move_cache", "fill_page_tables"))
     fallbacks = ("triton", "reference")
 

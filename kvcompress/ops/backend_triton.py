@@ -30,6 +30,7 @@ class TritonBackend(KernelBackend):
     """Triton attention, slot decode and MoveCache."""
 
     name = "triton"
+    meta_rows = False  # its kernels read slot metadata by page id (design-61-metadata-rows.md)
     ops = frozenset(("paged_attention", "paged_decode_by_slot", "move_cache"))
     capturable_decode = True
     sliding_window = True  # by stored position (`_score_tile`)

@@ -20,6 +20,7 @@ class VllmTritonBackend(KernelBackend):
     """vLLM's ``unified_attention`` for ``paged_attention`` / ``paged_decode_by_slot``."""
 
     name = "vllm_triton"
+    meta_rows = False  # its kernels read slot metadata by page id (design-61-metadata-rows.md)
     ops = frozenset(ATTENTION_OPS)
     fallbacks = ("triton", "reference")
 

@@ -47,7 +47,7 @@ class CompressResult:
 
 
 def gather_logical(
-    cache: PerHeadPagedCache, seq_slots: torch.Tensor, num_slots: int | None = None
+    cache: PerHeadPagedCache, seq_slots: torch.Tensor, num_slots: int | None = None, pool: KVPool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-head metrics and positions of some sequences in logical slot order.
 
@@ -56,6 +56,8 @@ def gather_logical(
         seq_slots: ``[S]`` int64 sequence slots.
         num_slots: ``K``, logical slots per head (default: the longest head's pages
             times ``block_size``; at least one page). Must be a multiple of ``b``.
+        pool: the cache's pool, whose ``page_meta_row`` says where each page's metrics
+            and positions are (None: row = page id).
 
     Returns:
         ``(metrics [S, L, H, K] float32, positions [S, L, H, K] int32, tables
@@ -71,8 +73,9 @@ def gather_logical(
     tables = cache.tables.gather(seq_slots, num_pages)  # [S, L, H, P]
     # Logical slot k lives at (tables[..., k // b], k % b).
     pages = tables.repeat_interleave(block_size, dim=-1)  # [S, L, H, K]
+    rows = pages if pool is None else pool.meta_index(pages)
     offsets = torch.arange(num_slots, device=cache.device) % block_size
-    return cache.slot_metrics[pages, offsets], cache.slot_positions[pages, offsets], tables
+    return cache.slot_metrics[rows, offsets], cache.slot_positions[rows, offsets], tables
 
 
 def compress_sequences(
@@ -138,7 +141,7 @@ def compress_sequences(
         zeros = torch.zeros_like(head_lens)
         return CompressResult(head_lens.clone(), zeros, 0, 0)
 
-    metrics, positions, tables = gather_logical(cache, seq_slots)
+    metrics, positions, tables = gather_logical(cache, seq_slots, pool=pool)
     if layers is not None:
         layers = layers.to(device, torch.int64)
         if layers.numel() == 0:

@@ -134,11 +134,12 @@ def _decode_metrics_heads(
         return
     # K as [D, b] per page: vLLM's CPU layout stores it so (a copy of whole pages).
     keys = gather_pages(key_cache.transpose(1, 2), page_ids).float()  # [N, D, b]
+    rows = pool.meta_index(page_ids)  # the pages' metadata rows
     scores = torch.bmm(query.float().mul(scale).index_select(0, head_of_page), keys)  # [N, G, b]
     if query_positions is None:
         scores.masked_fill_(past_end.unsqueeze(1), float("-inf"))
     else:  # [N, G, b]: later KVs than a query's own are not in its softmax
-        later = (pool.slot_positions.index_select(0, page_ids).unsqueeze(1)
+        later = (pool.slot_positions.index_select(0, rows).unsqueeze(1)
                  > query_positions.index_select(0, head_of_page).unsqueeze(-1))
         scores.masked_fill_(later.logical_or_(past_end.unsqueeze(1)), float("-inf"))
     head_max = torch.full((num_heads, group), float("-inf"), device=device).scatter_reduce_(
@@ -153,7 +154,7 @@ def _decode_metrics_heads(
         gained = probs.sum(dim=1)  # [N, b]
     else:  # [N, 1, G] @ [N, G, b]: padding queries (weight 0) add nothing
         gained = torch.bmm(query_weights.index_select(0, head_of_page).unsqueeze(1), probs).squeeze(1)
-    pool.slot_metrics.index_add_(0, page_ids, gained.to(pool.slot_metrics.dtype))
+    pool.slot_metrics.index_add_(0, rows, gained.to(pool.slot_metrics.dtype))
 
 
 def _held_pages(

@@ -198,12 +198,15 @@ def _forced(backend: KernelBackend, device: torch.device, op: str) -> KernelBack
     return backend
 
 
-def _first_fallback(backend: KernelBackend, device: torch.device, op: str, windowed: bool = False) -> KernelBackend:
+def _first_fallback(
+    backend: KernelBackend, device: torch.device, op: str, windowed: bool = False, meta_rows: bool = False,
+) -> KernelBackend:
     """The first of ``backend``'s fallbacks that implements ``op`` (and, ``windowed``,
-    sliding windows) and can run it on ``device``; the reference when none does."""
+    sliding windows; ``meta_rows``, pools with metadata rows) and can run it on
+    ``device``; the reference when none does."""
     for name in backend.fallbacks:
         fallback = backend_named(name)
-        if windowed and not fallback.sliding_window:
+        if (windowed and not fallback.sliding_window) or (meta_rows and not fallback.meta_rows):
             continue
         if op in fallback.ops and _unavailable_reason(fallback, device, op) is None:
             return fallback
@@ -288,11 +291,12 @@ class KernelOps:
         sliding window, the first that applies it)."""
         backend = self.backend(op)
         windowed = getattr(batch, "sliding_window", None) is not None
-        if windowed and not backend.sliding_window:
-            return _first_fallback(backend, query.device, op, windowed=True)
+        rows = pool.page_meta_row is not None
+        if (windowed and not backend.sliding_window) or (rows and not backend.meta_rows):
+            return _first_fallback(backend, query.device, op, windowed=windowed, meta_rows=rows)
         if backend.supports(query, pool, batch, out):
             return backend
-        return _first_fallback(backend, query.device, op)
+        return _first_fallback(backend, query.device, op, meta_rows=rows)
 
     @property
     def kernel_page_layout(self) -> bool:
@@ -366,6 +370,8 @@ class KernelOps:
         backend = self.backend("move_cache")
         if src_pages.numel() == 0:
             return
+        if pool.page_meta_row is not None and not backend.meta_rows:
+            backend = backend_reference.BACKEND
         backend.move_cache(pool, src_pages, src_offsets, dst_pages, dst_offsets)
 
     def fill_page_tables(

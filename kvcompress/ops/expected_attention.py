@@ -142,7 +142,7 @@ class RopeFrequencies:
 def rank_prompt_metrics(
     slot_metrics: torch.Tensor, key_cache: torch.Tensor, query: torch.Tensor, positions: torch.Tensor,
     tables: torch.Tensor, lens: torch.Tensor, scale: float, rope: RopeFrequencies, horizon: int = HORIZON,
-    sinks: int = 0, protected: int = 0, start: int | None = None,
+    sinks: int = 0, protected: int = 0, start: int | None = None, meta_tables: torch.Tensor | None = None,
 ) -> None:
     """One sequence's heads of one layer, at its prompt's end: hand each head's pooled kvc
     metrics out again in the order of kvc's and the expected attention's distributions
@@ -161,6 +161,8 @@ def rank_prompt_metrics(
             the evictable multiset, and with it the split, stays kvc's.
         start: the position after the window's last query (the prompt's length), from
             the host; None reads it from ``positions`` (a stream sync on CUDA).
+        meta_tables: ``[H, P]`` the rows of ``slot_metrics`` holding ``tables``' pages'
+            metrics (``KVPool.meta_tables``; None: the page ids).
 
     Every head holds at least one KV (a prompt's end). Nothing is read on the host
     (given ``start``): the table columns past a head's length write the head's first
@@ -174,7 +176,8 @@ def rank_prompt_metrics(
     pages = tables.long()
     keys = gather_pages(key_cache, pages).reshape(heads, num_pages * block_size, key_cache.shape[2])
     expected = expected_attention(mean, cov, keys, lens, scale)
-    slots = _logical_slots(pages, block_size)  # [H, P * b] flat slot ids, logical order
+    # [H, P * b] flat metric slots (row * b + offset), logical order
+    slots = _logical_slots(pages if meta_tables is None else meta_tables.long(), block_size)
     kvc = slot_metrics.view(-1)[slots]
     lens = lens.to(tables.device)
     evictable = (lens - protected - sinks).clamp_min(0)

@@ -70,6 +70,14 @@ class KVPool:
         slot_metrics: ``[num_pages, block_size]`` float32, eviction metric of the KV in
             each slot (accumulated attention); moves with the KV.
 
+        page_meta_row: optional ``[num_pages]`` int32, the row of ``slot_positions`` /
+            ``slot_metrics`` (then ``[num_rows, block_size]``) that holds page ``n``'s
+            positions and metrics; pages may share a row (e.g. rows of identity positions
+            for heads that are never compressed). None: row ``n`` (one row per page).
+            Every op reads the metadata through it (:meth:`meta_index`,
+            :meth:`meta_tables`); backends without it are not chosen for such a pool
+            (:attr:`~kvcompress.ops.backend.KernelBackend.meta_rows`).
+
     ``slot_positions`` / ``slot_metrics`` may have fewer pages than the K / V views:
     the runner's scratch page (written by padding rows, never read) is past them.
     """
@@ -78,11 +86,30 @@ class KVPool:
     value_cache: torch.Tensor
     slot_positions: torch.Tensor
     slot_metrics: torch.Tensor
+    page_meta_row: torch.Tensor | None = None
+
+    def meta_index(self, pages: torch.Tensor) -> torch.Tensor:
+        """Rows of ``slot_positions`` / ``slot_metrics`` holding ``pages``' metadata (any
+        shape; int64 out when rows are mapped, else ``pages`` itself)."""
+        if self.page_meta_row is None:
+            return pages
+        return self.page_meta_row.index_select(0, pages.reshape(-1).long()).view(pages.shape).long()
+
+    def meta_tables(self, block_tables: torch.Tensor) -> torch.Tensor:
+        """``block_tables`` with every page id replaced by its metadata row (the tables
+        the metric ops take with ``slot_metrics``). Entries past a head's pages may hold
+        any id of the pool (they map to some row and are never read)."""
+        if self.page_meta_row is None:
+            return block_tables
+        return self.meta_index(block_tables.clamp(0, self.page_meta_row.shape[0] - 1))
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The four tensors by field name (the CUDA ops' schema argument names), K / V
         narrowed to the pages that have slot positions: the CUDA bindings require equal
-        page counts, and the scratch page past them is never read or moved by an op."""
+        page counts, and the scratch page past them is never read or moved by an op.
+        Not for a pool with ``page_meta_row`` (the CUDA kernels index rows by page)."""
+        if self.page_meta_row is not None:
+            raise ValueError("the CUDA ops read slot metadata by page id: not for a pool with page_meta_row")
         pages = self.slot_positions.shape[0]
         return {
             "key_cache": self.key_cache.narrow(0, 0, pages),

@@ -66,6 +66,7 @@ def attention_metrics(
     skip_nearest: int = 0,
     query_chunk: int = 1024,
     workspace_bytes: int = 256 << 20,
+    position_tables: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Metric contribution of some queries of ONE sequence and ONE layer.
 
@@ -85,6 +86,8 @@ def attention_metrics(
             probabilities, masks: ~``SCORE_COPIES`` float32 ``[Hq, chunk, K]``); the
             chunk shrinks to fit (at least one query). 1024 queries x 32 heads x 32K
             keys would be 4.3 GB per temporary.
+        position_tables: ``[num_kv_heads, P]`` the rows of ``slot_positions`` holding
+            ``block_tables``' pages' positions (``KVPool.meta_tables``; None: the page ids).
 
     Returns:
         ``[num_kv_heads, P * block_size]`` float32 in logical slot order; slots at
@@ -102,7 +105,8 @@ def attention_metrics(
         .view(num_kv_heads, num_pages, head_dim, block_size)
         .permute(0, 2, 1, 3).reshape(num_kv_heads, head_dim, num_keys).float()
     )
-    key_pos = slot_positions.index_select(0, flat_pages).view(num_kv_heads, num_keys).long()
+    rows = flat_pages if position_tables is None else position_tables.reshape(-1).long()
+    key_pos = slot_positions.index_select(0, rows).view(num_kv_heads, num_keys).long()
     held = torch.arange(num_keys, device=key_pos.device) < head_lens.unsqueeze(-1)
     metric = torch.zeros(key_pos.shape, dtype=torch.float32, device=key_pos.device)
     query_chunk = metric_query_chunk(query_chunk, query.shape[1], num_keys, workspace_bytes)

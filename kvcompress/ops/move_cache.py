@@ -70,8 +70,13 @@ def move_cache(
             slot ``(src_pages[i], src_offsets[i])`` to ``(dst_pages[i], dst_offsets[i])``.
             Sources and destinations must be disjoint (each gather completes before
             its scatter, so the order of moves does not matter).
+
+    Positions and metrics move between the pages' metadata rows (``pool.meta_index``).
     """
     if src_pages.numel() == 0:
         return
-    for tensor in pool.tensors().values():
+    for tensor in (pool.key_cache, pool.value_cache):
         tensor[dst_pages, dst_offsets] = tensor[src_pages, src_offsets]
+    src_rows, dst_rows = pool.meta_index(src_pages), pool.meta_index(dst_pages)
+    for tensor in (pool.slot_positions, pool.slot_metrics):
+        tensor[dst_rows, dst_offsets] = tensor[src_rows, src_offsets]

@@ -147,7 +147,7 @@ def reference_paged_attention(
         tables = block_tables[rows, :, :num_pages]
         keys = _gather_heads(key_cache, tables)
         values = _gather_heads(value_cache, tables)
-        key_pos = slot_positions[tables].reshape(len(decode_rows), num_kv_heads, -1)
+        key_pos = slot_positions[pool.meta_tables(tables)].reshape(len(decode_rows), num_kv_heads, -1)
         token_rows = torch.tensor(
             [query_start_loc[s] for s in decode_rows], device=query.device
         )
@@ -176,7 +176,7 @@ def reference_paged_attention(
         tables = block_tables[s : s + 1, :, :num_pages]
         keys = _gather_heads(key_cache, tables)
         values = _gather_heads(value_cache, tables)
-        key_pos = slot_positions[tables].reshape(1, num_kv_heads, -1)
+        key_pos = slot_positions[pool.meta_tables(tables)].reshape(1, num_kv_heads, -1)
         slot_index = torch.arange(key_pos.shape[-1], device=key_pos.device)
         held = slot_index < head_lens[s].unsqueeze(-1)  # [H, K]
         for chunk_start in range(query_start_loc[s], query_start_loc[s + 1], max_query_chunk):

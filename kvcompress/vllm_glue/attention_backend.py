@@ -367,6 +367,7 @@ class KVCompressAttentionImpl(AttentionImpl):
         pool = state.pool
         for rows in metrics.prompt_rows:
             tables = batch.block_tables[rows.seq_index]
+            meta_tables = pool.meta_tables(tables)  # where the pages' positions and metrics are
             lens = batch.head_lens[rows.seq_index]
             spec = rows.spec
             scored = attention_metrics(
@@ -379,12 +380,13 @@ class KVCompressAttentionImpl(AttentionImpl):
                 self.scale,
                 power=spec.power,
                 skip_nearest=spec.skip_nearest if spec.queries == "full" else 0,
+                position_tables=meta_tables,
             )
             if metrics.prompt_weight != 1.0:
                 scored = scored * metrics.prompt_weight
-            accumulate_metrics(pool.slot_metrics, tables, lens, scored)
+            accumulate_metrics(pool.slot_metrics, meta_tables, lens, scored)
             if rows.prompt_done:
-                pool_metrics(pool.slot_metrics, tables, lens, spec.pool_kernel, spec.pool, rows.word_starts)
+                pool_metrics(pool.slot_metrics, meta_tables, lens, spec.pool_kernel, spec.pool, rows.word_starts)
                 if rows.at_prompt_end is not None:  # the scoring kind's hook (kvc-ea re-ranks)
                     rows.at_prompt_end(PromptScored(
                         state, rows, query[rows.row_start:rows.row_end],

@@ -48,4 +48,5 @@ class ExpectedAttentionScoring(AttentionScoring):
             state.pool.slot_metrics, state.pool.key_cache, scored.query, scored.positions,
             scored.tables, scored.lens, scored.scale, state.rope,
             sinks=rows.protected_prefix, protected=rows.protected_window, start=rows.end_position,
+            meta_tables=state.pool.meta_tables(scored.tables),
         )

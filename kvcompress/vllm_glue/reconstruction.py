@@ -167,9 +167,9 @@ class ReconstructionPass(ScoringKindGlue):
             self.recording[request.request_id] = step.scores[:, :, :num_cached].clone()
         pool, spec = state.pool, request.spec
         for layer in range(cache.num_layers):
-            layer_tables, lens = tables.layer(layer)[0], step.head_lens[layer]
-            accumulate_metrics(pool.slot_metrics, layer_tables, lens, step.scores[layer])
-            pool_metrics(pool.slot_metrics, layer_tables, lens, spec.pool_kernel, spec.pool, request.word_starts)
+            meta_tables, lens = pool.meta_tables(tables.layer(layer)[0]), step.head_lens[layer]
+            accumulate_metrics(pool.slot_metrics, meta_tables, lens, step.scores[layer])
+            pool_metrics(pool.slot_metrics, meta_tables, lens, spec.pool_kernel, spec.pool, request.word_starts)
 
     def _forward(self, step: ReconstructionStep, token_ids: list[int], first_position: int) -> None:
         """One chunk's forward, its tokens at ``first_position`` on (moved back so the

@@ -155,4 +155,4 @@ class SurprisalScoring(ScoringKindGlue):
         for layer in range(cache.num_layers):
             layer_tables = tables.layer(layer)[0]
             metric = per_slot.expand(layer_tables.shape[0], width)
-            accumulate_metrics(pool.slot_metrics, layer_tables, head_lens[layer], metric)
+            accumulate_metrics(pool.slot_metrics, pool.meta_tables(layer_tables), head_lens[layer], metric)
