@@ -8,11 +8,21 @@ The state every other op reads:
   (``b`` = ``block_size``). ``tables.gather`` gives flat int32 ``[S, (L,) H, P]`` rows.
 - ``head_lens``: ``[max_seqs, num_layers, num_kv_heads]`` int64, KVs held per head.
   Heads may differ once KVs are evicted; a head holds ``ceil(len / b)`` pages.
-- ``slot_positions``: ``[num_pages, block_size]`` int32, the token position of the KV
-  stored in each slot (RoPE and the causal mask use positions, not slot order).
-- ``slot_metrics``: ``[num_pages, block_size]`` float32, the eviction metric of the KV
+- ``slot_positions``: ``[num_rows, block_size]`` int32, the token position of the KV
+  stored in each slot of a page's metadata row (RoPE and the causal mask use
+  positions, not slot order).
+- ``slot_metrics``: ``[num_rows, block_size]`` float32, the eviction metric of the KV
   stored in each slot (accumulated attention; 0 for a freshly written KV). It moves
   with the KV when MoveCache compacts a head.
+- ``page_meta_row`` (``identity_rows``; else None: row = page id): ``[num_pages]`` int32,
+  the row holding each page's positions and metrics. Rows ``[0, P)`` hold the identity
+  positions of column ``c`` (``c * b + j``) and are never written: the pages of a
+  sequence that never compresses (``new_sequence(compresses=False)``) point at the row
+  of their column, since its heads keep every KV in position order. A compressing
+  sequence's page ``n`` has a row of its own, ``P + n``; every append writes there
+  (``page_positions`` / ``page_metrics``, the ``[num_pages, b]`` view of those rows),
+  so a page's own row is right whichever sequence reads it later (issue 61,
+  docs/design-61-metadata-rows.md: the step before those rows stop costing memory).
 - ``page_shares``: ``[num_pages]`` int32, holders of each page beyond the first. A
   shared prefix (:meth:`PerHeadPagedCache.share_prefix`: the same uncompressed leading
   pages in several sequence slots, e.g. a prefix-cache hit) is held by every slot that
@@ -70,13 +80,14 @@ class HostViews:
     @classmethod
     def of(cls, cache: "PerHeadPagedCache") -> "HostViews":
         return cls(
-            cache.head_lens.numpy(), cache.slot_positions.numpy(), cache.slot_metrics.numpy(),
+            cache.head_lens.numpy(), cache.page_positions.numpy(), cache.page_metrics.numpy(),
             np.zeros(cache.head_lens.shape, np.int64),
         )
 
     def place(self, flat_slots: np.ndarray, positions: np.ndarray) -> None:
         """New KVs at ``flat_slots`` (``page * block_size + offset``): their positions
-        (``positions``, broadcast to ``flat_slots``) recorded, their metrics zeroed."""
+        (``positions``, broadcast to ``flat_slots``) recorded, their metrics zeroed (in
+        the pages' own rows, ``slot_positions`` / ``slot_metrics`` here)."""
         self.slot_positions.reshape(-1)[flat_slots] = positions
         self.slot_metrics.reshape(-1)[flat_slots] = 0.0
 
@@ -114,11 +125,14 @@ class PerHeadPagedCache:
         device: torch.device | str = "cpu",
         ops: KernelOps | None = None,
         max_shared_pages_per_head: int = 0,
+        identity_rows: bool = False,
     ) -> None:
         """``ops``: the engine's resolved ops, whose ``fill_page_tables`` :meth:`append`
         uses (None: the backend selected at each call). ``max_shared_pages_per_head``:
         the longest prefix of cached page groups a head may adopt
-        (:meth:`reserve_prefix`; 0 without prefix caching)."""
+        (:meth:`reserve_prefix`; 0 without prefix caching). ``identity_rows``: metadata
+        through ``page_meta_row``, never-compressing sequences on identity rows (every
+        op the pool runs must read rows: ``KernelBackend.meta_rows``)."""
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.block_size = block_size
@@ -134,12 +148,21 @@ class PerHeadPagedCache:
         self.head_lens = torch.zeros(
             (max_seqs, num_layers, num_kv_heads), dtype=torch.int64, device=self.device
         )
-        self.slot_positions = torch.full(
-            (num_pages, block_size), -1, dtype=torch.int32, device=self.device
-        )
-        self.slot_metrics = torch.zeros(
-            (num_pages, block_size), dtype=torch.float32, device=self.device
-        )
+        # Rows [0, I): identity positions of each column; row I + n: page n's own.
+        self.num_identity_rows = max_pages_per_head if identity_rows else 0
+        num_rows = self.num_identity_rows + num_pages
+        self.slot_positions = torch.full((num_rows, block_size), -1, dtype=torch.int32, device=self.device)
+        self.slot_metrics = torch.zeros((num_rows, block_size), dtype=torch.float32, device=self.device)
+        self.page_meta_row: torch.Tensor | None = None
+        self.page_positions = self.slot_positions[self.num_identity_rows :]  # [num_pages, b] own rows
+        self.page_metrics = self.slot_metrics[self.num_identity_rows :]
+        self._compresses = np.ones(max_seqs, dtype=bool)
+        if identity_rows:
+            self.slot_positions[: self.num_identity_rows] = torch.arange(
+                self.num_identity_rows * block_size, dtype=torch.int32, device=self.device
+            ).view(-1, block_size)
+            self.page_meta_row = torch.arange(num_pages, dtype=torch.int32, device=self.device) + self.num_identity_rows
+            self._compresses_device = torch.ones(max_seqs, dtype=torch.bool, device=self.device)
         self.page_shares = torch.zeros(num_pages, dtype=torch.int32, device=self.device)
         self._free_seq_slots = list(range(max_seqs - 1, -1, -1))
         # numpy views sharing the CPU tensors' memory: a decode step's append is a few
@@ -156,30 +179,60 @@ class PerHeadPagedCache:
     @staticmethod
     def metadata_bytes(
         num_pages: int, num_layers: int, num_kv_heads: int, block_size: int, max_seqs: int,
-        max_pages_per_head: int, max_shared_pages_per_head: int = 0,
+        max_pages_per_head: int, max_shared_pages_per_head: int = 0, identity_rows: bool = False,
     ) -> int:
         """Bytes of the tensors a cache of these dimensions allocates: the two-level page
         tables (:meth:`ChunkedPageTables.nbytes_for`), head lengths (int64 per sequence
         slot and head), slot positions and metrics (int32 + float32 per slot), the
-        allocator's free stack (int64 per page) and the page shares (int32 per page). The
-        engine takes them out of the KV memory budget."""
+        allocator's free stack (int64 per page) and the page shares (int32 per page);
+        with ``identity_rows`` the identity rows (one per column) and the page-to-row map
+        (int32 per page). The engine takes them out of the KV memory budget."""
         heads = max_seqs * num_layers * num_kv_heads
         tables = ChunkedPageTables.nbytes_for(
             num_pages, max_seqs, num_layers, num_kv_heads, max_pages_per_head, max_shared_pages_per_head
         )
-        return tables + heads * 8 + num_pages * (block_size * SLOT_METADATA_BYTES + 8 + 4)
+        rows = max_pages_per_head * block_size * SLOT_METADATA_BYTES + num_pages * 4 if identity_rows else 0
+        return tables + heads * 8 + num_pages * (block_size * SLOT_METADATA_BYTES + 8 + 4) + rows
 
     def kv_pool(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> KVPool:
         """The pool the ops take: ``key_cache`` / ``value_cache`` ``[num_buffer_pages,
         block_size, head_dim]`` (views of the KV buffer) with this cache's slot
-        positions and metrics."""
-        return KVPool(key_cache, value_cache, self.slot_positions, self.slot_metrics)
+        positions and metrics (and its ``page_meta_row``)."""
+        return KVPool(key_cache, value_cache, self.slot_positions, self.slot_metrics, self.page_meta_row)
 
-    def new_sequence(self) -> int:
-        """Reserve an empty sequence slot."""
+    def new_sequence(self, compresses: bool = True) -> int:
+        """Reserve an empty sequence slot; ``compresses``: whether the sequence may ever be
+        compressed (False: its pages read the identity rows, and
+        :func:`~kvcompress.ops.compress.compress_sequences` refuses it)."""
         if not self._free_seq_slots:
             raise RuntimeError(f"all {self.max_seqs} sequence slots are in use")
-        return self._free_seq_slots.pop()
+        slot = self._free_seq_slots.pop()
+        self._compresses[slot] = compresses
+        if self.page_meta_row is not None:
+            self._compresses_device[slot] = compresses
+        return slot
+
+    def metadata_by_page(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(positions, metrics)`` ``[num_pages, b]``: each page's metadata read through
+        its row (a copy with identity rows; dumps and tests)."""
+        if self.page_meta_row is None:
+            return self.slot_positions, self.slot_metrics
+        rows = self.page_meta_row.to(torch.int64)
+        return self.slot_positions[rows], self.slot_metrics[rows]
+
+    def compresses(self, seq_slots) -> np.ndarray:
+        """Whether each of ``seq_slots`` (host ints) was opened to be compressed."""
+        return self._compresses[np.asarray(seq_slots, dtype=np.int64)]
+
+    def _map_rows(self, seq_slots: torch.Tensor, pages: torch.Tensor, columns: torch.Tensor) -> None:
+        """Rows of pages just placed at ``columns`` of heads of ``seq_slots`` (same
+        shapes): the page's own row, or for a never-compressing sequence its column's
+        identity row."""
+        if self.page_meta_row is None or pages.numel() == 0:
+            return
+        own = pages.to(torch.int64) + self.num_identity_rows
+        rows = torch.where(self._compresses_device[seq_slots.to(torch.int64)], own, columns.to(torch.int64))
+        self.page_meta_row[pages.to(torch.int64)] = rows.to(torch.int32)
 
     def page_tables_of(
         self, seq_slots: torch.Tensor, num_pages: int | None = None, layer: int | None = None,
@@ -393,6 +446,10 @@ class PerHeadPagedCache:
             # CUDA extension's one-kernel fill where built, else the reference.
             fill = self.ops.fill_page_tables if self.ops is not None else dispatch.fill_page_tables
             self.tables.assign(rows, old_pages.reshape(-1), pages, offsets, fill)
+            if self.page_meta_row is not None:
+                head = torch.repeat_interleave(torch.arange(demand.numel(), device=device), demand)
+                column = old_pages.reshape(-1)[head] + torch.arange(pages.numel(), device=device) - offsets[head]
+                self._map_rows(rows[head] // num_heads_total, pages, column)
         self.head_lens[seq_slots] = new_lens
         if self.host is not None:
             self.host.refresh_last_pages(self, seq_slots.numpy())
@@ -434,10 +491,10 @@ class PerHeadPagedCache:
             torch.arange(self.num_kv_heads, device=self.device).view(1, 1, -1),
             page_column,
         )
-        self.slot_positions[write_pages, write_offsets] = (
+        self.page_positions[write_pages, write_offsets] = (
             positions.to(self.device, torch.int32).view(-1, 1, 1).expand_as(write_pages)
         )
-        self.slot_metrics[write_pages, write_offsets] = 0.0
+        self.page_metrics[write_pages, write_offsets] = 0.0
         return AppendPlan(
             write_pages=write_pages.permute(1, 0, 2).contiguous(),
             write_offsets=write_offsets.permute(1, 0, 2).contiguous(),
@@ -469,7 +526,9 @@ class PerHeadPagedCache:
             columns = page_column[starts_page]
             self._check_pages_per_head(int(columns.max()) + 1)
             rows, layers, heads = starts_page.nonzero(as_tuple=True)
-            self.tables.assign_one(seq_slots[rows], layers, heads, columns, self.allocator.allocate(count))
+            new_pages = self.allocator.allocate(count)
+            self.tables.assign_one(seq_slots[rows], layers, heads, columns, new_pages)
+            self._map_rows(seq_slots[rows], new_pages, columns)
         self.head_lens[seq_slots] = old_lens + 1
         return self._place(seq_slots, page_column, write_offsets, positions)
 
@@ -485,6 +544,9 @@ class PerHeadPagedCache:
         pages = self.allocator.allocate(slots.shape[0]).numpy()
         self.tables.assign_one_host(slots, layers, heads, columns, pages)
         self.host.last_pages[slots, layers, heads] = pages
+        if self.page_meta_row is not None:
+            own = pages + self.num_identity_rows
+            self.page_meta_row.numpy()[pages] = np.where(self._compresses[slots], own, columns)
         return pages
 
     def _append_one_host(self, slots: np.ndarray, positions: torch.Tensor) -> AppendPlan:

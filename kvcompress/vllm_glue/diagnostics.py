@@ -76,7 +76,8 @@ def kept_positions(runner) -> dict[str, list[list[int]]]:
     cache = runner.kvc_cache
     if cache is None:
         return {}
-    return {request_id: head_slots(cache, slot, cache.slot_positions) for request_id, slot in runner.kvc_requests.live_slots.items()}
+    positions, _ = cache.metadata_by_page()
+    return {request_id: head_slots(cache, slot, positions) for request_id, slot in runner.kvc_requests.live_slots.items()}
 
 
 def page_dump(runner) -> dict:
@@ -90,12 +91,13 @@ def page_dump(runner) -> dict:
     slots = {request_id: head_pages(cache, slot) for request_id, slot in runner.kvc_requests.live_slots.items()}
     groups, checksums = {}, {}
     pool = runner.kvc_state.pool
+    positions, _ = cache.metadata_by_page()
     for block_id, pages in (runner.kvc_prefix_groups.pages if runner.kvc_prefix_groups else {}).items():
         ids = pages.reshape(-1).to(torch.int64)
         groups[block_id] = ids.tolist()
         checksums[block_id] = float(
             pool.key_cache[ids].double().sum() + pool.value_cache[ids].double().sum()
-            + cache.slot_positions[ids].double().sum()
+            + positions[ids].double().sum()
         )
     allocator = cache.allocator
     return {
@@ -121,13 +123,14 @@ def record_inputs(runner, request_ids: list[str], orders: dict[str, CompressionO
     """What a compression of ``request_ids`` is about to read (tests' oracles): per head
     the (position, metric) of every KV it holds, and the order."""
     cache = runner.kvc_cache
+    positions_by_page, metrics_by_page = cache.metadata_by_page()
     for request_id in request_ids:
         slot = runner.kvc_requests[request_id].seq_slot
         order = orders[request_id]
         heads = [
             list(zip(positions, metrics))
             for positions, metrics in zip(
-                head_slots(cache, slot, cache.slot_positions), head_slots(cache, slot, cache.slot_metrics),
+                head_slots(cache, slot, positions_by_page), head_slots(cache, slot, metrics_by_page),
             )
         ]
         budget = order.compression.budget

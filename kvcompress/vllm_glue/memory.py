@@ -26,6 +26,7 @@ from kvcompress.ops.paged_cache import SLOT_METADATA_BYTES, PerHeadPagedCache
 from kvcompress.ops.triton_attention import decode_workspace_bytes
 from kvcompress.ops.unified_attention import split_kv_workspace_bytes
 from kvcompress.page_accounting import cache_sequence_slots
+from kvcompress.vllm_glue.pool_builder import uses_identity_rows
 from kvcompress.vllm_glue.kv_layout import page_dtype
 from kvcompress.vllm_glue.step import DecodeBuffers, StepTables
 
@@ -53,6 +54,8 @@ class PerHeadLayout:
         max_num_batched_tokens: the scheduler's tokens per step (None:
             ``max_model_len``); with ``num_q_heads`` it sizes the attention workspaces
             (:meth:`transient_attention_bytes`).
+        identity_rows: the cache keeps identity metadata rows (on CPU:
+            ``pool_builder.uses_identity_rows``).
     """
 
     num_layers: int
@@ -66,6 +69,7 @@ class PerHeadLayout:
     prefix_caching: bool = False
     num_q_heads: int | None = None
     max_num_batched_tokens: int | None = None
+    identity_rows: bool = False
 
     @classmethod
     def from_vllm_config(cls, vllm_config) -> "PerHeadLayout":
@@ -84,6 +88,7 @@ class PerHeadLayout:
             prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
             num_q_heads=model.get_num_attention_heads(parallel),
             max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+            identity_rows=uses_identity_rows(vllm_config.device_config.device_type),
         )
 
     @property
@@ -116,7 +121,7 @@ class PerHeadLayout:
             max_seqs = self.sequence_slots(num_pages)
         cache = PerHeadPagedCache.metadata_bytes(
             num_pages, self.num_layers, self.num_kv_heads, self.block_size, max_seqs,
-            self.max_pages_per_head, shared_pages_per_head,
+            self.max_pages_per_head, shared_pages_per_head, self.identity_rows,
         )
         buffers = DecodeBuffers.nbytes_for(self.num_layers, self.num_kv_heads, self.max_rows, max_seqs)
         return cache + buffers

@@ -114,6 +114,9 @@ def build_cache(shape: PoolShape, vllm_config, ops, device: torch.device) -> Per
     shared_pages = 0
     if vllm_config.cache_config.enable_prefix_caching:
         shared_pages = min(max_pages_per_head, shape.num_pages // heads)
+    identity_rows = uses_identity_rows(device)
+    if identity_rows and not all(ops.backend(op).meta_rows for op in ops.backends):
+        raise RuntimeError(f"kvcompress: identity metadata rows on {device} need ops that read them (resolved: {ops})")
     return PerHeadPagedCache(
         num_pages=shape.num_pages,
         num_layers=shape.num_layers,
@@ -124,7 +127,16 @@ def build_cache(shape: PoolShape, vllm_config, ops, device: torch.device) -> Per
         device=device,
         ops=ops,
         max_shared_pages_per_head=shared_pages,
+        identity_rows=identity_rows,
     )
+
+
+def uses_identity_rows(device: torch.device | str) -> bool:
+    """Whether the engine's cache keeps the slot metadata of never-compressing requests
+    in identity rows (``PerHeadPagedCache(identity_rows=True)``): on CPU, whose ops all
+    read ``page_meta_row``; not on CUDA, whose kernels index metadata by page id until a
+    GPU run has checked them reading rows (docs/design-61-metadata-rows.md)."""
+    return torch.device(device).type == "cpu"
 
 
 def build_pool(kv_cache: torch.Tensor, kv_cache_config: KVCacheConfig, vllm_config, *,

@@ -251,7 +251,7 @@ class StepPlanner:
                     f"kvcompress: request {request_id} starts with {computed} computed "
                     f"tokens but {hit_tokens} tokens of prefix-cache hits"
                 )
-            slot = self.cache.new_sequence()
+            slot = self.cache.new_sequence(compresses=request.compression.compresses)
             if request.prefix_hits:
                 # Reserved now (appends go after them), filled after the appends.
                 self.cache.reserve_prefix(slot, len(request.prefix_hits))
