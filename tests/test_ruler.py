@@ -76,6 +76,8 @@ def test_stock_from_another_run_goes_last_and_waits_for_that_runs_lines(tmp_path
 
     args = ruler.parse_args(["--rates", "8", "16", "--stock-from-another-run"])
     assert [c.label for c in ruler.configurations(args)] == ["kvc r8", "kvc r16", "stock"]
+    runs = {"kvc r8": {"policy": "kvc"}, "kvc r16": {"policy": "kvc"}, "stock": {"policy": None}}
+    assert list(ruler.stock_first(runs)) == ["stock", "kvc r8", "kvc r16"]  # the tables' first row
     tasks, samples = ["vt", "qa_1"], 3
     (tmp_path / "vt.jsonl").write_text('{"a": 1}\n' * samples)
 

@@ -398,6 +398,7 @@ def main(argv: list[str] | None = None) -> dict:
     with tqdm(total=len(configs) * len(args.tasks) * args.samples, desc="RULER", unit="sample", file=sys.stderr) as bar:
         for config in configs:
             runs[config.label] = run_configuration(config, env, data_dir, args.tasks, args, checkpoint, stamp, bar)
+    runs = stock_first(runs)
     results = {
         "setup": {"model": description, "length": args.length, "samples": args.samples, "sample_set": args.sample_set,
                   "haystack": args.haystack, "commit": stamp["commit"], "engine_code": stamp["engine_code"],
@@ -410,6 +411,12 @@ def main(argv: list[str] | None = None) -> dict:
     print("\n".join(table_lines(results["rows"], args.tasks, pct=True)))
     print(summary_line(results))
     return results
+
+
+def stock_first(runs: dict[str, dict]) -> dict[str, dict]:
+    """``runs`` with stock's first (it ran last with ``--stock-from-another-run``): the
+    tables and the summary line read the reference from the first row."""
+    return dict(sorted(runs.items(), key=lambda item: item[1]["policy"] is not None))
 
 
 def summary_line(results: dict) -> str:
