@@ -130,7 +130,8 @@ class PerHeadLayout:
         """Where ``available`` bytes of KV memory go (:meth:`page_bytes_for`): ``pages``
         (K and V, whole pages), ``slot_metadata`` (each KV slot's position and metric,
         8 bytes), ``tables`` (page tables, head lengths, the allocator's free stack and
-        page shares), ``decode_buffers`` and ``unused`` (vLLM counts whole token blocks
+        page shares; on CPU also the identity rows and the page-to-row map),
+        ``decode_buffers`` and ``unused`` (vLLM counts whole token blocks
         of ``L x H`` pages). What stock vLLM gives to KVs alone, kvcompress splits this way."""
         shared = self.max_shared_pages_per_head(available)
         slots = self.slots_for_memory(available)
