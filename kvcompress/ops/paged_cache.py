@@ -73,8 +73,8 @@ class HostViews:
     """
 
     head_lens: np.ndarray
-    slot_positions: np.ndarray
-    slot_metrics: np.ndarray
+    page_positions: np.ndarray
+    page_metrics: np.ndarray
     last_pages: np.ndarray
 
     @classmethod
@@ -86,10 +86,10 @@ class HostViews:
 
     def place(self, flat_slots: np.ndarray, positions: np.ndarray) -> None:
         """New KVs at ``flat_slots`` (``page * block_size + offset``): their positions
-        (``positions``, broadcast to ``flat_slots``) recorded, their metrics zeroed (in
-        the pages' own rows, ``slot_positions`` / ``slot_metrics`` here)."""
-        self.slot_positions.reshape(-1)[flat_slots] = positions
-        self.slot_metrics.reshape(-1)[flat_slots] = 0.0
+        (``positions``, broadcast to ``flat_slots``) recorded, their metrics zeroed, in
+        the pages' own rows (``PerHeadPagedCache.page_positions`` / ``page_metrics``)."""
+        self.page_positions.reshape(-1)[flat_slots] = positions
+        self.page_metrics.reshape(-1)[flat_slots] = 0.0
 
     def refresh_last_pages(self, cache: "PerHeadPagedCache", slots: np.ndarray) -> None:
         """Re-read the last page of every head of ``slots`` (after a general append or a
