@@ -187,9 +187,12 @@ def test_the_bound_stays_modest_at_the_largest_flags():
 def _worker(available: int, device_type: str, kv_cache_memory_bytes: int | None):
     """A worker with the budget mixin over a stand-in of vLLM's (its profiled memory
     ``available``) and the config :meth:`PerHeadLayout.from_vllm_config` reads."""
+    import dataclasses
+
     from kvcompress.vllm_glue.memory import KVCompressWorkerMemory
 
-    layout = _layout()
+    # A CPU engine's cache keeps identity metadata rows (pool_builder.uses_identity_rows).
+    layout = dataclasses.replace(_layout(), identity_rows=device_type == "cpu")
     model = SimpleNamespace(
         get_num_layers=lambda parallel: layout.num_layers, get_num_kv_heads=lambda parallel: layout.num_kv_heads,
         get_num_attention_heads=lambda parallel: layout.num_q_heads, get_head_size=lambda: layout.head_dim,
