@@ -129,11 +129,10 @@ def compress_sequences(
         The :class:`CompressResult`. Afterwards every kept KV sits at a logical slot
         ``< new_head_len`` of its head with K, V, metric and position unchanged.
     """
-    if pool.slot_positions is not cache.slot_positions or pool.slot_metrics is not cache.slot_metrics:
-        raise ValueError("compress_sequences: pool must hold the cache's slot_positions / slot_metrics "
-                         "(build it with cache.kv_pool(key_cache, value_cache))")
-    if pool.page_meta_row is not cache.page_meta_row:
-        raise ValueError("compress_sequences: pool must read the cache's page_meta_row")
+    if (pool.slot_positions is not cache.slot_positions or pool.slot_metrics is not cache.slot_metrics
+            or pool.page_meta_row is not cache.page_meta_row):
+        raise ValueError("compress_sequences: pool must hold the cache's slot_positions / slot_metrics / "
+                         "page_meta_row (build it with cache.kv_pool(key_cache, value_cache))")
     if cache.page_meta_row is not None and not cache.compresses(seq_slots.tolist()).all():
         # Their pages read shared identity rows: moving KVs would move those rows' contents.
         raise ValueError("compress_sequences: a sequence slot was opened with compresses=False")

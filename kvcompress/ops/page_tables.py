@@ -18,6 +18,18 @@ import torch
 from kvcompress.ops.allocator import PageAllocator, add_references, drop_references
 
 
+def page_columns(first_column: torch.Tensor, offsets: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where ``total`` pages handed out by ``PageAllocator.allocate_for`` go: ``([total]
+    requester, [total] table column)``, requester ``r``'s pages
+    ``offsets[r]:offsets[r + 1]`` at its columns ``first_column[r]...``."""
+    demand = offsets[1:] - offsets[:-1]
+    requester = torch.repeat_interleave(
+        torch.arange(demand.numel(), device=offsets.device), demand, output_size=total
+    )
+    column = first_column[requester] + torch.arange(total, device=offsets.device) - offsets[requester]
+    return requester, column
+
+
 def fill_page_tables(
     page_tables: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor,
     first_column: torch.Tensor, rows: torch.Tensor,
@@ -36,11 +48,9 @@ def fill_page_tables(
 
     Requester ``r`` gets ``page_tables[rows[r], first_column[r] + j] = pages[offsets[r] + j]``.
     """
-    demand = offsets[1:] - offsets[:-1]
-    requester = torch.repeat_interleave(torch.arange(rows.numel(), device=rows.device), demand)
-    within = torch.arange(pages.numel(), device=pages.device) - offsets[requester]
+    requester, column = page_columns(first_column, offsets, pages.numel())
     table = page_tables.view(-1, page_tables.shape[-1])
-    table[rows[requester], first_column[requester] + within] = pages.to(table.dtype)
+    table[rows[requester], column] = pages.to(table.dtype)
 
 
 def chunk_pages_for(max_pages_per_head: int) -> int:
@@ -162,10 +172,7 @@ class ChunkedPageTables:
         total = pages.numel()
         if total == 0:
             return
-        requester = torch.repeat_interleave(
-            torch.arange(rows.numel(), device=rows.device), demand, output_size=total
-        )
-        column = first_column[requester] + torch.arange(total, device=rows.device) - offsets[requester]
+        requester, column = page_columns(first_column, offsets, total)
         chunk = self.flat_chunk_tables[rows[requester], column // chunk_pages].to(torch.int64)
         self.chunks.view(-1)[chunk * chunk_pages + column % chunk_pages] = pages.to(torch.int32)
 

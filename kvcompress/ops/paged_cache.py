@@ -46,7 +46,7 @@ from kvcompress.ops import dispatch
 from kvcompress.ops.allocator import PageAllocator, add_references, drop_references
 from kvcompress.ops.dispatch import KernelOps
 from kvcompress.ops.kv_pool import KVPool
-from kvcompress.ops.page_tables import ChunkedPageTables, fill_page_tables
+from kvcompress.ops.page_tables import ChunkedPageTables, fill_page_tables, page_columns
 
 # Bytes each KV slot's eviction state takes: an int32 position and a float32 metric
 # (``slot_positions``, ``slot_metrics``).
@@ -156,13 +156,13 @@ class PerHeadPagedCache:
         self.page_meta_row: torch.Tensor | None = None
         self.page_positions = self.slot_positions[self.num_identity_rows :]  # [num_pages, b] own rows
         self.page_metrics = self.slot_metrics[self.num_identity_rows :]
-        self._compresses = np.ones(max_seqs, dtype=bool)
+        # Whether each sequence slot may be compressed (new_sequence's ``compresses``).
+        self._compresses = torch.ones(max_seqs, dtype=torch.bool, device=self.device)
         if identity_rows:
             self.slot_positions[: self.num_identity_rows] = torch.arange(
                 self.num_identity_rows * block_size, dtype=torch.int32, device=self.device
             ).view(-1, block_size)
             self.page_meta_row = torch.arange(num_pages, dtype=torch.int32, device=self.device) + self.num_identity_rows
-            self._compresses_device = torch.ones(max_seqs, dtype=torch.bool, device=self.device)
         self.page_shares = torch.zeros(num_pages, dtype=torch.int32, device=self.device)
         self._free_seq_slots = list(range(max_seqs - 1, -1, -1))
         # numpy views sharing the CPU tensors' memory: a decode step's append is a few
@@ -208,8 +208,6 @@ class PerHeadPagedCache:
             raise RuntimeError(f"all {self.max_seqs} sequence slots are in use")
         slot = self._free_seq_slots.pop()
         self._compresses[slot] = compresses
-        if self.page_meta_row is not None:
-            self._compresses_device[slot] = compresses
         return slot
 
     def metadata_by_page(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -222,7 +220,7 @@ class PerHeadPagedCache:
 
     def compresses(self, seq_slots) -> np.ndarray:
         """Whether each of ``seq_slots`` (host ints) was opened to be compressed."""
-        return self._compresses[np.asarray(seq_slots, dtype=np.int64)]
+        return self._compresses.cpu().numpy()[np.asarray(seq_slots, dtype=np.int64)]
 
     def _map_rows(self, seq_slots: torch.Tensor, pages: torch.Tensor, columns: torch.Tensor) -> None:
         """Rows of pages just placed at ``columns`` of heads of ``seq_slots`` (same
@@ -231,7 +229,7 @@ class PerHeadPagedCache:
         if self.page_meta_row is None or pages.numel() == 0:
             return
         own = pages.to(torch.int64) + self.num_identity_rows
-        rows = torch.where(self._compresses_device[seq_slots.to(torch.int64)], own, columns.to(torch.int64))
+        rows = torch.where(self._compresses[seq_slots.to(torch.int64)], own, columns.to(torch.int64))
         self.page_meta_row[pages.to(torch.int64)] = rows.to(torch.int32)
 
     def page_tables_of(
@@ -447,8 +445,7 @@ class PerHeadPagedCache:
             fill = self.ops.fill_page_tables if self.ops is not None else dispatch.fill_page_tables
             self.tables.assign(rows, old_pages.reshape(-1), pages, offsets, fill)
             if self.page_meta_row is not None:
-                head = torch.repeat_interleave(torch.arange(demand.numel(), device=device), demand)
-                column = old_pages.reshape(-1)[head] + torch.arange(pages.numel(), device=device) - offsets[head]
+                head, column = page_columns(old_pages.reshape(-1), offsets, pages.numel())
                 self._map_rows(rows[head] // num_heads_total, pages, column)
         self.head_lens[seq_slots] = new_lens
         if self.host is not None:
@@ -546,7 +543,7 @@ class PerHeadPagedCache:
         self.host.last_pages[slots, layers, heads] = pages
         if self.page_meta_row is not None:
             own = pages + self.num_identity_rows
-            self.page_meta_row.numpy()[pages] = np.where(self._compresses[slots], own, columns)
+            self.page_meta_row.numpy()[pages] = np.where(self._compresses.numpy()[slots], own, columns)
         return pages
 
     def _append_one_host(self, slots: np.ndarray, positions: torch.Tensor) -> AppendPlan:
