@@ -265,3 +265,37 @@ def test_compressing_in_a_cache_with_identity_rows_equals_without():
     held[~torch.tensor(compresses)] = False
     assert torch.equal(metrics[held], want_metrics[held])
     assert torch.equal(cache.slot_positions[:16], torch.arange(64, dtype=torch.int32).view(16, 4))
+
+
+@pytest.mark.parametrize("path", ["host", "device", "chunk"])
+def test_identity_rows_past_a_window_drop_hold_the_pages_token_blocks(path):
+    """A sliding-window head of a never-compressing sequence gives back its leading pages;
+    the pages it takes afterwards sit at table columns below their token blocks, and must
+    read the identity rows of their token blocks (positions past the dropped ones), as the
+    same cache without identity rows records them. Each append path: a decode step on the
+    host's numpy views, the device path of one-token appends, a multi-token chunk."""
+    block_size = 4
+    caches = [PerHeadPagedCache(64, 2, 2, block_size, max_seqs=2, max_pages_per_head=12, identity_rows=rows)
+              for rows in (False, True)]
+    for cache in caches:
+        if path == "device":
+            cache.host = None
+        slot = torch.tensor([cache.new_sequence(compresses=False)])
+        cache.append(slot, torch.tensor([13]), torch.arange(13))
+        cache.drop_leading_pages(slot, torch.tensor([[2, 0]]))  # layer 0 is windowed
+        if path == "chunk":
+            cache.append(slot, torch.tensor([9]), torch.arange(13, 22))
+        else:
+            for position in range(13, 22):
+                cache.append(slot, torch.tensor([1]), torch.tensor([position]))
+    lens = caches[0].head_lens[0]
+    assert torch.equal(caches[1].head_lens[0], lens) and int(lens[0, 0]) == 22 - 8
+    for cache in caches:
+        positions, _ = cache.metadata_by_page()
+        tables = cache.flat_page_tables()[0]
+        for layer in range(2):
+            for head in range(2):
+                held = int(lens[layer, head])
+                got = positions[tables[layer, head, : -(-held // block_size)].long()].reshape(-1)[:held]
+                first = 22 - held
+                assert torch.equal(got, torch.arange(first, 22, dtype=torch.int32)), (layer, head)

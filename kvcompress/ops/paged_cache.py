@@ -158,6 +158,10 @@ class PerHeadPagedCache:
         self.page_metrics = self.slot_metrics[self.num_identity_rows :]
         # Whether each sequence slot may be compressed (new_sequence's ``compresses``).
         self._compresses = torch.ones(max_seqs, dtype=torch.bool, device=self.device)
+        # [max_seqs, L] leading pages each layer's heads gave back (drop_leading_pages):
+        # table column c of such a head holds token block c + dropped, whose identity row
+        # that is (a sliding-window head of a never-compressing sequence).
+        self._dropped_pages = torch.zeros((max_seqs, num_layers), dtype=torch.int64, device=self.device)
         if identity_rows:
             self.slot_positions[: self.num_identity_rows] = torch.arange(
                 self.num_identity_rows * block_size, dtype=torch.int32, device=self.device
@@ -208,6 +212,7 @@ class PerHeadPagedCache:
             raise RuntimeError(f"all {self.max_seqs} sequence slots are in use")
         slot = self._free_seq_slots.pop()
         self._compresses[slot] = compresses
+        self._dropped_pages[slot] = 0
         return slot
 
     def metadata_by_page(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -222,14 +227,18 @@ class PerHeadPagedCache:
         """Whether each of ``seq_slots`` (host ints) was opened to be compressed."""
         return self._compresses.cpu().numpy()[np.asarray(seq_slots, dtype=np.int64)]
 
-    def _map_rows(self, seq_slots: torch.Tensor, pages: torch.Tensor, columns: torch.Tensor) -> None:
-        """Rows of pages just placed at ``columns`` of heads of ``seq_slots`` (same
-        shapes): the page's own row, or for a never-compressing sequence its column's
-        identity row."""
+    def _map_rows(
+        self, seq_slots: torch.Tensor, layers: torch.Tensor, pages: torch.Tensor, columns: torch.Tensor,
+    ) -> None:
+        """Rows of pages just placed at table ``columns`` of heads of ``seq_slots`` /
+        ``layers`` (same shapes): the page's own row, or for a never-compressing sequence
+        the identity row of its token block (the column past the layer's dropped pages)."""
         if self.page_meta_row is None or pages.numel() == 0:
             return
+        seq_slots = seq_slots.to(torch.int64)
         own = pages.to(torch.int64) + self.num_identity_rows
-        rows = torch.where(self._compresses[seq_slots.to(torch.int64)], own, columns.to(torch.int64))
+        block = columns.to(torch.int64) + self._dropped_pages[seq_slots, layers.to(torch.int64)]
+        rows = torch.where(self._compresses[seq_slots], own, block)
         self.page_meta_row[pages.to(torch.int64)] = rows.to(torch.int32)
 
     def page_tables_of(
@@ -296,6 +305,7 @@ class PerHeadPagedCache:
         fill = self.ops.fill_page_tables if self.ops is not None else dispatch.fill_page_tables
         self.tables.assign(head_rows[moved], torch.zeros_like(kept_pages), tables[moved][kept[moved]], offsets, fill)
         self.head_lens[seq_slots] -= drop * self.block_size
+        self._dropped_pages[seq_slots] += drop[:, :, 0]
         if self.host is not None:
             self.host.refresh_last_pages(self, seq_slots.numpy())
         return pages_freed
@@ -446,7 +456,8 @@ class PerHeadPagedCache:
             self.tables.assign(rows, old_pages.reshape(-1), pages, offsets, fill)
             if self.page_meta_row is not None:
                 head, column = page_columns(old_pages.reshape(-1), offsets, pages.numel())
-                self._map_rows(rows[head] // num_heads_total, pages, column)
+                layer = rows[head] % num_heads_total // self.num_kv_heads
+                self._map_rows(rows[head] // num_heads_total, layer, pages, column)
         self.head_lens[seq_slots] = new_lens
         if self.host is not None:
             self.host.refresh_last_pages(self, seq_slots.numpy())
@@ -525,7 +536,7 @@ class PerHeadPagedCache:
             rows, layers, heads = starts_page.nonzero(as_tuple=True)
             new_pages = self.allocator.allocate(count)
             self.tables.assign_one(seq_slots[rows], layers, heads, columns, new_pages)
-            self._map_rows(seq_slots[rows], new_pages, columns)
+            self._map_rows(seq_slots[rows], layers, new_pages, columns)
         self.head_lens[seq_slots] = old_lens + 1
         return self._place(seq_slots, page_column, write_offsets, positions)
 
@@ -543,7 +554,8 @@ class PerHeadPagedCache:
         self.host.last_pages[slots, layers, heads] = pages
         if self.page_meta_row is not None:
             own = pages + self.num_identity_rows
-            self.page_meta_row.numpy()[pages] = np.where(self._compresses.numpy()[slots], own, columns)
+            block = columns + self._dropped_pages.numpy()[slots, layers]
+            self.page_meta_row.numpy()[pages] = np.where(self._compresses.numpy()[slots], own, block)
         return pages
 
     def _append_one_host(self, slots: np.ndarray, positions: torch.Tensor) -> AppendPlan:
