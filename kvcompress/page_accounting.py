@@ -19,11 +19,25 @@ H_r`` on each rank) belong to the prefix cache, counted once (:meth:`cache_group
 however many requests hold it; a request's first ``shared_blocks`` token blocks are
 such groups (hits, or its own blocks the cache took) and only its pages past them
 are its own.
+
+With ``rows_per_page`` (the CPU engine's cache, docs/design-61-metadata-rows.md), a
+request that compresses (:meth:`PageAccounting.note_compresses`) also holds the pages its
+own pages' slot positions and metrics are carved from: ``ceil(own / rows_per_page)`` per
+rank (:func:`row_pages_for`), which the worker's cache keeps packed by the same formula;
+a request that never compresses holds none (its pages read shared identity rows).
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+
+def row_pages_for(own_pages, rows_per_page: int | None):
+    """Metadata pages a compressing request holds for ``own_pages`` pages of its own (an
+    int or an int64 array, per rank): ``ceil(own / rows_per_page)``; 0 without rows."""
+    if rows_per_page is None:
+        return own_pages * 0
+    return -(-own_pages // rows_per_page)
 
 
 def live_sequence_limit(num_pages: int, pages_per_token_block: int, max_num_seqs: int) -> int:
@@ -80,9 +94,12 @@ class PageAccounting:
         num_ranks: int = 1,
         compressible_layers: tuple[int, ...] | None = None,
         layer_windows: tuple[int | None, ...] | None = None,
+        rows_per_page: int | None = None,
     ) -> None:
         """``layer_windows``: each layer's sliding window (tokens; None: full attention),
-        whose heads :meth:`drop_behind_windows` shortens (None: no windowed layer)."""
+        whose heads :meth:`drop_behind_windows` shortens (None: no windowed layer).
+        ``rows_per_page``: metadata rows a page holds, when compressing requests pay for
+        theirs in pages (:func:`row_pages_for`; None: no such pages)."""
         if num_ranks < 1 or num_kv_heads % num_ranks:
             raise ValueError(
                 f"{num_kv_heads} KV heads cannot be split evenly over {num_ranks} ranks"
@@ -103,6 +120,7 @@ class PageAccounting:
         self.num_ranks = num_ranks
         self.heads_per_rank = num_kv_heads // num_ranks
         self.block_size = block_size
+        self.rows_per_page = rows_per_page
         self.free_pages = np.full(num_ranks, num_pages, np.int64)
         self.head_lens = np.zeros((max_requests, num_layers, num_kv_heads), np.int64)
         self.logical_lens = np.zeros(max_requests, np.int64)
@@ -111,6 +129,9 @@ class PageAccounting:
         self.pending = np.zeros(max_requests, bool)
         self.num_pending = 0  # pending.sum(), kept as a Python int (read every step)
         self.shared_blocks = np.zeros(max_requests, np.int64)
+        # Whether each request compresses (rows_per_page: it then holds metadata pages).
+        self.compresses = np.zeros(max_requests, bool)
+        self._compressing_ids: set[str] = set()
         # [max_requests, L] leading token blocks each layer's heads gave back (windows only).
         self.dropped_blocks = np.zeros((max_requests, num_layers), np.int64)
         self.cached_groups = 0
@@ -161,6 +182,7 @@ class PageAccounting:
                 self._grow_rows()
             row = self._free_rows.pop()
             self._row_of[request_id] = row
+            self.compresses[row] = request_id in self._compressing_ids
         return row
 
     def _grow_rows(self) -> None:
@@ -173,17 +195,44 @@ class PageAccounting:
         self.room = np.concatenate([self.room, np.zeros(old, np.int64)])
         self.pending = np.concatenate([self.pending, np.zeros(old, bool)])
         self.shared_blocks = np.concatenate([self.shared_blocks, np.zeros(old, np.int64)])
+        self.compresses = np.concatenate([self.compresses, np.zeros(old, bool)])
         self.dropped_blocks = np.concatenate([self.dropped_blocks, np.zeros_like(self.dropped_blocks)])
         self._free_rows.extend(range(2 * old - 1, old - 1, -1))
 
     def _pages(self, lens: np.ndarray) -> np.ndarray:
         return (lens + self.block_size - 1) // self.block_size
 
-    def _held(self, lens: np.ndarray, shared: np.ndarray | int) -> np.ndarray:
+    def _held(self, lens: np.ndarray, shared: np.ndarray | int, compresses: np.ndarray | bool = False) -> np.ndarray:
         """``[..., T]`` pages of heads ``lens`` (``[..., L, H]``) past their first
-        ``shared`` (``[...]``) pages, which are prefix-cache page groups."""
+        ``shared`` (``[...]``) pages, which are prefix-cache page groups, and for
+        ``compresses`` (``[...]``) requests the metadata pages of those."""
         shared = np.asarray(shared, np.int64)[..., None, None]
-        return self._per_rank(np.maximum(self._pages(lens) - shared, 0))
+        own = self._per_rank(np.maximum(self._pages(lens) - shared, 0))
+        return own + self._row_pages(own, compresses)
+
+    def _row_pages(self, own: np.ndarray, compresses: np.ndarray | bool) -> np.ndarray:
+        """Metadata pages of ``own`` (``[..., T]``) pages of requests that ``compresses``."""
+        if self.rows_per_page is None:
+            return np.zeros_like(own)
+        return np.where(np.asarray(compresses)[..., None], row_pages_for(own, self.rows_per_page), 0)
+
+    def pages_for_lens(self, head_lens: np.ndarray, shared_blocks: int, compresses: bool) -> np.ndarray:
+        """``[T]`` pages a request with ``head_lens`` (``[L, H]``), ``shared_blocks``
+        prefix-cache blocks and ``compresses`` holds on each rank."""
+        return self._held(np.asarray(head_lens, np.int64), shared_blocks, compresses)
+
+    def note_compresses(self, request_id: str, compresses: bool) -> None:
+        """Whether the request compresses (before it holds pages: with ``rows_per_page``
+        its metadata pages depend on it)."""
+        if compresses:
+            self._compressing_ids.add(request_id)
+        else:
+            self._compressing_ids.discard(request_id)
+        row = self._row_of.get(request_id)
+        if row is not None and bool(self.compresses[row]) != compresses:
+            if self.pages_held_per_row[row].any():
+                raise RuntimeError(f"request {request_id} changed whether it compresses while holding pages")
+            self.compresses[row] = compresses
 
     def _room(self, lens: np.ndarray) -> int:
         """Tokens every head of ``lens`` can take before one of them needs a page."""
@@ -250,7 +299,8 @@ class PageAccounting:
         """``[num_ranks]`` new pages each rank's pool gives for ``target_tokens`` tokens."""
         row = self._row_of.get(request_id)
         if row is None:
-            return np.full(self.num_ranks, self._pages_per_rank_from_nothing(target_tokens), np.int64)
+            needed = self._pages_per_rank_from_nothing(target_tokens, request_id in self._compressing_ids)
+            return np.full(self.num_ranks, needed, np.int64)
         if request_id in self.deferred_growth:  # other rows' growth changes no page count
             self.sync()
         growth = target_tokens - int(self.logical_lens[row])
@@ -258,7 +308,7 @@ class PageAccounting:
             return np.zeros(self.num_ranks, np.int64)
         if self.pending[row]:
             return self._pending_growth_bound(growth)
-        new_pages = self._held(self.head_lens[row] + growth, self.shared_blocks[row])
+        new_pages = self._held(self.head_lens[row] + growth, self.shared_blocks[row], self.compresses[row])
         return new_pages - self.pages_held_per_row[row]
 
     def shortfall(self, request_id: str, target_tokens: int, reserve_per_rank: int = 0) -> int:
@@ -267,19 +317,22 @@ class PageAccounting:
         rank; <= 0: it fits (T = 1: needed + reserve - free)."""
         if self.num_ranks == 1 and request_id not in self._row_of:
             # A waiting request (vLLM asks for one every step while it waits): ints only.
-            needed = self._pages_per_rank_from_nothing(target_tokens)
+            needed = self._pages_per_rank_from_nothing(target_tokens, request_id in self._compressing_ids)
             return needed + reserve_per_rank - int(self.free_pages[0])
         needed = self.pages_to_grow_per_rank(request_id, target_tokens)
         return int((needed + reserve_per_rank - self.free_pages).max())
 
-    def _pages_per_rank_from_nothing(self, target_tokens: int) -> int:
+    def _pages_per_rank_from_nothing(self, target_tokens: int, compresses: bool = False) -> int:
         """Pages each rank's pool gives a request holding none for ``target_tokens``."""
-        return -(-max(target_tokens, 0) // self.block_size) * self.pages_per_token_block_per_rank
+        pages = -(-max(target_tokens, 0) // self.block_size) * self.pages_per_token_block_per_rank
+        return pages + (row_pages_for(pages, self.rows_per_page) if compresses else 0)
 
     def _pending_growth_bound(self, growth: int) -> np.ndarray:
-        # A head of unknown length needs at most ceil(growth / b) new pages.
+        # A head of unknown length needs at most ceil(growth / b) new pages, and k new
+        # own pages at most ceil(k / rows_per_page) metadata pages (only compressing
+        # requests are ever pending).
         pages = self.pages_per_token_block_per_rank * (-(-growth // self.block_size))
-        return np.full(self.num_ranks, pages, np.int64)
+        return np.full(self.num_ranks, pages + row_pages_for(pages, self.rows_per_page), np.int64)
 
     def grow(self, request_id: str, target_tokens: int) -> int:
         """Extend every head to cover ``target_tokens`` logical tokens; returns pages taken."""
@@ -300,7 +353,7 @@ class PageAccounting:
         if self.pending[row]:
             held = self.pages_held_per_row[row] + self._pending_growth_bound(growth)
         else:
-            held = self._held(new_lens, self.shared_blocks[row])
+            held = self._held(new_lens, self.shared_blocks[row], self.compresses[row])
         taken = held - self.pages_held_per_row[row]
         if (taken > self.free_pages).any():
             if is_new:  # refused before it held anything: no row
@@ -324,7 +377,8 @@ class PageAccounting:
 
     def mark_compressed(self, request_id: str, evict_blocks) -> None:
         """A compression that frees exactly ``evict_blocks`` pages runs this step: an
-        int (T = 1) or one count per rank."""
+        int (T = 1) or one count per rank (with ``rows_per_page``, the metadata pages
+        its own pages then no longer need go too)."""
         self.sync()
         row = self._row_of[request_id]
         if self.pending[row]:
@@ -332,10 +386,12 @@ class PageAccounting:
         evict = np.asarray(evict_blocks, np.int64).reshape(-1)
         if evict.shape != (self.num_ranks,):
             raise ValueError(f"need one page count per rank ({self.num_ranks}), got {evict_blocks}")
-        if (evict > self.pages_held_per_row[row]).any() or (evict < 0).any():
+        own = self._held(self.head_lens[row], self.shared_blocks[row])
+        if (evict > own).any() or (evict < 0).any():
             raise ValueError(f"cannot evict {evict_blocks} pages from request {request_id}")
-        self.pages_held_per_row[row] -= evict
-        self.free_pages += evict
+        freed = self.pages_held_per_row[row] - (own - evict + self._row_pages(own - evict, self.compresses[row]))
+        self.pages_held_per_row[row] -= freed
+        self.free_pages += freed
         self.changes += 1
         self.pending[row] = True
         self.num_pending += 1
@@ -349,7 +405,7 @@ class PageAccounting:
         row = self._row_of.get(request_id)
         if row is None:
             return 0
-        held = self._held(np.asarray(head_lens, np.int64), self.shared_blocks[row])
+        held = self._held(np.asarray(head_lens, np.int64), self.shared_blocks[row], self.compresses[row])
         surplus = self.pages_held_per_row[row] - held
         self.changes += 1
         self.head_lens[row] = head_lens
@@ -372,7 +428,7 @@ class PageAccounting:
         row = self._row_of[request_id]
         if np.any(head_lens > self.head_lens[row]):
             raise ValueError("set_head_lens can only shrink heads")
-        held = self._held(head_lens, self.shared_blocks[row])
+        held = self._held(head_lens, self.shared_blocks[row], self.compresses[row])
         freed = self.pages_held_per_row[row] - held
         self.changes += 1
         self.head_lens[row] = head_lens
@@ -413,8 +469,10 @@ class PageAccounting:
             by_layer[layers] = np.maximum(drop[index], 0)
             self.dropped_blocks[row] += by_layer
             self.head_lens[row] -= by_layer[:, None] * self.block_size
-            freed = by_layer.sum() * self.heads_per_rank  # every rank's heads of those layers
-            self.pages_held_per_row[row] -= freed
+            # Every rank's heads of those layers, and the metadata pages they needed.
+            held = self._held(self.head_lens[row], self.shared_blocks[row], self.compresses[row])
+            freed = self.pages_held_per_row[row] - held
+            self.pages_held_per_row[row] = held
             self.free_pages += freed
             drops[ids[index]] = by_layer
         self.changes += 1
@@ -441,6 +499,8 @@ class PageAccounting:
         self.pending[row] = False
         self.shared_blocks[row] = 0
         self.dropped_blocks[row] = 0
+        self.compresses[row] = False
+        self._compressing_ids.discard(request_id)
         self._free_rows.append(row)
         self.free_pages += freed
         return freed
@@ -454,9 +514,11 @@ class PageAccounting:
         self.sync()
         row = self._row(request_id)
         old = int(self.shared_blocks[row])
-        pages = self._pages(self.head_lens[row])
-        moved = self._per_rank(np.clip(pages, old, num_blocks) - old)
         self.shared_blocks[row] = num_blocks
+        if self.pending[row]:  # an upper bound is held: adopt recounts the metadata pages
+            moved = self._per_rank(np.clip(self._pages(self.head_lens[row]), old, num_blocks) - old)
+        else:  # the pages and the metadata pages they needed
+            moved = self.pages_held_per_row[row] - self._held(self.head_lens[row], num_blocks, self.compresses[row])
         self.pages_held_per_row[row] -= moved
         self.free_pages += moved
 
@@ -502,7 +564,7 @@ class PageAccounting:
             if self.capacity.get(request_id) != expected:
                 raise AssertionError(f"capacity of {request_id} drifted from its room")
         rows = np.fromiter(self._row_of.values(), np.int64, len(self._row_of))
-        recount = self._held(self.head_lens[rows], self.shared_blocks[rows])  # [rows, T]
+        recount = self._held(self.head_lens[rows], self.shared_blocks[rows], self.compresses[rows])  # [rows, T]
         exact = ~self.pending[rows]
         if not np.array_equal(recount[exact], self.pages_held_per_row[rows][exact]):
             raise AssertionError("per-request page counts drifted from head lengths")
