@@ -44,7 +44,7 @@ from kvcompress.budget import RequestBudget, RequestFieldError, blocks_to_evict,
 from kvcompress.config import KVCompressConfig
 from kvcompress.contract import CompressionOrder, RequestCompression, WorkerReport
 from kvcompress.engine_stats import KVCompressStats, PolicyTotals
-from kvcompress.page_accounting import PageAccounting
+from kvcompress.page_accounting import PageAccounting, row_pages_for
 from kvcompress.policies import POLICY_NAMES, Policy
 
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -598,7 +598,9 @@ class CompressionPlanner:
             if lens is not None:  # pages past its shared blocks, from the reported lengths
                 head_pages = (np.asarray(lens, np.int64) + accounting.block_size - 1) // accounting.block_size
                 shared = self.step.released_shared_blocks.get(request_id, 0)
-                pages = int(np.maximum(head_pages - shared, 0).sum())
+                own = int(np.maximum(head_pages - shared, 0).sum())
+                # It compressed, so it held the metadata pages of its own pages too.
+                pages = own + int(row_pages_for(own, accounting.rows_per_page))
             if held is not None:
                 held[request_id] = pages
             free -= pages

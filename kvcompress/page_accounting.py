@@ -486,6 +486,7 @@ class PageAccounting:
         """Forget the request; returns ``[num_ranks]`` pages freed in each rank's pool."""
         self.sync()
         self.capacity.pop(request_id, None)
+        self._compressing_ids.discard(request_id)
         row = self._row_of.pop(request_id, None)
         if row is None:
             return np.zeros(self.num_ranks, np.int64)
@@ -500,7 +501,6 @@ class PageAccounting:
         self.shared_blocks[row] = 0
         self.dropped_blocks[row] = 0
         self.compresses[row] = False
-        self._compressing_ids.discard(request_id)
         self._free_rows.append(row)
         self.free_pages += freed
         return freed

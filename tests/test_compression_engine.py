@@ -60,12 +60,26 @@ def _params(max_tokens: int, **extra):
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, extra_args=extra or None)
 
 
-def _assert_exact_accounting(stats: dict) -> None:
+def _kv_pages(request: dict, block_size: int) -> int:
+    return sum(math.ceil(n / block_size) for layer in request["head_lens"] for n in layer)
+
+
+def _rows_per_page(llm) -> int:
+    """Slot metadata rows (block_size int32 positions, as many float32 metrics) a page's
+    K / V bytes hold on the CPU engine (docs/design-61-metadata-rows.md)."""
+    model = llm.llm_engine.vllm_config.model_config
+    return model.get_head_size() * model.dtype.itemsize // 4
+
+
+def _assert_exact_accounting(stats: dict, rows_per_page: int) -> None:
+    """Every request here compresses: it holds the pages of its heads and the metadata
+    pages of those, ceil(pages / rows_per_page)."""
     held_total = 0
     for request in stats["requests"].values():
-        ceil_sum = sum(math.ceil(n / stats["block_size"]) for layer in request["head_lens"] for n in layer)
-        assert request["pages_held"] == ceil_sum
-        held_total += ceil_sum
+        ceil_sum = _kv_pages(request, stats["block_size"])
+        expected = ceil_sum + math.ceil(ceil_sum / rows_per_page)
+        assert request["pages_held"] == expected
+        held_total += expected
     assert held_total + stats["num_free"] == stats["num_pages"]
 
 
@@ -81,7 +95,7 @@ def test_compressing_a_prompt_frees_pages_down_to_the_budget(compress_llm, rate)
     while engine.has_unfinished_requests():
         engine.step()
         stats = page_stats(compress_llm)
-        _assert_exact_accounting(stats)
+        _assert_exact_accounting(stats, _rows_per_page(compress_llm))
         if snapshot is None and stats["compressions_after_prefill"] > before:
             snapshot = stats
     assert snapshot is not None, "the sequence was never compressed"
@@ -90,9 +104,10 @@ def test_compressing_a_prompt_frees_pages_down_to_the_budget(compress_llm, rate)
     keep = max(128, math.ceil(prompt_len / rate)) + PROTECTED_WINDOW
     bound = math.ceil(keep * heads / BLOCK) + heads
     uncompressed = heads * math.ceil((prompt_len + 1) / BLOCK)
-    assert request["pages_held"] <= bound
-    assert request["pages_held"] >= math.ceil(keep * heads / BLOCK)  # no over-eviction
-    assert request["pages_held"] < uncompressed / rate * 1.25
+    kv_pages = _kv_pages(request, BLOCK)  # (the rest: its metadata pages, checked above)
+    assert kv_pages <= bound
+    assert kv_pages >= math.ceil(keep * heads / BLOCK)  # no over-eviction
+    assert kv_pages < uncompressed / rate * 1.25
     # Heads are compressed at different rates but none lost its protected window.
     lens = np.array(request["head_lens"])
     assert lens.min() >= PROTECTED_WINDOW and lens.sum() >= keep * heads - heads * BLOCK
@@ -138,7 +153,7 @@ def test_waiting_requests_get_running_ones_recompressed(compress_llm):
             if output.finished:
                 finished[output.request_id] = len(output.outputs[0].token_ids)
         stats = page_stats(compress_llm)
-        _assert_exact_accounting(stats)
+        _assert_exact_accounting(stats, _rows_per_page(compress_llm))
         if stats["compressions_to_admit"] > previous["compressions_to_admit"]:
             assert waited, "running requests recompressed for admission with nothing waiting"
             recompressing_steps += 1
@@ -200,7 +215,7 @@ def test_every_option_runs_in_the_engine(tiny_model):
         while engine.has_unfinished_requests():
             engine.step()
             stats = page_stats(llm)
-            _assert_exact_accounting(stats)
+            _assert_exact_accounting(stats, _rows_per_page(llm))
             # The worker's own view (the engine core keeps stepping between the calls):
             # a request is compressed when a head holds fewer KVs than its context.
             for heads in llm.collective_rpc("kvc_kept_positions")[0].values():

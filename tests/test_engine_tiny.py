@@ -122,10 +122,16 @@ def test_pages_held_equal_ceil_of_head_lengths_and_all_pages_return(kvc_tiny_llm
     assert final["mismatches"] == 0
     assert worker["num_free"] + worker["held_by_live_requests"] == worker["num_pages"]
     # The pool is vLLM's whole KV buffer, re-cut into per-(layer, head) pages, less the
-    # scratch page that decode padding rows write into.
+    # scratch page that decode padding rows write into and, on CPU, the pages whose bytes
+    # hold the identity positions (one row of b int32 per token block of max_model_len,
+    # head_dim * dtype_bytes / 4 rows a page).
     assert worker["num_pages"] == final["num_pages"]
     config = kvc_tiny_llm.llm_engine.vllm_config
     model = config.model_config
     num_layers = model.get_num_layers(config.parallel_config)
     num_kv_heads = model.get_num_kv_heads(config.parallel_config)
-    assert worker["num_pages"] == config.cache_config.num_gpu_blocks * num_layers * num_kv_heads - 1
+    block = config.cache_config.block_size
+    rows_per_page = model.get_head_size() * model.dtype.itemsize // 4
+    identity_pages = math.ceil(math.ceil(model.max_model_len / block) / rows_per_page)
+    expected_pages = config.cache_config.num_gpu_blocks * num_layers * num_kv_heads - 1 - identity_pages
+    assert identity_pages >= 1 and worker["num_pages"] == expected_pages

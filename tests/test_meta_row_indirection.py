@@ -188,83 +188,8 @@ def test_backends_that_index_metadata_by_page_are_not_chosen_for_a_pool_with_row
         rows.tensors()
 
 
-# -- the cache's identity rows (sequences that never compress) --------------------------
-
-
-def _grown(identity_rows, compresses, seed, host_path=True):
-    """A cache grown by prompts then decode steps for sequences opened with
-    ``compresses``, K / V written, metrics made up for the compressing ones."""
-    gen = torch.Generator().manual_seed(seed)
-    block_size, heads, layers, head_dim = 4, 2, 2, 8
-    cache = PerHeadPagedCache(200, layers, heads, block_size, max_seqs=len(compresses), max_pages_per_head=16,
-                              identity_rows=identity_rows)
-    if not host_path:
-        cache.host = None  # the device path of appends (CUDA's), run on CPU tensors
-    buffer = torch.randn(200, 2, block_size, head_dim, generator=gen)
-    key_cache, value_cache = buffer[:, 0], buffer[:, 1]
-    slots = torch.tensor([cache.new_sequence(compresses=c) for c in compresses])
-    lengths = torch.randint(3, 20, (len(compresses),), generator=gen)
-    first = lengths // 2  # the prompts in two chunks: the second starts past held pages
-    cache.append(slots, first, torch.cat([torch.arange(int(n)) for n in first]))
-    cache.append(slots, lengths - first, torch.cat([torch.arange(int(a), int(n)) for a, n in zip(first, lengths)]))
-    for step in range(7):
-        cache.append(slots, torch.ones_like(lengths), lengths + step)
-    cache.page_metrics.copy_(torch.rand(cache.page_metrics.shape, generator=gen))
-    return cache, cache.kv_pool(key_cache, value_cache), slots, lengths + 7
-
-
-@pytest.mark.parametrize("host_path", [True, False])
-def test_never_compressing_pages_read_identity_rows_and_attention_is_unchanged(host_path):
-    compresses = [False, True, False, True, False]
-    plain, plain_pool, slots, lengths = _grown(False, compresses, 20, host_path)
-    cache, pool, _, _ = _grown(True, compresses, 20, host_path)
-    identity = torch.arange(16 * 4, dtype=torch.int32).view(16, 4)
-    assert torch.equal(cache.slot_positions[:16], identity)  # never written
-    tables = cache.flat_page_tables()
-    for s, compressing in enumerate(compresses):
-        held = -(-cache.head_lens[s] // 4)  # [L, H]
-        for layer in range(2):
-            for head in range(2):
-                pages = tables[s, layer, head, : int(held[layer, head])].long()
-                want = pages + 16 if compressing else torch.arange(pages.numel())
-                assert torch.equal(cache.page_meta_row[pages].long(), want)
-    positions, _ = cache.metadata_by_page()
-    held_pages = tables[torch.arange(5)].flatten()[:0]
-    for s in range(5):
-        for layer in range(2):
-            for head in range(2):
-                pages = tables[s, layer, head, : -(-int(lengths[s]) // 4)].long()
-                held_pages = torch.cat([held_pages, pages])
-                got = positions[pages].reshape(-1)[: int(lengths[s])]
-                assert torch.equal(got, torch.arange(int(lengths[s]), dtype=torch.int32))
-    query = torch.randn(5, 4, 8, generator=torch.Generator().manual_seed(1))
-    batch = PagedBatch(cache.page_tables_of(slots, 16, layer=1).long(), cache.head_lens[slots, 1],
-                       list(range(6)), (lengths - 3).long(), sliding_window=6)
-    expected = reference_paged_attention(query, plain_pool, batch, SCALE)
-    assert torch.equal(reference_paged_attention(query, pool, batch, SCALE), expected)
-
-
-def test_compressing_in_a_cache_with_identity_rows_equals_without():
-    compresses = [True, False, True]
-    plain, plain_pool, slots, lengths = _grown(False, compresses, 21)
-    cache, pool, _, _ = _grown(True, compresses, 21)
-    cache.page_metrics.copy_(plain.page_metrics)
-    with pytest.raises(ValueError, match="compresses=False"):
-        compress_sequences(cache, pool, slots, torch.tensor([1, 1, 1]), lengths, 2, 1)
-    chosen = slots[torch.tensor(compresses)]
-    evict, context = torch.tensor([2, 3]), lengths[torch.tensor(compresses)]
-    expected = compress_sequences(plain, plain_pool, chosen, evict, context, 2, 1)
-    got = compress_sequences(cache, pool, chosen, evict, context, 2, 1)
-    assert expected.pages_freed > 0 and torch.equal(got.new_head_lens, expected.new_head_lens)
-    assert torch.equal(pool.key_cache, plain_pool.key_cache)
-    want_metrics, want_positions, want_tables = gather_logical(plain, slots)
-    metrics, positions, tables = gather_logical(cache, slots, pool=pool)
-    held = torch.arange(positions.shape[-1]) < cache.head_lens[slots].unsqueeze(-1)
-    assert torch.equal(tables, want_tables) and torch.equal(positions[held], want_positions[held])
-    # Metrics only mean something for sequences that compress (the others read identity rows).
-    held[~torch.tensor(compresses)] = False
-    assert torch.equal(metrics[held], want_metrics[held])
-    assert torch.equal(cache.slot_positions[:16], torch.arange(64, dtype=torch.int32).view(16, 4))
+# -- the cache's identity rows (sequences that never compress; row pages of those that do:
+# tests/test_metadata_row_pages.py) -------------------------------------------------------
 
 
 @pytest.mark.parametrize("path", ["host", "device", "chunk"])

@@ -66,6 +66,7 @@ class DecodeBatchPlan:
         # [L, B, H] int64 flat slot (page * block_size + offset) of the last KV: in
         # slot_positions / slot_metrics, and vLLM's KV write op's targets (int64 only).
         self._write_slots = np.zeros((0, 0, 0), np.int64)
+        self._meta_slots = np.zeros((0, 0, 0), np.int64)  # where their positions go
         self._tables = np.zeros((0, 0, 0), np.int32)  # [L, B * H, P]
         self._uniform = True
         # Steps every head can still take in its last page before one needs a new page.
@@ -113,6 +114,7 @@ class DecodeBatchPlan:
         offsets = appended.write_offsets.numpy()
         tables, lens = decode_tables(block_size, cache.tables, slots, cache.host.head_lens[slots])
         self._write_slots = self._write_pages * block_size + offsets
+        self._meta_slots = cache.meta_slots(self._write_pages, offsets)
         self._counters = np.stack([lens, offsets]).astype(np.int32)
         self._uniform = lens_agree_across_layers(lens) if uniform is None else uniform
         self._room = block_size - 1 - int(offsets.max())
@@ -137,6 +139,7 @@ class DecodeBatchPlan:
         counters = self._counters
         counters += 1
         self._write_slots += 1
+        self._meta_slots += 1
         if self._room > 0:
             self._room -= 1
         else:
@@ -146,7 +149,7 @@ class DecodeBatchPlan:
                 self._take_pages(slots, starts_page)
             self._room = self.cache.block_size - 1 - int(offsets.max())
         host.head_lens[slots] = counters[0].transpose(1, 0, 2)
-        host.place(self._write_slots, positions[None, :, None])
+        host.place(self._meta_slots, positions[None, :, None])
 
     def _take_pages(self, slots: np.ndarray, starts_page: np.ndarray) -> None:
         """New pages for the heads whose last page is full (``starts_page [L, B, H]``),
@@ -160,6 +163,7 @@ class DecodeBatchPlan:
         self._write_pages[layers, rows, heads] = pages
         offsets[layers, rows, heads] = 0
         self._write_slots[layers, rows, heads] = pages * block_size
+        self._meta_slots[layers, rows, heads] = cache.meta_slots(pages, 0)
         if int(columns.max()) >= self._tables.shape[2]:  # the longest head grew a column
             tables, _ = decode_tables(block_size, cache.tables, slots, lens.transpose(1, 0, 2))
             self._set_tables(tables)

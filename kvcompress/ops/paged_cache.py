@@ -15,14 +15,19 @@ The state every other op reads:
   stored in each slot (accumulated attention; 0 for a freshly written KV). It moves
   with the KV when MoveCache compacts a head.
 - ``page_meta_row`` (``identity_rows``; else None: row = page id): ``[num_pages]`` int32,
-  the row holding each page's positions and metrics. Rows ``[0, P)`` hold the identity
-  positions of column ``c`` (``c * b + j``) and are never written: the pages of a
-  sequence that never compresses (``new_sequence(compresses=False)``) point at the row
-  of their column, since its heads keep every KV in position order. A compressing
-  sequence's page ``n`` has a row of its own, ``P + n``; every append writes there
-  (``page_positions`` / ``page_metrics``, the ``[num_pages, b]`` view of those rows),
-  so a page's own row is right whichever sequence reads it later (issue 61,
-  docs/design-61-metadata-rows.md: the step before those rows stop costing memory).
+  the row holding each page's positions and metrics (issue 61,
+  docs/design-61-metadata-rows.md). Rows are carved from pages: row ``p * R + k`` is the
+  ``k``-th of page ``p``'s ``R = rows_per_page`` (``slot_positions`` / ``slot_metrics``
+  are then views of the pages' K / V bytes, given as ``metadata``). The
+  ``identity_pages`` past the allocator's pages hold the identity rows: token block
+  ``c``'s row (``identity_row0 + c``) holds positions ``c * b + j``; the pages of a
+  sequence that never compresses (``new_sequence(compresses=False)``) point at their
+  token block's row, since its heads keep every KV in position order (appends write the
+  same values there), and so do the pages the prefix cache takes. A compressing
+  sequence's own pages have rows of its own, packed into its ``row_pages`` (the k-th of
+  its ``rows_used`` rows is row ``k % R`` of its ``k // R``-th row page): it holds
+  ``ceil(own pages / R)`` pages more, re-packed whenever it lets pages go, the count the
+  scheduler's ``PageAccounting(rows_per_page=R)`` keeps (``row_pages_for``).
 - ``page_shares``: ``[num_pages]`` int32, holders of each page beyond the first. A
   shared prefix (:meth:`PerHeadPagedCache.share_prefix`: the same uncompressed leading
   pages in several sequence slots, e.g. a prefix-cache hit) is held by every slot that
@@ -52,7 +57,21 @@ from kvcompress.ops.page_tables import ChunkedPageTables, fill_page_tables, page
 # (``slot_positions``, ``slot_metrics``).
 SLOT_METADATA_BYTES = 4 + 4
 
-__all__ = ["AppendPlan", "ChunkedPageTables", "PerHeadPagedCache", "fill_page_tables", "pages_for"]
+__all__ = ["AppendPlan", "ChunkedPageTables", "PerHeadPagedCache", "fill_page_tables", "identity_pages_for",
+           "pages_for", "rows_per_page_for"]
+
+
+def rows_per_page_for(head_dim: int, dtype_bytes: int) -> int:
+    """Metadata rows (``block_size`` int32 positions in K's bytes, as many float32 metrics
+    in V's) one page of ``block_size x head_dim`` elements of ``dtype_bytes`` holds."""
+    if head_dim * dtype_bytes % 4:
+        raise ValueError(f"a page row of {head_dim} x {dtype_bytes} bytes does not hold whole int32 words")
+    return head_dim * dtype_bytes // 4
+
+
+def identity_pages_for(max_pages_per_head: int, rows_per_page: int) -> int:
+    """Pages the identity rows (one per token block of the longest head) take."""
+    return -(-max_pages_per_head // rows_per_page)
 
 
 def pages_for(lengths, block_size: int):
@@ -73,23 +92,23 @@ class HostViews:
     """
 
     head_lens: np.ndarray
-    page_positions: np.ndarray
-    page_metrics: np.ndarray
+    slot_positions: np.ndarray
+    slot_metrics: np.ndarray
     last_pages: np.ndarray
 
     @classmethod
     def of(cls, cache: "PerHeadPagedCache") -> "HostViews":
         return cls(
-            cache.head_lens.numpy(), cache.page_positions.numpy(), cache.page_metrics.numpy(),
+            cache.head_lens.numpy(), cache.slot_positions.numpy(), cache.slot_metrics.numpy(),
             np.zeros(cache.head_lens.shape, np.int64),
         )
 
-    def place(self, flat_slots: np.ndarray, positions: np.ndarray) -> None:
-        """New KVs at ``flat_slots`` (``page * block_size + offset``): their positions
-        (``positions``, broadcast to ``flat_slots``) recorded, their metrics zeroed, in
-        the pages' own rows (``PerHeadPagedCache.page_positions`` / ``page_metrics``)."""
-        self.page_positions.reshape(-1)[flat_slots] = positions
-        self.page_metrics.reshape(-1)[flat_slots] = 0.0
+    def place(self, meta_slots: np.ndarray, positions: np.ndarray) -> None:
+        """New KVs at flat metadata slots ``meta_slots`` (``row * block_size + offset``,
+        :meth:`PerHeadPagedCache.meta_slots`): their positions (``positions``, broadcast
+        to ``meta_slots``) recorded, their metrics zeroed."""
+        self.slot_positions.reshape(-1)[meta_slots] = positions
+        self.slot_metrics.reshape(-1)[meta_slots] = 0.0
 
     def refresh_last_pages(self, cache: "PerHeadPagedCache", slots: np.ndarray) -> None:
         """Re-read the last page of every head of ``slots`` (after a general append or a
@@ -126,13 +145,19 @@ class PerHeadPagedCache:
         ops: KernelOps | None = None,
         max_shared_pages_per_head: int = 0,
         identity_rows: bool = False,
+        rows_per_page: int = 1,
+        metadata: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """``ops``: the engine's resolved ops, whose ``fill_page_tables`` :meth:`append`
         uses (None: the backend selected at each call). ``max_shared_pages_per_head``:
         the longest prefix of cached page groups a head may adopt
         (:meth:`reserve_prefix`; 0 without prefix caching). ``identity_rows``: metadata
-        through ``page_meta_row``, never-compressing sequences on identity rows (every
-        op the pool runs must read rows: ``KernelBackend.meta_rows``)."""
+        in rows carved from pages, ``rows_per_page`` a page (every op the pool runs must
+        read rows: ``KernelBackend.meta_rows``; a CPU cache), never-compressing sequences
+        on identity rows; ``metadata``: the ``(positions int32, metrics float32)``
+        ``[(num_pages + identity_pages_for(max_pages_per_head, rows_per_page)) *
+        rows_per_page, block_size]`` views of the pages' bytes (None: tensors of their
+        own, e.g. in tests)."""
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.block_size = block_size
@@ -148,25 +173,20 @@ class PerHeadPagedCache:
         self.head_lens = torch.zeros(
             (max_seqs, num_layers, num_kv_heads), dtype=torch.int64, device=self.device
         )
-        # Rows [0, I): identity positions of each column; row I + n: page n's own.
-        self.num_identity_rows = max_pages_per_head if identity_rows else 0
-        num_rows = self.num_identity_rows + num_pages
-        self.slot_positions = torch.full((num_rows, block_size), -1, dtype=torch.int32, device=self.device)
-        self.slot_metrics = torch.zeros((num_rows, block_size), dtype=torch.float32, device=self.device)
         self.page_meta_row: torch.Tensor | None = None
-        self.page_positions = self.slot_positions[self.num_identity_rows :]  # [num_pages, b] own rows
-        self.page_metrics = self.slot_metrics[self.num_identity_rows :]
+        self.identity_rows = identity_rows
+        if identity_rows:
+            self._init_rows(rows_per_page, metadata)
+        else:
+            self.rows_per_page = 1
+            self.slot_positions = torch.full((num_pages, block_size), -1, dtype=torch.int32, device=self.device)
+            self.slot_metrics = torch.zeros((num_pages, block_size), dtype=torch.float32, device=self.device)
         # Whether each sequence slot may be compressed (new_sequence's ``compresses``).
         self._compresses = torch.ones(max_seqs, dtype=torch.bool, device=self.device)
         # [max_seqs, L] leading pages each layer's heads gave back (drop_leading_pages):
         # table column c of such a head holds token block c + dropped, whose identity row
         # that is (a sliding-window head of a never-compressing sequence).
         self._dropped_pages = torch.zeros((max_seqs, num_layers), dtype=torch.int64, device=self.device)
-        if identity_rows:
-            self.slot_positions[: self.num_identity_rows] = torch.arange(
-                self.num_identity_rows * block_size, dtype=torch.int32, device=self.device
-            ).view(-1, block_size)
-            self.page_meta_row = torch.arange(num_pages, dtype=torch.int32, device=self.device) + self.num_identity_rows
         self.page_shares = torch.zeros(num_pages, dtype=torch.int32, device=self.device)
         self._free_seq_slots = list(range(max_seqs - 1, -1, -1))
         # numpy views sharing the CPU tensors' memory: a decode step's append is a few
@@ -176,27 +196,84 @@ class PerHeadPagedCache:
         # kept between steps (``cpu_decode_plan.DecodeBatchPlan``) is valid while it holds.
         self.version = 0
 
+    def _init_rows(self, rows_per_page: int, metadata: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Rows carved from pages (``identity_rows``): the identity pages' rows written, the
+        per-sequence row pages empty."""
+        if self.device.type != "cpu":
+            raise ValueError("identity metadata rows are kept on the host (a CPU cache)")
+        rows_per_page = int(rows_per_page)
+        if rows_per_page < 1:
+            raise ValueError(f"rows_per_page must be >= 1, got {rows_per_page}")
+        self.rows_per_page = rows_per_page
+        num_pages, block_size = self.allocator.num_pages, self.block_size
+        self.identity_pages = identity_pages_for(self.max_pages_per_head, rows_per_page)
+        self.identity_row0 = num_pages * rows_per_page
+        num_rows = (num_pages + self.identity_pages) * rows_per_page
+        if metadata is None:
+            metadata = (torch.zeros((num_rows, block_size), dtype=torch.int32),
+                        torch.zeros((num_rows, block_size), dtype=torch.float32))
+        positions, metrics = metadata
+        if positions.shape != (num_rows, block_size) or metrics.shape != (num_rows, block_size):
+            raise ValueError(f"metadata rows must be [{num_rows}, {block_size}], got "
+                             f"{tuple(positions.shape)} and {tuple(metrics.shape)}")
+        if positions.dtype != torch.int32 or metrics.dtype != torch.float32:
+            raise ValueError(f"metadata rows must be int32 / float32, got {positions.dtype} / {metrics.dtype}")
+        self.slot_positions, self.slot_metrics = positions, metrics
+        identity = slice(self.identity_row0, self.identity_row0 + self.max_pages_per_head)
+        self.slot_positions[identity] = torch.arange(
+            self.max_pages_per_head * block_size, dtype=torch.int32).view(-1, block_size)
+        self.slot_metrics[identity] = 0.0
+        self.page_meta_row = torch.full((num_pages,), self.identity_row0, dtype=torch.int32)
+        # Per sequence slot: its row pages (the first ceil(rows_used / R) entries) and
+        # the rows its own pages use, packed from row 0.
+        max_row_pages = -(-self.num_layers * self.num_kv_heads * self.max_pages_per_head // rows_per_page)
+        self.row_pages = torch.zeros((self.max_seqs, max_row_pages), dtype=torch.int64)
+        self.rows_used = torch.zeros(self.max_seqs, dtype=torch.int64)
+        # Columns below which a slot's new pages read identity rows (expect_identity_columns).
+        self.identity_below = np.zeros(self.max_seqs, np.int64)
+
     @property
     def num_pages(self) -> int:
         return self.allocator.num_pages
+
+    def row_pages_held(self, seq_slots) -> np.ndarray:
+        """Metadata pages each of ``seq_slots`` (host ints) holds (0 without rows)."""
+        slots = np.asarray(seq_slots, dtype=np.int64)
+        if not self.identity_rows:
+            return np.zeros(slots.shape, np.int64)
+        return -(-self.rows_used.numpy()[slots] // self.rows_per_page)
+
+    def meta_slots(self, pages: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        """Flat metadata slots (``row * b + offset``) of KV slots ``(pages, offsets)``
+        (numpy, any shape; a CPU cache)."""
+        rows = pages if self.page_meta_row is None else self.page_meta_row.numpy()[pages]
+        return rows * self.block_size + offsets
 
     @staticmethod
     def metadata_bytes(
         num_pages: int, num_layers: int, num_kv_heads: int, block_size: int, max_seqs: int,
         max_pages_per_head: int, max_shared_pages_per_head: int = 0, identity_rows: bool = False,
+        rows_per_page: int = 1,
     ) -> int:
-        """Bytes of the tensors a cache of these dimensions allocates: the two-level page
-        tables (:meth:`ChunkedPageTables.nbytes_for`), head lengths (int64 per sequence
-        slot and head), slot positions and metrics (int32 + float32 per slot), the
-        allocator's free stack (int64 per page) and the page shares (int32 per page);
-        with ``identity_rows`` the identity rows (one per column) and the page-to-row map
-        (int32 per page). The engine takes them out of the KV memory budget."""
+        """Bytes of the tensors a cache of these dimensions allocates besides its pages: the
+        two-level page tables (:meth:`ChunkedPageTables.nbytes_for`), head lengths (int64
+        per sequence slot and head), the allocator's free stack (int64 per page), the
+        page shares (int32 per page), and the slot positions and metrics (int32 +
+        float32 per slot); with ``identity_rows`` those are carved from pages (the
+        identity pages and each compressing sequence's row pages, out of the pool) and
+        what is left is the page-to-row map (int32 per page), each slot's row-page list
+        (int64 per possible row page), its rows used and dropped pages per layer. The
+        engine takes them out of the KV memory budget."""
         heads = max_seqs * num_layers * num_kv_heads
         tables = ChunkedPageTables.nbytes_for(
             num_pages, max_seqs, num_layers, num_kv_heads, max_pages_per_head, max_shared_pages_per_head
         )
-        rows = max_pages_per_head * block_size * SLOT_METADATA_BYTES + num_pages * 4 if identity_rows else 0
-        return tables + heads * 8 + num_pages * (block_size * SLOT_METADATA_BYTES + 8 + 4) + rows
+        if identity_rows:
+            row_pages = -(-num_layers * num_kv_heads * max_pages_per_head // rows_per_page)
+            rows = num_pages * 4 + max_seqs * (row_pages * 8 + 8 + num_layers * 8)
+        else:
+            rows = num_pages * block_size * SLOT_METADATA_BYTES
+        return tables + heads * 8 + num_pages * (8 + 4) + rows
 
     def kv_pool(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> KVPool:
         """The pool the ops take: ``key_cache`` / ``value_cache`` ``[num_buffer_pages,
@@ -213,6 +290,9 @@ class PerHeadPagedCache:
         slot = self._free_seq_slots.pop()
         self._compresses[slot] = compresses
         self._dropped_pages[slot] = 0
+        if self.identity_rows:
+            self.rows_used[slot] = 0
+            self.identity_below[slot] = 0
         return slot
 
     def metadata_by_page(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,13 +313,104 @@ class PerHeadPagedCache:
         """Rows of pages just placed at table ``columns`` of heads of ``seq_slots`` /
         ``layers`` (same shapes): the page's own row, or for a never-compressing sequence
         the identity row of its token block (the column past the layer's dropped pages)."""
-        if self.page_meta_row is None or pages.numel() == 0:
+        if not self.identity_rows or pages.numel() == 0:
             return
-        seq_slots = seq_slots.to(torch.int64)
-        own = pages.to(torch.int64) + self.num_identity_rows
-        block = columns.to(torch.int64) + self._dropped_pages[seq_slots, layers.to(torch.int64)]
-        rows = torch.where(self._compresses[seq_slots], own, block)
-        self.page_meta_row[pages.to(torch.int64)] = rows.to(torch.int32)
+        self._map_rows_host(seq_slots.to(torch.int64).numpy(), layers.to(torch.int64).numpy(),
+                            pages.to(torch.int64).numpy(), columns.to(torch.int64).numpy())
+
+    def _map_rows_host(self, slots: np.ndarray, layers: np.ndarray, pages: np.ndarray, columns: np.ndarray) -> None:
+        """:meth:`_map_rows` on numpy ``[K]`` int64 arrays (pages in table order per slot)."""
+        rows = self.identity_row0 + columns + self._dropped_pages.numpy()[slots, layers]
+        compressing = self._compresses.numpy()[slots] & (columns >= self.identity_below[slots])
+        if compressing.any():
+            rows[compressing] = self._own_rows(slots[compressing])
+        self.page_meta_row.numpy()[pages] = rows
+
+    def _own_rows(self, slots: np.ndarray) -> np.ndarray:
+        """Rows for new own pages of compressing ``slots`` (``[K]``, one entry per page, in
+        order): each slot's next rows, its row pages grown from the allocator as needed."""
+        order = np.argsort(slots, kind="stable")
+        ordered = slots[order]
+        owners, first, counts = np.unique(ordered, return_index=True, return_counts=True)
+        per_page = self.rows_per_page
+        used = self.rows_used.numpy()
+        row_pages = self.row_pages.numpy()
+        before = used[owners]
+        have, need = -(-before // per_page), -(-(before + counts) // per_page)
+        extra = need - have
+        total = int(extra.sum())
+        if total:
+            taken = self.allocator.allocate(total).numpy()
+            start = np.cumsum(extra) - extra
+            column = np.repeat(have - start, extra) + np.arange(total)
+            row_pages[np.repeat(owners, extra), column] = taken
+        used[owners] = before + counts
+        index = np.repeat(before, counts) + np.arange(ordered.shape[0]) - np.repeat(first, counts)
+        rows = np.empty_like(slots)
+        rows[order] = row_pages[ordered, index // per_page] * per_page + index % per_page
+        return rows
+
+    def _repack_rows(self, seq_slots) -> None:
+        """Pack the own rows of compressing ``seq_slots`` (host ints) into their first
+        ``ceil(own pages / R)`` row pages (in table order) and free the rest: after any
+        change that took pages from them."""
+        if not self.identity_rows:
+            return
+        per_page = self.rows_per_page
+        meta_row = self.page_meta_row.numpy()
+        row_pages, used = self.row_pages.numpy(), self.rows_used.numpy()
+        compressing = self._compresses.numpy()
+        for slot in np.unique(np.asarray(seq_slots, dtype=np.int64)).tolist():
+            if not compressing[slot] or used[slot] == 0:
+                continue
+            held = pages_for(self.head_lens[slot], self.block_size)  # [L, H]
+            tables = self.tables.gather(torch.tensor([slot]), max(1, int(held.max())))[0]
+            in_use = torch.arange(tables.shape[-1]) < held.unsqueeze(-1)
+            pages = tables[in_use].to(torch.int64).numpy()
+            old_rows = meta_row[pages].astype(np.int64)
+            own = old_rows < self.identity_row0
+            pages, old_rows = pages[own], old_rows[own]
+            count = pages.shape[0]
+            index = np.arange(count)
+            new_rows = row_pages[slot, index // per_page] * per_page + index % per_page
+            moved = new_rows != old_rows
+            if moved.any():
+                source = torch.from_numpy(old_rows[moved])
+                target = torch.from_numpy(new_rows[moved])
+                self.slot_positions[target] = self.slot_positions[source]  # gathered first
+                self.slot_metrics[target] = self.slot_metrics[source]
+                meta_row[pages[moved]] = new_rows[moved]
+            keep, had = -(-count // per_page), -(-int(used[slot]) // per_page)
+            if had > keep:
+                self.allocator.free(torch.from_numpy(row_pages[slot, keep:had].copy()))
+            used[slot] = count
+
+    def expect_identity_columns(self, slot: int, end_column: int) -> None:
+        """``slot``'s pages at columns below ``end_column`` that are appended from now on
+        read identity rows (the prefix cache takes them after this step's appends:
+        :meth:`to_identity_rows`), as do those it holds there now, so that it never holds
+        a row page for them that the scheduler no longer counts."""
+        if not self.identity_rows:
+            return
+        self.identity_below[slot] = max(int(self.identity_below[slot]), end_column)
+        # The pages it holds there already go now: the scheduler stopped counting their
+        # rows when it shared the blocks, before this step's growth.
+        held = int(pages_for(self.head_lens[slot].min(), self.block_size))
+        self.to_identity_rows(slot, 0, min(end_column, held))
+
+    def to_identity_rows(self, slot: int, first_column: int, end_column: int) -> None:
+        """Columns ``[first_column, end_column)`` of ``slot``'s heads (full, uncompressed
+        pages, e.g. blocks the prefix cache takes) read their token blocks' identity rows
+        from now on; a compressing slot's rows are re-packed without them."""
+        if not self.identity_rows or end_column <= first_column:
+            return
+        self.version += 1
+        tables = self.tables.gather(torch.tensor([slot], device=self.device), end_column)[0]
+        pages = tables[..., first_column:end_column].to(torch.int64)  # [L, H, n]
+        dropped = self._dropped_pages[slot].view(-1, 1, 1)
+        blocks = torch.arange(first_column, end_column).view(1, 1, -1) + dropped
+        self.page_meta_row[pages.reshape(-1)] = (self.identity_row0 + blocks.expand_as(pages)).reshape(-1).to(torch.int32)
+        self._repack_rows([slot])
 
     def page_tables_of(
         self, seq_slots: torch.Tensor, num_pages: int | None = None, layer: int | None = None,
@@ -268,6 +439,7 @@ class PerHeadPagedCache:
         pages_freed = drop_references(tables[freed], self.page_shares, self.allocator)
         self.tables.truncate(seq_slots, old_pages, new_pages)
         self.head_lens[seq_slots] = new_lens
+        self._repack_rows(seq_slots.cpu().numpy())
         if self.host is not None:
             self.host.refresh_last_pages(self, seq_slots.numpy())
         return pages_freed
@@ -306,6 +478,7 @@ class PerHeadPagedCache:
         self.tables.assign(head_rows[moved], torch.zeros_like(kept_pages), tables[moved][kept[moved]], offsets, fill)
         self.head_lens[seq_slots] -= drop * self.block_size
         self._dropped_pages[seq_slots] += drop[:, :, 0]
+        self._repack_rows(seq_slots.cpu().numpy())
         if self.host is not None:
             self.host.refresh_last_pages(self, seq_slots.numpy())
         return pages_freed
@@ -316,11 +489,14 @@ class PerHeadPagedCache:
         return pages_for(lens, self.block_size)
 
     def pages_held_per_sequence(self, seq_slots: list[int]) -> list[int]:
-        """Pages each of ``seq_slots`` holds over all its heads (host ints)."""
+        """Pages each of ``seq_slots`` holds over all its heads, and its metadata pages
+        (host ints)."""
         if self.host is not None:
-            return pages_for(self.host.head_lens[seq_slots], self.block_size).sum(axis=(1, 2)).tolist()
+            kv = pages_for(self.host.head_lens[seq_slots], self.block_size).sum(axis=(1, 2))
+            return (kv + self.row_pages_held(seq_slots)).tolist()
         slots = torch.tensor(seq_slots, dtype=torch.int64, device=self.device)
-        return self.pages_held(slots).sum(dim=(1, 2)).tolist()
+        kv = self.pages_held(slots).sum(dim=(1, 2)).cpu().numpy()
+        return (kv + self.row_pages_held(seq_slots)).tolist()
 
     def release(self, seq_slots: torch.Tensor) -> int:
         """Let go of every page of the given sequence slots and return the slots.
@@ -342,8 +518,21 @@ class PerHeadPagedCache:
         else:
             freed = 0
         self.head_lens[seq_slots] = 0
+        if self.identity_rows:
+            freed += self._release_row_pages(seq_slots.cpu().numpy())
         self._free_seq_slots.extend(seq_slots.tolist())
         return freed
+
+    def _release_row_pages(self, slots: np.ndarray) -> int:
+        """Free every row page of ``slots``; returns how many."""
+        held = self.row_pages_held(slots)
+        if not held.any():
+            return 0
+        columns = np.arange(self.row_pages.shape[1])
+        taken = self.row_pages.numpy()[slots][columns < held[:, None]]
+        self.allocator.free(torch.from_numpy(taken))
+        self.rows_used.numpy()[slots] = 0
+        return int(taken.shape[0])
 
     def share_prefix(self, dst_slot: int, src_slot: int, num_pages: int) -> None:
         """Give the empty sequence slot ``dst_slot`` the first ``num_pages`` pages of every
@@ -363,6 +552,7 @@ class PerHeadPagedCache:
             raise ValueError(f"share_prefix: sequence slot {dst_slot} is not empty")
         if int(self.head_lens[src_slot].min()) < kvs:
             raise ValueError(f"share_prefix: a head of slot {src_slot} holds fewer than {kvs} KVs")
+        self.to_identity_rows(src_slot, 0, num_pages)  # dst may outlive src's rows
         self.tables.share_prefix(self._head_rows(dst_slot), self._head_rows(src_slot), num_pages)
         pages = self.tables.gather(torch.tensor([src_slot], device=self.device), num_pages)
         add_references(pages, self.page_shares)
@@ -499,10 +689,11 @@ class PerHeadPagedCache:
             torch.arange(self.num_kv_heads, device=self.device).view(1, 1, -1),
             page_column,
         )
-        self.page_positions[write_pages, write_offsets] = (
+        rows = write_pages if self.page_meta_row is None else self.page_meta_row[write_pages].long()
+        self.slot_positions[rows, write_offsets] = (
             positions.to(self.device, torch.int32).view(-1, 1, 1).expand_as(write_pages)
         )
-        self.page_metrics[write_pages, write_offsets] = 0.0
+        self.slot_metrics[rows, write_offsets] = 0.0
         return AppendPlan(
             write_pages=write_pages.permute(1, 0, 2).contiguous(),
             write_offsets=write_offsets.permute(1, 0, 2).contiguous(),
@@ -552,10 +743,8 @@ class PerHeadPagedCache:
         pages = self.allocator.allocate(slots.shape[0]).numpy()
         self.tables.assign_one_host(slots, layers, heads, columns, pages)
         self.host.last_pages[slots, layers, heads] = pages
-        if self.page_meta_row is not None:
-            own = pages + self.num_identity_rows
-            block = columns + self._dropped_pages.numpy()[slots, layers]
-            self.page_meta_row.numpy()[pages] = np.where(self._compresses.numpy()[slots], own, block)
+        if self.identity_rows:
+            self._map_rows_host(slots, layers, pages, columns)
         return pages
 
     def _append_one_host(self, slots: np.ndarray, positions: torch.Tensor) -> AppendPlan:
@@ -573,7 +762,7 @@ class PerHeadPagedCache:
                 slots[rows], layers, heads, page_column[starts_page],
             )
         host.head_lens[slots] = old_lens + 1
-        host.place(write_pages * self.block_size + write_offsets, positions.numpy()[:, None, None])
+        host.place(self.meta_slots(write_pages, write_offsets), positions.numpy()[:, None, None])
         return AppendPlan(
             write_pages=torch.from_numpy(np.ascontiguousarray(write_pages.transpose(1, 0, 2))),
             write_offsets=torch.from_numpy(np.ascontiguousarray(write_offsets.transpose(1, 0, 2))),

@@ -46,6 +46,8 @@ class PrefixGroups:
         for index, block_id in enumerate(block_ids):
             self.pages[block_id] = columns[..., index].clone()
         add_references(columns, cache.page_shares)
+        # Whoever hits them reads them after this slot lets go of its metadata rows.
+        cache.to_identity_rows(slot, first_column, end)
 
     def pages_of(self, block_ids: list[int]) -> torch.Tensor:
         """``[n, L, H]`` int32 page ids of cached blocks ``block_ids``."""

@@ -83,8 +83,9 @@ def kept_positions(runner) -> dict[str, list[list[int]]]:
 def page_dump(runner) -> dict:
     """Every page reference the worker holds, for brute-force recounts: ``slots``
     (request id -> ``[L*H]`` lists of the page ids its heads hold), ``groups`` (cached
-    block id -> ``[L*H]`` page ids), ``page_shares``, the ``free`` page ids, and
-    ``group_checksums`` (block id -> float64 sum of its pages' K, V and slot positions)."""
+    block id -> ``[L*H]`` page ids), ``row_pages`` (request id -> the pages its metadata rows
+    are carved from: compressing requests on CPU), ``page_shares``, the ``free`` page ids,
+    and ``group_checksums`` (block id -> float64 sum of its pages' K, V and slot positions)."""
     cache = runner.kvc_cache
     if cache is None:
         return {}
@@ -100,10 +101,15 @@ def page_dump(runner) -> dict:
             + positions[ids].double().sum()
         )
     allocator = cache.allocator
+    live = runner.kvc_requests.live_slots
+    held = dict(zip(live, cache.row_pages_held(list(live.values())).tolist())) if live else {}
+    row_pages = {request_id: cache.row_pages[slot, : held[request_id]].tolist()
+                 for request_id, slot in live.items() if held[request_id]}
     return {
         "num_pages": cache.num_pages,
         "slots": slots,
         "groups": groups,
+        "row_pages": row_pages,
         "group_checksums": checksums,
         "page_shares": cache.page_shares.tolist(),
         "free": allocator.free_stack[: allocator.num_free].tolist(),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 from vllm.v1.kv_cache_interface import (
@@ -11,6 +12,8 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     MLAAttentionSpec,
 )
+
+from kvcompress.ops.paged_cache import identity_pages_for, rows_per_page_for
 
 
 def single_full_attention_group(kv_cache_config: KVCacheConfig) -> KVCacheGroupSpec:
@@ -114,6 +117,32 @@ def pages_in_pool(kv_cache_config: KVCacheConfig) -> tuple[int, int, int]:
     num_layers = len(group.layer_names)
     num_kv_heads = group.kv_cache_spec.num_kv_heads
     return pages_in_buffer(kv_cache_config) - SCRATCH_PAGES, num_layers, num_kv_heads
+
+
+def uses_identity_rows(device_type: torch.device | str) -> bool:
+    """Whether the engine keeps slot metadata in rows carved from pages, never-compressing
+    requests on identity rows (``PerHeadPagedCache(identity_rows=True)``): on CPU, whose
+    ops all read ``page_meta_row``; not on CUDA, whose kernels index metadata by page id
+    until a GPU run has checked them reading rows (docs/design-61-metadata-rows.md)."""
+    return torch.device(device_type).type == "cpu"
+
+
+@dataclass(frozen=True)
+class MetadataRows:
+    """Where slot positions and metrics live, as the scheduler and the worker both count
+    it: ``rows_per_page`` rows carved from each page (None: a row of their own per page,
+    outside the pool) and ``identity_pages`` of the pool holding the identity rows."""
+
+    rows_per_page: int | None
+    identity_pages: int
+
+    @classmethod
+    def of(cls, kv_cache_config: KVCacheConfig, max_model_len: int, device_type) -> "MetadataRows":
+        if not uses_identity_rows(device_type):
+            return cls(None, 0)
+        spec = single_full_attention_group(kv_cache_config).kv_cache_spec
+        per_page = rows_per_page_for(spec.head_size, spec.dtype.itemsize)
+        return cls(per_page, identity_pages_for(-(-max_model_len // spec.block_size), per_page))
 
 
 # vLLM's --kv-cache-dtype values kvcompress pages hold, as the element type of the pages

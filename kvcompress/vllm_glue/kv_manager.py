@@ -86,6 +86,7 @@ class KVCompressKVCacheManager:
         on_admission_short=None,
         on_release=None,
         prefix_cache=None,
+        compresses=None,
     ) -> None:
         self._inner = inner
         self._inner_allocate = inner.allocate_slots
@@ -104,6 +105,9 @@ class KVCompressKVCacheManager:
         # PrefixCacheGlue with --enable-prefix-caching: idle cached page groups are
         # evicted before any request is compressed or preempted for pages.
         self.prefix_cache = prefix_cache
+        # compresses(request): whether the request ever compresses (its metadata pages
+        # count only then: PageAccounting.note_compresses); None: never.
+        self.compresses = compresses
         self._refusal_logged = False
 
     def __getattr__(self, name: str):
@@ -167,6 +171,8 @@ class KVCompressKVCacheManager:
         # Pages left free on every rank (each TP rank's pool is its own resource).
         reserve = arg.reserved_blocks * accounting.pages_per_token_block_per_rank
         admitting = request.status.name in ("WAITING", "PREEMPTED")
+        if admitting and self.compresses is not None and not accounting.holds(request_id):
+            accounting.note_compresses(request_id, self.compresses(request))
         if arg.has_scheduled_reqs and admitting:
             reserve += self.watermark_pages
         prefix_cache = self.prefix_cache

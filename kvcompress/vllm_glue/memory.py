@@ -22,12 +22,11 @@ from vllm.logger import init_logger
 
 from kvcompress.ops.flattened import flat_prompt_workspace_bytes
 from kvcompress.ops.page_tables import chunk_pages_for
-from kvcompress.ops.paged_cache import SLOT_METADATA_BYTES, PerHeadPagedCache
+from kvcompress.ops.paged_cache import SLOT_METADATA_BYTES, PerHeadPagedCache, identity_pages_for, rows_per_page_for
 from kvcompress.ops.triton_attention import decode_workspace_bytes
 from kvcompress.ops.unified_attention import split_kv_workspace_bytes
 from kvcompress.page_accounting import cache_sequence_slots
-from kvcompress.vllm_glue.pool_builder import uses_identity_rows
-from kvcompress.vllm_glue.kv_layout import page_dtype
+from kvcompress.vllm_glue.kv_layout import page_dtype, uses_identity_rows
 from kvcompress.vllm_glue.step import DecodeBuffers, StepTables
 
 logger = init_logger(f"vllm.{__name__}")
@@ -54,8 +53,9 @@ class PerHeadLayout:
         max_num_batched_tokens: the scheduler's tokens per step (None:
             ``max_model_len``); with ``num_q_heads`` it sizes the attention workspaces
             (:meth:`transient_attention_bytes`).
-        identity_rows: the cache keeps identity metadata rows (on CPU:
-            ``pool_builder.uses_identity_rows``).
+        identity_rows: the cache carves slot metadata from pages (on CPU:
+            ``kv_layout.uses_identity_rows``): none outside the pool, the identity pages
+            and compressing requests' row pages inside it (:attr:`identity_pages`).
     """
 
     num_layers: int
@@ -96,6 +96,16 @@ class PerHeadLayout:
         """K and V of one page (one layer, one KV head, ``block_size`` tokens)."""
         return 2 * self.block_size * self.head_dim * self.dtype_bytes
 
+    @property
+    def rows_per_page(self) -> int:
+        """Metadata rows a page holds (``identity_rows``)."""
+        return rows_per_page_for(self.head_dim, self.dtype_bytes)
+
+    @property
+    def identity_pages(self) -> int:
+        """Pages of the pool the identity rows take (0 without ``identity_rows``)."""
+        return identity_pages_for(self.max_pages_per_head, self.rows_per_page) if self.identity_rows else 0
+
     def sequence_slots(self, num_pages: int) -> int:
         """Sequence slots of the cache over a pool of ``num_pages`` pages (the runner's
         :func:`~kvcompress.page_accounting.cache_sequence_slots`)."""
@@ -122,6 +132,7 @@ class PerHeadLayout:
         cache = PerHeadPagedCache.metadata_bytes(
             num_pages, self.num_layers, self.num_kv_heads, self.block_size, max_seqs,
             self.max_pages_per_head, shared_pages_per_head, self.identity_rows,
+            self.rows_per_page if self.identity_rows else 1,
         )
         buffers = DecodeBuffers.nbytes_for(self.num_layers, self.num_kv_heads, self.max_rows, max_seqs)
         return cache + buffers
@@ -129,17 +140,24 @@ class PerHeadLayout:
     def metadata_breakdown(self, available: int) -> dict[str, int]:
         """Where ``available`` bytes of KV memory go (:meth:`page_bytes_for`): ``pages``
         (K and V, whole pages), ``slot_metadata`` (each KV slot's position and metric,
-        8 bytes), ``tables`` (page tables, head lengths, the allocator's free stack and
-        page shares; on CPU also the identity rows and the page-to-row map),
+        8 bytes; with ``identity_rows`` the identity pages only: compressing requests'
+        row pages are pool pages they hold), ``tables`` (page tables, head lengths, the
+        allocator's free stack and page shares; on CPU also the page-to-row map and each
+        sequence slot's row-page list),
         ``decode_buffers`` and ``unused`` (vLLM counts whole token blocks
         of ``L x H`` pages). What stock vLLM gives to KVs alone, kvcompress splits this way."""
         shared = self.max_shared_pages_per_head(available)
         slots = self.slots_for_memory(available)
         block_pages = self.num_layers * self.num_kv_heads
         num_pages = self.page_bytes_for(available) // (self.page_bytes * block_pages) * block_pages
-        slot_metadata = num_pages * self.block_size * SLOT_METADATA_BYTES
+        if self.identity_rows:
+            slot_metadata = self.identity_pages * self.page_bytes
+            num_pages -= self.identity_pages
+        else:
+            slot_metadata = num_pages * self.block_size * SLOT_METADATA_BYTES
         decode_buffers = DecodeBuffers.nbytes_for(self.num_layers, self.num_kv_heads, self.max_rows, slots)
-        tables = self.metadata_bytes(num_pages, shared, slots) - slot_metadata - decode_buffers
+        outside_pool = 0 if self.identity_rows else slot_metadata
+        tables = self.metadata_bytes(num_pages, shared, slots) - outside_pool - decode_buffers
         pages = num_pages * self.page_bytes
         return {
             "pages": pages, "slot_metadata": slot_metadata, "tables": tables, "decode_buffers": decode_buffers,

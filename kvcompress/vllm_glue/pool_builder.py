@@ -20,7 +20,13 @@ from kvcompress.ops import KernelOps, PerHeadPagedCache
 from kvcompress.ops.dispatch import resolve_ops
 from kvcompress.ops.expected_attention import RopeFrequencies, rope_frequencies
 from kvcompress.page_accounting import cache_sequence_slots
-from kvcompress.vllm_glue.kv_layout import FP8_CACHE_DTYPES, pages_in_buffer, pages_in_pool, single_full_attention_group
+from kvcompress.vllm_glue.kv_layout import (
+    FP8_CACHE_DTYPES,
+    MetadataRows,
+    pages_in_buffer,
+    pages_in_pool,
+    single_full_attention_group,
+)
 from kvcompress.vllm_glue.step import DecodeBuffers, WorkerCacheState
 
 logger = init_logger(f"vllm.{__name__}")
@@ -30,8 +36,9 @@ logger = init_logger(f"vllm.{__name__}")
 class PoolShape:
     """What vLLM's KV-cache configuration says about the pool: its layers (by vLLM's
     layer names), KV heads, page size (``block_size`` tokens of ``head_dim``), dtype,
-    bytes per page (K and V), pages in the buffer and allocatable pages (the buffer's
-    less the scratch page)."""
+    bytes per page (K and V), pages in the buffer, allocatable pages (the buffer's less
+    the scratch page and the identity pages) and where slot metadata lives (``rows``:
+    the identity pages follow the allocatable ones)."""
 
     layer_names: tuple[str, ...]
     num_kv_heads: int
@@ -41,6 +48,7 @@ class PoolShape:
     page_bytes: int
     buffer_pages: int
     num_pages: int
+    rows: MetadataRows = MetadataRows(None, 0)
 
     @property
     def num_layers(self) -> int:
@@ -51,7 +59,8 @@ class PoolShape:
         return self.buffer_pages - 1
 
     @classmethod
-    def of(cls, kv_cache_config: KVCacheConfig, dtype: torch.dtype | None = None) -> "PoolShape":
+    def of(cls, kv_cache_config: KVCacheConfig, dtype: torch.dtype | None = None,
+           rows: MetadataRows = MetadataRows(None, 0)) -> "PoolShape":
         """``dtype``: the pages' element type when it is not the spec's (FP8: vLLM's spec
         says bytes; :data:`~kvcompress.vllm_glue.kv_layout.FP8_CACHE_DTYPES`)."""
         group = single_full_attention_group(kv_cache_config)
@@ -62,7 +71,8 @@ class PoolShape:
         return cls(
             layer_names=tuple(group.layer_names), num_kv_heads=spec.num_kv_heads, block_size=spec.block_size,
             head_dim=spec.head_size, dtype=dtype, page_bytes=2 * spec.block_size * spec.head_size * dtype.itemsize,
-            buffer_pages=pages_in_buffer(kv_cache_config), num_pages=pages_in_pool(kv_cache_config)[0],
+            buffer_pages=pages_in_buffer(kv_cache_config),
+            num_pages=pages_in_pool(kv_cache_config)[0] - rows.identity_pages, rows=rows,
         )
 
 
@@ -105,16 +115,31 @@ def page_views(buffer: torch.Tensor, ops: KernelOps) -> tuple[torch.Tensor, torc
     return buffer[0], buffer[1]
 
 
-def build_cache(shape: PoolShape, vllm_config, ops, device: torch.device) -> PerHeadPagedCache:
+def metadata_views(pages: torch.Tensor, shape: PoolShape) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(positions int32, metrics float32)`` ``[(num_pages + identity_pages) *
+    rows_per_page, block_size]``: the metadata rows carved from the K / V bytes of the
+    allocatable and identity pages of ``pages [2, N, b, D]`` (row ``p * R + k`` is the
+    ``k``-th ``block_size`` words of page ``p``)."""
+    count = shape.num_pages + shape.rows.identity_pages
+    rows = count * shape.rows.rows_per_page
+    raw = pages[:, :count].view(torch.uint8)  # [2, count, b, D * itemsize], contiguous
+    return (raw[0].view(torch.int32).reshape(rows, shape.block_size),
+            raw[1].view(torch.float32).reshape(rows, shape.block_size))
+
+
+def build_cache(shape: PoolShape, vllm_config, ops, device: torch.device,
+                metadata: tuple[torch.Tensor, torch.Tensor] | None = None) -> PerHeadPagedCache:
     """The page cache: as many sequence slots as the scheduler admits (the budget's
     tables were sized for them), heads of up to ``max_model_len`` tokens, and, with
-    prefix caching, room for shared pages within what ``PerHeadLayout`` reserved."""
+    prefix caching, room for shared pages within what ``PerHeadLayout`` reserved;
+    ``metadata``: its rows carved from the pages (:func:`metadata_views`) when
+    ``shape.rows`` says so."""
     max_pages_per_head = -(-vllm_config.model_config.max_model_len // shape.block_size)
     heads = shape.num_layers * shape.num_kv_heads
     shared_pages = 0
     if vllm_config.cache_config.enable_prefix_caching:
         shared_pages = min(max_pages_per_head, shape.num_pages // heads)
-    identity_rows = uses_identity_rows(device)
+    identity_rows = shape.rows.rows_per_page is not None
     if identity_rows and not all(ops.backend(op).meta_rows for op in ops.backends):
         raise RuntimeError(f"kvcompress: identity metadata rows on {device} need ops that read them (resolved: {ops})")
     return PerHeadPagedCache(
@@ -128,15 +153,9 @@ def build_cache(shape: PoolShape, vllm_config, ops, device: torch.device) -> Per
         ops=ops,
         max_shared_pages_per_head=shared_pages,
         identity_rows=identity_rows,
+        rows_per_page=shape.rows.rows_per_page or 1,
+        metadata=metadata,
     )
-
-
-def uses_identity_rows(device: torch.device | str) -> bool:
-    """Whether the engine's cache keeps the slot metadata of never-compressing requests
-    in identity rows (``PerHeadPagedCache(identity_rows=True)``): on CPU, whose ops all
-    read ``page_meta_row``; not on CUDA, whose kernels index metadata by page id until a
-    GPU run has checked them reading rows (docs/design-61-metadata-rows.md)."""
-    return torch.device(device).type == "cpu"
 
 
 def build_pool(kv_cache: torch.Tensor, kv_cache_config: KVCacheConfig, vllm_config, *,
@@ -144,10 +163,12 @@ def build_pool(kv_cache: torch.Tensor, kv_cache_config: KVCacheConfig, vllm_conf
     """Pages over ``kv_cache``'s storage, the cache over them, the decode buffers (rows
     for the larger of ``max_num_seqs`` and the largest CUDA-graph batch) and the worker
     state; ``metric_power``: the decode metric power of the server's policy."""
-    shape = PoolShape.of(kv_cache_config, FP8_CACHE_DTYPES.get(vllm_config.cache_config.cache_dtype))
+    rows = MetadataRows.of(kv_cache_config, vllm_config.model_config.max_model_len, kv_cache.device.type)
+    shape = PoolShape.of(kv_cache_config, FP8_CACHE_DTYPES.get(vllm_config.cache_config.cache_dtype), rows)
     pages = kv_pages(kv_cache, shape)
     ops = resolve_ops(pages.device)  # CUDA extension > Triton > reference, for the engine's life
-    cache = build_cache(shape, vllm_config, ops, pages.device)
+    metadata = metadata_views(pages, shape) if rows.rows_per_page is not None else None
+    cache = build_cache(shape, vllm_config, ops, pages.device, metadata)
     pad_slot = cache.new_sequence()
     capture_sizes = vllm_config.compilation_config.max_cudagraph_capture_size or 0
     decode_buffers = DecodeBuffers.allocate(

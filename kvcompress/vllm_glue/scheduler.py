@@ -20,7 +20,13 @@ from kvcompress.compression_planner import CompressionPlanner
 from kvcompress.config import KVCompressConfig
 from kvcompress.contract import StepCompression
 from kvcompress.page_accounting import PageAccounting, live_sequence_limit
-from kvcompress.vllm_glue.kv_layout import compressible_layers, layer_windows, pages_in_pool, single_full_attention_group
+from kvcompress.vllm_glue.kv_layout import (
+    MetadataRows,
+    compressible_layers,
+    layer_windows,
+    pages_in_pool,
+    single_full_attention_group,
+)
 from kvcompress.vllm_glue.kv_manager import KVCompressKVCacheManager, logical_block_count
 from kvcompress.vllm_glue.metrics import with_kvcompress_stats
 from kvcompress.vllm_glue.outputs import report_of, with_step_compression
@@ -41,6 +47,10 @@ class KVCompressScheduler(Scheduler):
         num_kv_heads = heads_per_rank * num_ranks
         block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
         max_model_len = vllm_config.model_config.max_model_len
+        # The worker's slot metadata: identity pages out of the pool, and compressing
+        # requests' row pages counted as theirs (pool_builder.PoolShape, the same rows).
+        rows = MetadataRows.of(kv_cache_config, max_model_len, vllm_config.device_config.device_type)
+        num_pages -= rows.identity_pages
         logical_config = copy.deepcopy(kv_cache_config)
         logical_config.num_blocks = logical_block_count(
             num_pages, vllm_config.scheduler_config.max_num_seqs, max_model_len, block_size,
@@ -62,6 +72,7 @@ class KVCompressScheduler(Scheduler):
             num_ranks=num_ranks,
             compressible_layers=compressible_layers(windows),
             layer_windows=windows if self.kvc_drops_windows else None,
+            rows_per_page=rows.rows_per_page,
         )
         # The worker's cache has sequence slots for this many (live_sequence_limit):
         # vLLM's admission bound, lowered where the pool is the smaller limit.
@@ -93,6 +104,7 @@ class KVCompressScheduler(Scheduler):
             max_model_len=max_model_len,
             watermark_pages=int(self.scheduler_config.watermark * num_pages),
             relieve=self._relieve if settings.enabled else None,
+            compresses=lambda request: self.kvc_planner.budget(request).compresses,
             on_admission_short=self.kvc_planner.note_admission_short if settings.enabled else None,
             on_release=self.kvc_planner.on_released,
             prefix_cache=self.kvc_prefix_cache,

@@ -148,6 +148,7 @@ class StepPlanner:
             np.cumsum(num_new, out=query_start[1:])
             positions = np.repeat(computed - query_start[:-1], num_new) + np.arange(query_start[-1])
             positions_t = torch.from_numpy(positions).to(device)
+            self._expect_taken_blocks()
             plan = cache.append(rows.seq_slots, torch.from_numpy(num_new).to(device), positions_t)
         self._apply_prefix_cache()
         if rows.decode_only(computed, num_new):
@@ -217,6 +218,17 @@ class StepPlanner:
         """The step's metric queries go to the per-sequence queue (scored a few at once)."""
         step_metrics = kernel_decode[0].metrics if kernel_decode else None
         self.decode_metrics.record_kernel_step(step_metrics, rows.slots, computed[flagged])
+
+    def _expect_taken_blocks(self) -> None:
+        """Before this step's appends: the blocks the prefix cache takes after them read
+        identity rows from the start (their pages never take metadata rows)."""
+        step = self.prefix_step
+        if step is None:
+            return
+        for record in step.cached:
+            slot = self.requests[record.request_id].seq_slot
+            if slot is not None:
+                self.cache.expect_identity_columns(slot, record.first_column + len(record.block_ids))
 
     def _apply_prefix_cache(self) -> None:
         """After this step's appends: the cache takes the blocks vLLM cached (their
