@@ -166,12 +166,15 @@ def _shutdown_quietly(llm) -> None:
 
 
 def test_fp8_pages_hold_about_four_times_the_float32_tokens(fp8_llm, kvc_tiny_llm):
-    """Same KV memory as the float32 engine: a page of 1-byte values plus its 8 bytes of
-    slot metadata per KV against 4-byte values plus the same metadata."""
+    """Same KV memory as the float32 engine: pages of 1-byte values against 4-byte values
+    (on CPU no slot metadata per page: rows carved from pages, only for requests that
+    compress). vLLM counts whole token blocks of L x H pages: at this small budget the
+    float32 engine's 18 blocks round down by up to one, so the ratio is 4 to ~4.25."""
     _, llm = fp8_llm
     fp8_pages, fp32_pages = page_stats(llm)["num_pages"], page_stats(kvc_tiny_llm)["num_pages"]
-    per_slot = {"fp32": 2 * TINY_HEAD_DIM * 4 + 8, "fp8": 2 * TINY_HEAD_DIM * 1 + 8}
-    assert fp8_pages / fp32_pages == pytest.approx(per_slot["fp32"] / per_slot["fp8"], rel=0.03)
+    per_slot = {"fp32": 2 * TINY_HEAD_DIM * 4, "fp8": 2 * TINY_HEAD_DIM * 1}
+    ratio = per_slot["fp32"] / per_slot["fp8"]
+    assert ratio * 0.98 <= fp8_pages / fp32_pages <= ratio * 1.07
 
 
 def test_rate_8_compresses_fp8_pages_and_frees_them(fp8_llm, prompts):
