@@ -191,7 +191,7 @@ def _worker(available: int, device_type: str, kv_cache_memory_bytes: int | None)
 
     from kvcompress.vllm_glue.memory import KVCompressWorkerMemory
 
-    # A CPU engine's cache keeps identity metadata rows (pool_builder.uses_identity_rows).
+    # A CPU engine's cache keeps identity metadata rows (kv_layout.uses_identity_rows).
     layout = dataclasses.replace(_layout(), identity_rows=device_type == "cpu")
     model = SimpleNamespace(
         get_num_layers=lambda parallel: layout.num_layers, get_num_kv_heads=lambda parallel: layout.num_kv_heads,
