@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import torch
 
+from kvcompress.ops import PagedBatch
 from kvcompress.ops.compress import compress_sequences, gather_logical
 from kvcompress.ops.paged_cache import PerHeadPagedCache, identity_pages_for, pages_for, rows_per_page_for
 from kvcompress.ops.prefix_groups import PrefixGroups
 from kvcompress.ops.reference_attention import reference_paged_attention
-from kvcompress.ops import PagedBatch
 from kvcompress.page_accounting import PageAccounting, row_pages_for
 
 BLOCK, LAYERS, HEADS, DIM, PAGES, MAX_PAGES, SEQS = 4, 2, 2, 8, 220, 12, 5
