@@ -216,11 +216,6 @@ class PageAccounting:
             return np.zeros_like(own)
         return np.where(np.asarray(compresses)[..., None], row_pages_for(own, self.rows_per_page), 0)
 
-    def pages_for_lens(self, head_lens: np.ndarray, shared_blocks: int, compresses: bool) -> np.ndarray:
-        """``[T]`` pages a request with ``head_lens`` (``[L, H]``), ``shared_blocks``
-        prefix-cache blocks and ``compresses`` holds on each rank."""
-        return self._held(np.asarray(head_lens, np.int64), shared_blocks, compresses)
-
     def note_compresses(self, request_id: str, compresses: bool) -> None:
         """Whether the request compresses (before it holds pages: with ``rows_per_page``
         its metadata pages depend on it)."""

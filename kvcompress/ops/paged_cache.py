@@ -320,11 +320,16 @@ class PerHeadPagedCache:
 
     def _map_rows_host(self, slots: np.ndarray, layers: np.ndarray, pages: np.ndarray, columns: np.ndarray) -> None:
         """:meth:`_map_rows` on numpy ``[K]`` int64 arrays (pages in table order per slot)."""
-        rows = self.identity_row0 + columns + self._dropped_pages.numpy()[slots, layers]
+        rows = self._identity_rows_of(slots, layers, columns)
         compressing = self._compresses.numpy()[slots] & (columns >= self.identity_below[slots])
         if compressing.any():
             rows[compressing] = self._own_rows(slots[compressing])
         self.page_meta_row.numpy()[pages] = rows
+
+    def _identity_rows_of(self, slots: np.ndarray, layers: np.ndarray, columns: np.ndarray) -> np.ndarray:
+        """Identity rows of table ``columns`` of heads of ``slots`` / ``layers`` (numpy, same
+        shapes): their token blocks' (the column past the layer's dropped pages)."""
+        return self.identity_row0 + columns + self._dropped_pages.numpy()[slots, layers]
 
     def _own_rows(self, slots: np.ndarray) -> np.ndarray:
         """Rows for new own pages of compressing ``slots`` (``[K]``, one entry per page, in
@@ -406,10 +411,10 @@ class PerHeadPagedCache:
             return
         self.version += 1
         tables = self.tables.gather(torch.tensor([slot], device=self.device), end_column)[0]
-        pages = tables[..., first_column:end_column].to(torch.int64)  # [L, H, n]
-        dropped = self._dropped_pages[slot].view(-1, 1, 1)
-        blocks = torch.arange(first_column, end_column).view(1, 1, -1) + dropped
-        self.page_meta_row[pages.reshape(-1)] = (self.identity_row0 + blocks.expand_as(pages)).reshape(-1).to(torch.int32)
+        pages = tables[..., first_column:end_column].to(torch.int64).numpy()  # [L, H, n]
+        layers = np.arange(self.num_layers).reshape(-1, 1, 1)
+        columns = np.arange(first_column, end_column).reshape(1, 1, -1)
+        self.page_meta_row.numpy()[pages] = self._identity_rows_of(np.int64(slot), layers, columns)
         self._repack_rows([slot])
 
     def page_tables_of(
