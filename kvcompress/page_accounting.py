@@ -25,6 +25,13 @@ request that compresses (:meth:`PageAccounting.note_compresses`) also holds the 
 own pages' slot positions and metrics are carved from: ``ceil(own / rows_per_page)`` per
 rank (:func:`row_pages_for`), which the worker's cache keeps packed by the same formula;
 a request that never compresses holds none (its pages read shared identity rows).
+
+With ``grant_pages`` g > 1 (the CPU engine: stock vLLM's 128-token block over 64-token
+pages), a request that never compresses is counted as holding each head's pages g at a time,
+``g * ceil(ceil(len / b) / g)`` (:func:`counted_pages`): its admission and preemption then
+happen when stock vLLM's would, a request that never compresses costing what it costs
+there. The worker's cache counts the same (``PerHeadPagedCache(grant_pages=)``): the pages
+a head's group has not reached yet stay on its free stack but are reported as held.
 """
 
 from __future__ import annotations
@@ -38,6 +45,16 @@ def row_pages_for(own_pages, rows_per_page: int | None):
     if rows_per_page is None:
         return own_pages * 0
     return -(-own_pages // rows_per_page)
+
+
+def counted_pages(pages, grant_pages: int, compresses=True):
+    """Pages a head holding ``pages`` pages is counted for (ints or int64 arrays): as many
+    for a request that ``compresses`` (broadcast against ``pages``), else rounded up to
+    whole groups of ``grant_pages``."""
+    if grant_pages == 1:
+        return pages
+    grouped = -(-pages // grant_pages) * grant_pages
+    return np.where(compresses, pages, grouped)
 
 
 def live_sequence_limit(num_pages: int, pages_per_token_block: int, max_num_seqs: int) -> int:
@@ -95,11 +112,15 @@ class PageAccounting:
         compressible_layers: tuple[int, ...] | None = None,
         layer_windows: tuple[int | None, ...] | None = None,
         rows_per_page: int | None = None,
+        grant_pages: int = 1,
     ) -> None:
         """``layer_windows``: each layer's sliding window (tokens; None: full attention),
         whose heads :meth:`drop_behind_windows` shortens (None: no windowed layer).
         ``rows_per_page``: metadata rows a page holds, when compressing requests pay for
-        theirs in pages (:func:`row_pages_for`; None: no such pages)."""
+        theirs in pages (:func:`row_pages_for`; None: no such pages). ``grant_pages``:
+        the group a never-compressing request's heads are counted in (:func:`counted_pages`)."""
+        if grant_pages < 1:
+            raise ValueError(f"grant_pages must be >= 1, got {grant_pages}")
         if num_ranks < 1 or num_kv_heads % num_ranks:
             raise ValueError(
                 f"{num_kv_heads} KV heads cannot be split evenly over {num_ranks} ranks"
@@ -121,6 +142,7 @@ class PageAccounting:
         self.heads_per_rank = num_kv_heads // num_ranks
         self.block_size = block_size
         self.rows_per_page = rows_per_page
+        self.grant_pages = grant_pages
         self.free_pages = np.full(num_ranks, num_pages, np.int64)
         self.head_lens = np.zeros((max_requests, num_layers, num_kv_heads), np.int64)
         self.logical_lens = np.zeros(max_requests, np.int64)
@@ -199,16 +221,24 @@ class PageAccounting:
         self.dropped_blocks = np.concatenate([self.dropped_blocks, np.zeros_like(self.dropped_blocks)])
         self._free_rows.extend(range(2 * old - 1, old - 1, -1))
 
-    def _pages(self, lens: np.ndarray) -> np.ndarray:
-        return (lens + self.block_size - 1) // self.block_size
+    def _pages(self, lens: np.ndarray, compresses: np.ndarray | bool) -> np.ndarray:
+        """Pages heads ``lens`` (``[..., L, H]``) of requests that ``compresses``
+        (``[...]``) are counted for (:func:`counted_pages`)."""
+        pages = (lens + self.block_size - 1) // self.block_size
+        return counted_pages(pages, self.grant_pages, np.asarray(compresses)[..., None, None])
 
-    def _held(self, lens: np.ndarray, shared: np.ndarray | int, compresses: np.ndarray | bool = False) -> np.ndarray:
+    def _held(self, lens: np.ndarray, shared: np.ndarray | int, compresses: np.ndarray | bool) -> np.ndarray:
         """``[..., T]`` pages of heads ``lens`` (``[..., L, H]``) past their first
         ``shared`` (``[...]``) pages, which are prefix-cache page groups, and for
         ``compresses`` (``[...]``) requests the metadata pages of those."""
-        shared = np.asarray(shared, np.int64)[..., None, None]
-        own = self._per_rank(np.maximum(self._pages(lens) - shared, 0))
+        own = self._own(lens, shared, compresses)
         return own + self._row_pages(own, compresses)
+
+    def _own(self, lens: np.ndarray, shared: np.ndarray | int, compresses: np.ndarray | bool) -> np.ndarray:
+        """``[..., T]`` pages of heads ``lens`` past their ``shared`` first ones (no
+        metadata pages)."""
+        shared = np.asarray(shared, np.int64)[..., None, None]
+        return self._per_rank(np.maximum(self._pages(lens, compresses) - shared, 0))
 
     def _row_pages(self, own: np.ndarray, compresses: np.ndarray | bool) -> np.ndarray:
         """Metadata pages of ``own`` (``[..., T]``) pages of requests that ``compresses``."""
@@ -229,9 +259,9 @@ class PageAccounting:
                 raise RuntimeError(f"request {request_id} changed whether it compresses while holding pages")
             self.compresses[row] = compresses
 
-    def _room(self, lens: np.ndarray) -> int:
+    def _room(self, lens: np.ndarray, compresses: bool) -> int:
         """Tokens every head of ``lens`` can take before one of them needs a page."""
-        return int((self._pages(lens) * self.block_size - lens).min())
+        return int((self._pages(lens, compresses) * self.block_size - lens).min())
 
     def fits_in_room(self, request_id: str, target_tokens: int) -> bool:
         """Whether the request's heads take ``target_tokens`` logical tokens in the pages
@@ -319,7 +349,8 @@ class PageAccounting:
 
     def _pages_per_rank_from_nothing(self, target_tokens: int, compresses: bool = False) -> int:
         """Pages each rank's pool gives a request holding none for ``target_tokens``."""
-        pages = -(-max(target_tokens, 0) // self.block_size) * self.pages_per_token_block_per_rank
+        per_head = int(counted_pages(-(-max(target_tokens, 0) // self.block_size), self.grant_pages, compresses))
+        pages = per_head * self.pages_per_token_block_per_rank
         return pages + (row_pages_for(pages, self.rows_per_page) if compresses else 0)
 
     def _pending_growth_bound(self, growth: int) -> np.ndarray:
@@ -361,7 +392,7 @@ class PageAccounting:
         self.head_lens[row] = new_lens
         self.logical_lens[row] = target_tokens
         self.pages_held_per_row[row] = held
-        self.room[row] = 0 if self.pending[row] else self._room(new_lens)
+        self.room[row] = 0 if self.pending[row] else self._room(new_lens, self.compresses[row])
         self._set_capacity(request_id, row)
         self.free_pages -= taken
         return int(taken.sum())
@@ -381,7 +412,7 @@ class PageAccounting:
         evict = np.asarray(evict_blocks, np.int64).reshape(-1)
         if evict.shape != (self.num_ranks,):
             raise ValueError(f"need one page count per rank ({self.num_ranks}), got {evict_blocks}")
-        own = self._held(self.head_lens[row], self.shared_blocks[row])
+        own = self._own(self.head_lens[row], self.shared_blocks[row], True)  # pages, not groups
         if (evict > own).any() or (evict < 0).any():
             raise ValueError(f"cannot evict {evict_blocks} pages from request {request_id}")
         freed = self.pages_held_per_row[row] - (own - evict + self._row_pages(own - evict, self.compresses[row]))
@@ -407,7 +438,7 @@ class PageAccounting:
         self.pages_held_per_row[row] = held
         self.num_pending -= int(self.pending[row])
         self.pending[row] = False
-        self.room[row] = self._room(self.head_lens[row])
+        self.room[row] = self._room(self.head_lens[row], self.compresses[row])
         self._set_capacity(request_id, row)
         self.free_pages += surplus
         return int(surplus.sum())
@@ -428,7 +459,7 @@ class PageAccounting:
         self.changes += 1
         self.head_lens[row] = head_lens
         self.pages_held_per_row[row] = held
-        self.room[row] = 0 if self.pending[row] else self._room(self.head_lens[row])
+        self.room[row] = 0 if self.pending[row] else self._room(self.head_lens[row], self.compresses[row])
         self._set_capacity(request_id, row)
         self.free_pages += freed
         return int(freed.sum())
@@ -511,7 +542,7 @@ class PageAccounting:
         old = int(self.shared_blocks[row])
         self.shared_blocks[row] = num_blocks
         if self.pending[row]:  # an upper bound is held: adopt recounts the metadata pages
-            moved = self._per_rank(np.clip(self._pages(self.head_lens[row]), old, num_blocks) - old)
+            moved = self._per_rank(np.clip(self._pages(self.head_lens[row], True), old, num_blocks) - old)
         else:  # the pages and the metadata pages they needed
             moved = self.pages_held_per_row[row] - self._held(self.head_lens[row], num_blocks, self.compresses[row])
         self.pages_held_per_row[row] -= moved
@@ -564,7 +595,7 @@ class PageAccounting:
         if not np.array_equal(recount[exact], self.pages_held_per_row[rows][exact]):
             raise AssertionError("per-request page counts drifted from head lengths")
         lens = self.head_lens[rows]
-        room = (self._pages(lens) * self.block_size - lens).min(axis=(1, 2))
+        room = (self._pages(lens, self.compresses[rows]) * self.block_size - lens).min(axis=(1, 2))
         if not np.array_equal(np.where(exact, room, 0), self.room[rows]):
             raise AssertionError("per-request room drifted from head lengths")
         windowed = self.window_layers

@@ -167,7 +167,7 @@ def step_report(cache, requests: WorkerRequests, outcome: CompressionOutcome, wi
     elif with_pages_held:
         held = {}
     report = WorkerReport(
-        free_pages=cache.allocator.num_free,
+        free_pages=cache.counted_free_pages(),
         pages_held=held,
         compressions=list(outcome.records),
         evict_mismatches=int(outcome.mismatch),

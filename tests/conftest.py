@@ -53,7 +53,7 @@ def tiny_kv_budget(tokens: int, *, block_size: int, max_num_seqs: int, max_model
     from kvcompress.vllm_glue.memory import PerHeadLayout
 
     layout = PerHeadLayout(TINY_LAYERS, TINY_KV_HEADS, TINY_HEAD_DIM, 4, block_size, max_num_seqs,
-                           max_model_len, max_num_seqs)
+                           max_model_len, max_num_seqs, identity_rows=True)  # a CPU engine's
     pages_bytes = tokens * TINY_BYTES_PER_TOKEN + layout.page_bytes  # + a page: no rounding short
     budget = pages_bytes
     # The tables' sequence slots follow the memory (slots_for_memory): grow to a fixed point.
@@ -115,7 +115,8 @@ def _shutdown(llm) -> None:
 def stock_tiny_llm(tiny_model):
     from vllm import LLM
 
-    llm = LLM(model=tiny_model, **TINY_ENGINE_ARGS)
+    # Stats on: vllm:num_preemptions (stock's preemptions, against kvcompress's).
+    llm = LLM(model=tiny_model, disable_log_stats=False, **TINY_ENGINE_ARGS)
     yield llm
     _shutdown(llm)
 

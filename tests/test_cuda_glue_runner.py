@@ -42,6 +42,7 @@ def pool_runner(num_blocks: int = 16, prefix_caching: bool = True):
     """A ``KVCompressGPUModelRunner`` holding a per-head pool over a CPU KV buffer, as
     ``initialize_kv_cache`` leaves it (vLLM's part of it: ``kv_caches``, ``kv_cache_config``)."""
     from kvcompress.vllm_glue.gpu_worker import KVCompressGPUModelRunner
+    from kvcompress.vllm_glue.kv_layout import SCRATCH_PAGES, MetadataRows
 
     runner = KVCompressGPUModelRunner.__new__(KVCompressGPUModelRunner)
     config = _kv_cache_config(num_blocks)
@@ -50,7 +51,10 @@ def pool_runner(num_blocks: int = 16, prefix_caching: bool = True):
     runner.compilation_config = runner.vllm_config.compilation_config
     runner.model = torch.nn.Linear(1, 1)  # no rotary embedding: kvc-ea's estimate is off
     page_bytes = 2 * BLOCK * HEAD_DIM * 4
-    runner.kv_caches = [torch.zeros(num_blocks * LAYERS * KV_HEADS * page_bytes, dtype=torch.int8)]
+    # vLLM's blocks and the pages past the pool (runner._kvc_buffer_config).
+    rows = MetadataRows.of(config, runner.vllm_config.model_config.max_model_len, "cpu")
+    buffer_pages = num_blocks * LAYERS * KV_HEADS + rows.identity_pages + SCRATCH_PAGES
+    runner.kv_caches = [torch.zeros(buffer_pages * page_bytes, dtype=torch.int8)]
     runner.kv_cache_config = config
     runner.attn_groups = []
     runner._kvc_build_pool(config)

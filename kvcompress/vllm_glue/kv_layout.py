@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass
 
@@ -98,25 +99,38 @@ def compressible_layers(windows: tuple[int | None, ...]) -> tuple[int, ...]:
     return tuple(layer for layer, window in enumerate(windows) if window is None)
 
 
-# The last page of vLLM's buffer is the scratch page: padding rows of decode steps
+# The last page of the KV buffer is the scratch page: padding rows of decode steps
 # (CUDA-graph batch padding) write their KVs there. It is never allocated.
 SCRATCH_PAGES = 1
 
 
-def pages_in_buffer(kv_cache_config: KVCacheConfig) -> int:
-    """Pages of one (layer, KV head) that vLLM's KV buffer holds, scratch included."""
-    group = single_full_attention_group(kv_cache_config)
-    return kv_cache_config.num_blocks * len(group.layer_names) * group.kv_cache_spec.num_kv_heads
-
-
 def pages_in_pool(kv_cache_config: KVCacheConfig) -> tuple[int, int, int]:
-    """``(num_pages, num_layers, num_kv_heads)``: allocatable pages (the buffer's pages
-    minus the scratch page), layers and KV heads. The scheduler and the worker both
-    count from this."""
+    """``(num_pages, num_layers, num_kv_heads)``: allocatable pages (every page of vLLM's
+    token blocks: ``num_blocks x L x H``), layers and KV heads. The scheduler and the
+    worker both count from this."""
     group = single_full_attention_group(kv_cache_config)
     num_layers = len(group.layer_names)
     num_kv_heads = group.kv_cache_spec.num_kv_heads
-    return pages_in_buffer(kv_cache_config) - SCRATCH_PAGES, num_layers, num_kv_heads
+    return kv_cache_config.num_blocks * num_layers * num_kv_heads, num_layers, num_kv_heads
+
+
+def page_bytes_of(kv_cache_config: KVCacheConfig) -> int:
+    """Bytes of one page (K and V of one layer's KV head, ``block_size`` tokens)."""
+    spec = single_full_attention_group(kv_cache_config).kv_cache_spec
+    return spec.page_size_bytes // spec.num_kv_heads
+
+
+def with_pages_past_the_pool(kv_cache_config: KVCacheConfig, rows: "MetadataRows") -> KVCacheConfig:
+    """vLLM's KV-cache configuration with its backing buffer grown by the pages kvcompress
+    keeps past the pool: the identity pages (``rows``) and the scratch page. The KV memory
+    budget paid for them beside the tables (``memory.PerHeadLayout.metadata_bytes``), so
+    every page of vLLM's token blocks is allocatable; vLLM's own views of the buffer
+    (its first ``num_blocks`` blocks) are unchanged. A copy: the caller's is untouched."""
+    grown = copy.deepcopy(kv_cache_config)
+    extra = (rows.identity_pages + SCRATCH_PAGES) * page_bytes_of(kv_cache_config)
+    for tensor in grown.kv_cache_tensors:
+        tensor.size += extra
+    return grown
 
 
 def uses_identity_rows(device_type: torch.device | str) -> bool:
@@ -125,6 +139,21 @@ def uses_identity_rows(device_type: torch.device | str) -> bool:
     ops all read ``page_meta_row``; not on CUDA, whose kernels index metadata by page id
     until a GPU run has checked them reading rows (docs/design-61-metadata-rows.md)."""
     return torch.device(device_type).type == "cpu"
+
+
+# Stock vLLM's default block size (tokens) where kvcompress runs: what a request that never
+# compresses is counted in (grant_pages_for), so that it is admitted and preempted when it
+# would be without kvcompress.
+STOCK_BLOCK_SIZES = {"cpu": 128}
+STOCK_BLOCK_SIZE_ELSEWHERE = 16
+
+
+def grant_pages_for(block_size: int, device_type) -> int:
+    """Pages of ``block_size`` tokens a never-compressing request's heads are counted in
+    (``PageAccounting(grant_pages=)``, ``PerHeadPagedCache(grant_pages=)``): stock vLLM's
+    block on this device over the page, at least 1 (CPU: 128 / 64 = 2; CUDA: 16 / 16)."""
+    stock = STOCK_BLOCK_SIZES.get(torch.device(device_type).type, STOCK_BLOCK_SIZE_ELSEWHERE)
+    return max(1, stock // block_size)
 
 
 @dataclass(frozen=True)

@@ -259,3 +259,11 @@ def logical_block_count(
     uncompressed = num_pages // max(1, pages_per_token_block)
     overcommitted = max(per_request, LOGICAL_OVERCOMMIT * uncompressed)
     return min(num_pages, max_num_seqs * per_request, overcommitted) + 1
+
+
+def watermark_pages(watermark: float, accounting: PageAccounting) -> int:
+    """vLLM's ``--watermark`` (a fraction of the pool kept free when admitting) in pages of
+    one rank's pool, whole as stock vLLM's are: ``int(watermark x blocks)`` of the
+    blocks a never-compressing request is counted in (``grant_pages`` pages per head)."""
+    group = accounting.grant_pages * accounting.pages_per_token_block_per_rank
+    return int(watermark * (accounting.num_pages // group)) * group

@@ -26,7 +26,7 @@ from kvcompress.ops.paged_cache import SLOT_METADATA_BYTES, PerHeadPagedCache, i
 from kvcompress.ops.triton_attention import decode_workspace_bytes
 from kvcompress.ops.unified_attention import split_kv_workspace_bytes
 from kvcompress.page_accounting import cache_sequence_slots
-from kvcompress.vllm_glue.kv_layout import page_dtype, uses_identity_rows
+from kvcompress.vllm_glue.kv_layout import SCRATCH_PAGES, page_dtype, uses_identity_rows
 from kvcompress.vllm_glue.step import DecodeBuffers, StepTables
 
 logger = init_logger(f"vllm.{__name__}")
@@ -124,9 +124,16 @@ class PerHeadLayout:
         blocks = kv_bytes // (self.page_bytes * self.num_layers * self.num_kv_heads)
         return min(self.max_pages_per_head, blocks)
 
+    @property
+    def pages_past_the_pool(self) -> int:
+        """Pages the KV buffer holds past the allocatable ones: the identity pages and the
+        scratch page (``kv_layout.with_pages_past_the_pool``)."""
+        return self.identity_pages + SCRATCH_PAGES
+
     def metadata_bytes(self, num_pages: int, shared_pages_per_head: int = 0, max_seqs: int | None = None) -> int:
-        """Everything but the pages, for a pool of ``num_pages`` allocatable pages and
-        ``max_seqs`` sequence slots (default: :meth:`sequence_slots` of that pool)."""
+        """Everything but the allocatable pages, for a pool of ``num_pages`` of them and
+        ``max_seqs`` sequence slots (default: :meth:`sequence_slots` of that pool): the
+        cache's tables, the decode buffers and the pages past the pool."""
         if max_seqs is None:
             max_seqs = self.sequence_slots(num_pages)
         cache = PerHeadPagedCache.metadata_bytes(
@@ -135,7 +142,7 @@ class PerHeadLayout:
             self.rows_per_page if self.identity_rows else 1,
         )
         buffers = DecodeBuffers.nbytes_for(self.num_layers, self.num_kv_heads, self.max_rows, max_seqs)
-        return cache + buffers
+        return cache + buffers + self.pages_past_the_pool * self.page_bytes
 
     def metadata_breakdown(self, available: int) -> dict[str, int]:
         """Where ``available`` bytes of KV memory go (:meth:`page_bytes_for`): ``pages``
@@ -144,20 +151,20 @@ class PerHeadLayout:
         row pages are pool pages they hold), ``tables`` (page tables, head lengths, the
         allocator's free stack and page shares; on CPU also the page-to-row map and each
         sequence slot's row-page list),
-        ``decode_buffers`` and ``unused`` (vLLM counts whole token blocks
-        of ``L x H`` pages). What stock vLLM gives to KVs alone, kvcompress splits this way."""
+        ``decode_buffers`` (with the scratch page their padding rows write) and ``unused``
+        (vLLM counts whole token blocks of ``L x H`` pages). What stock vLLM gives to KVs
+        alone, kvcompress splits this way."""
         shared = self.max_shared_pages_per_head(available)
         slots = self.slots_for_memory(available)
         block_pages = self.num_layers * self.num_kv_heads
         num_pages = self.page_bytes_for(available) // (self.page_bytes * block_pages) * block_pages
         if self.identity_rows:
             slot_metadata = self.identity_pages * self.page_bytes
-            num_pages -= self.identity_pages
         else:
             slot_metadata = num_pages * self.block_size * SLOT_METADATA_BYTES
-        decode_buffers = DecodeBuffers.nbytes_for(self.num_layers, self.num_kv_heads, self.max_rows, slots)
-        outside_pool = 0 if self.identity_rows else slot_metadata
-        tables = self.metadata_bytes(num_pages, shared, slots) - outside_pool - decode_buffers
+        decode_buffers = (DecodeBuffers.nbytes_for(self.num_layers, self.num_kv_heads, self.max_rows, slots)
+                          + SCRATCH_PAGES * self.page_bytes)
+        tables = self.metadata_bytes(num_pages, shared, slots) - slot_metadata - decode_buffers
         pages = num_pages * self.page_bytes
         return {
             "pages": pages, "slot_metadata": slot_metadata, "tables": tables, "decode_buffers": decode_buffers,
@@ -201,8 +208,8 @@ class PerHeadLayout:
         span = chunk_pages_for(self.max_pages_per_head)
         per_page = -(-(self.metadata_bytes(span, shared, slots) - fixed) // span)
         room = available - fixed
-        # At least one page per (layer, KV head) and the scratch page.
-        least = (self.num_layers * self.num_kv_heads + 1) * (self.page_bytes + per_page)
+        # At least one page per (layer, KV head) (the scratch page is in ``fixed``).
+        least = self.num_layers * self.num_kv_heads * (self.page_bytes + per_page)
         if room < least:
             raise ValueError(
                 f"--kv-compress: the per-head page tables for --max-num-seqs {self.max_num_seqs} x "

@@ -22,8 +22,9 @@ from kvcompress.ops.expected_attention import RopeFrequencies, rope_frequencies
 from kvcompress.page_accounting import cache_sequence_slots
 from kvcompress.vllm_glue.kv_layout import (
     FP8_CACHE_DTYPES,
+    SCRATCH_PAGES,
     MetadataRows,
-    pages_in_buffer,
+    grant_pages_for,
     pages_in_pool,
     single_full_attention_group,
 )
@@ -36,8 +37,9 @@ logger = init_logger(f"vllm.{__name__}")
 class PoolShape:
     """What vLLM's KV-cache configuration says about the pool: its layers (by vLLM's
     layer names), KV heads, page size (``block_size`` tokens of ``head_dim``), dtype,
-    bytes per page (K and V), pages in the buffer, allocatable pages (the buffer's less
-    the scratch page and the identity pages) and where slot metadata lives (``rows``:
+    bytes per page (K and V), pages in the buffer, allocatable pages (those of vLLM's
+    token blocks; the buffer holds the identity pages and the scratch page past them,
+    ``kv_layout.with_pages_past_the_pool``) and where slot metadata lives (``rows``:
     the identity pages follow the allocatable ones)."""
 
     layer_names: tuple[str, ...]
@@ -71,8 +73,8 @@ class PoolShape:
         return cls(
             layer_names=tuple(group.layer_names), num_kv_heads=spec.num_kv_heads, block_size=spec.block_size,
             head_dim=spec.head_size, dtype=dtype, page_bytes=2 * spec.block_size * spec.head_size * dtype.itemsize,
-            buffer_pages=pages_in_buffer(kv_cache_config),
-            num_pages=pages_in_pool(kv_cache_config)[0] - rows.identity_pages, rows=rows,
+            buffer_pages=pages_in_pool(kv_cache_config)[0] + rows.identity_pages + SCRATCH_PAGES,
+            num_pages=pages_in_pool(kv_cache_config)[0], rows=rows,
         )
 
 
@@ -155,6 +157,7 @@ def build_cache(shape: PoolShape, vllm_config, ops, device: torch.device,
         identity_rows=identity_rows,
         rows_per_page=shape.rows.rows_per_page or 1,
         metadata=metadata,
+        grant_pages=grant_pages_for(shape.block_size, device),
     )
 
 

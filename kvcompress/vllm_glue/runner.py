@@ -34,7 +34,13 @@ from kvcompress.contract import CompressionOrder, WorkerReport
 from kvcompress.ops import PerHeadPagedCache
 from kvcompress.ops.prefix_groups import PrefixGroups
 from kvcompress.vllm_glue import diagnostics
-from kvcompress.vllm_glue.kv_layout import compressible_layers, layer_windows_checked, single_full_attention_group
+from kvcompress.vllm_glue.kv_layout import (
+    MetadataRows,
+    compressible_layers,
+    layer_windows_checked,
+    single_full_attention_group,
+    with_pages_past_the_pool,
+)
 from kvcompress.vllm_glue.metric_queries import MetricQuerySelector
 from kvcompress.vllm_glue.outputs import step_compression_of, with_report
 from kvcompress.vllm_glue.pool_builder import BuiltPool, build_pool, model_rope
@@ -68,8 +74,14 @@ class KVCompressRunnerMixin:
         # (is_profiling=True), then the real one: the previous pool's tables go before
         # the next buffer is allocated, not after (two table sets alive at once).
         self._kvc_drop_pool()
-        super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
+        super().initialize_kv_cache(self._kvc_buffer_config(kv_cache_config), *args, **kwargs)
         self._kvc_build_pool(self.kv_cache_config)
+
+    def _kvc_buffer_config(self, kv_cache_config: KVCacheConfig) -> KVCacheConfig:
+        """vLLM's configuration with the buffer grown by the pages past the pool (identity
+        pages, scratch page: ``kv_layout.with_pages_past_the_pool``)."""
+        rows = MetadataRows.of(kv_cache_config, self.vllm_config.model_config.max_model_len, self.device.type)
+        return with_pages_past_the_pool(kv_cache_config, rows)
 
     def _kvc_drop_pool(self) -> None:
         """Forget the pool: every reference to its cache and to views of the KV buffer."""

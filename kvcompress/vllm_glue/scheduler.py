@@ -23,11 +23,12 @@ from kvcompress.page_accounting import PageAccounting, live_sequence_limit
 from kvcompress.vllm_glue.kv_layout import (
     MetadataRows,
     compressible_layers,
+    grant_pages_for,
     layer_windows,
     pages_in_pool,
     single_full_attention_group,
 )
-from kvcompress.vllm_glue.kv_manager import KVCompressKVCacheManager, logical_block_count
+from kvcompress.vllm_glue.kv_manager import KVCompressKVCacheManager, logical_block_count, watermark_pages
 from kvcompress.vllm_glue.metrics import with_kvcompress_stats
 from kvcompress.vllm_glue.outputs import report_of, with_step_compression
 from kvcompress.vllm_glue.prefix_cache import PrefixCacheGlue
@@ -47,10 +48,9 @@ class KVCompressScheduler(Scheduler):
         num_kv_heads = heads_per_rank * num_ranks
         block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
         max_model_len = vllm_config.model_config.max_model_len
-        # The worker's slot metadata: identity pages out of the pool, and compressing
+        # The worker's slot metadata: identity pages past the pool, and compressing
         # requests' row pages counted as theirs (pool_builder.PoolShape, the same rows).
         rows = MetadataRows.of(kv_cache_config, max_model_len, vllm_config.device_config.device_type)
-        num_pages -= rows.identity_pages
         logical_config = copy.deepcopy(kv_cache_config)
         logical_config.num_blocks = logical_block_count(
             num_pages, vllm_config.scheduler_config.max_num_seqs, max_model_len, block_size,
@@ -73,6 +73,8 @@ class KVCompressScheduler(Scheduler):
             compressible_layers=compressible_layers(windows),
             layer_windows=windows if self.kvc_drops_windows else None,
             rows_per_page=rows.rows_per_page,
+            # Never-compressing requests counted in stock's blocks (the worker's cache too).
+            grant_pages=grant_pages_for(block_size, vllm_config.device_config.device_type),
         )
         # The worker's cache has sequence slots for this many (live_sequence_limit):
         # vLLM's admission bound, lowered where the pool is the smaller limit.
@@ -102,7 +104,7 @@ class KVCompressScheduler(Scheduler):
             self.kv_cache_manager,
             accounting,
             max_model_len=max_model_len,
-            watermark_pages=int(self.scheduler_config.watermark * num_pages),
+            watermark_pages=watermark_pages(self.scheduler_config.watermark, accounting),
             relieve=self._relieve if settings.enabled else None,
             compresses=lambda request: self.kvc_planner.budget(request).compresses,
             on_admission_short=self.kvc_planner.note_admission_short if settings.enabled else None,
