@@ -259,6 +259,10 @@ class PageAccounting:
                 raise RuntimeError(f"request {request_id} changed whether it compresses while holding pages")
             self.compresses[row] = compresses
 
+    def compresses_of(self, request_id: str) -> bool:
+        """Whether the request compresses (:meth:`note_compresses`)."""
+        return request_id in self._compressing_ids
+
     def _room(self, lens: np.ndarray, compresses: bool) -> int:
         """Tokens every head of ``lens`` can take before one of them needs a page."""
         return int((self._pages(lens, compresses) * self.block_size - lens).min())

@@ -46,14 +46,17 @@ TINY_ENGINE_ARGS = dict(
 )
 
 
-def tiny_kv_budget(tokens: int, *, block_size: int, max_num_seqs: int, max_model_len: int) -> int:
+def tiny_kv_budget(tokens: int, *, block_size: int, max_num_seqs: int, max_model_len: int,
+                   identity_rows: bool = False) -> int:
     """KV memory bytes that leave a tiny-model kvcompress engine pages for ``tokens``
     uncompressed tokens after its per-head metadata (``vllm_glue/memory.py``): tests
-    whose bounds are exact in the pool's size keep that size."""
+    whose bounds are exact in the pool's size keep that size. ``identity_rows``: the
+    metadata counted as the CPU engine lays it out, so the pool holds ``tokens`` and at
+    most a page more; without, as CUDA's 8 B a slot, which leaves a CPU engine ~1.5% more."""
     from kvcompress.vllm_glue.memory import PerHeadLayout
 
     layout = PerHeadLayout(TINY_LAYERS, TINY_KV_HEADS, TINY_HEAD_DIM, 4, block_size, max_num_seqs,
-                           max_model_len, max_num_seqs, identity_rows=True)  # a CPU engine's
+                           max_model_len, max_num_seqs, identity_rows=identity_rows)
     pages_bytes = tokens * TINY_BYTES_PER_TOKEN + layout.page_bytes  # + a page: no rounding short
     budget = pages_bytes
     # The tables' sequence slots follow the memory (slots_for_memory): grow to a fixed point.

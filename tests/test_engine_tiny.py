@@ -58,7 +58,8 @@ def kvc_stock_sized_llm(tiny_model):
 
     max_model_len = 896
     args = dict(TINY_ENGINE_ARGS, max_model_len=max_model_len, kv_cache_memory_bytes=tiny_kv_budget(
-        8 * 128, block_size=64, max_num_seqs=TINY_ENGINE_ARGS["max_num_seqs"], max_model_len=max_model_len))
+        8 * 128, block_size=64, max_num_seqs=TINY_ENGINE_ARGS["max_num_seqs"], max_model_len=max_model_len,
+        identity_rows=True))
     llm = kvcompress.LLM(tiny_model, kv_compress_rate=1, **args)
     yield llm
     shutdown(llm)

@@ -94,13 +94,14 @@ def test_compression_counts_single_pages():
     assert accounting.pages_held("c") == _brute(lens, 2, True) == 4 * LAYERS * HEADS - 5
 
 
-def test_watermark_in_whole_stock_blocks():
+def test_watermark_in_whole_stock_blocks_for_requests_that_never_compress():
     from kvcompress.vllm_glue.kv_manager import watermark_pages
 
     accounting = PageAccounting(24300, 30, 3, BLOCK, grant_pages=2)  # SmolLM2: 135 blocks of 128
-    assert watermark_pages(0.01, accounting) == 180  # stock: int(0.01 x 136) = 1 block
-    assert watermark_pages(0.0, accounting) == 0
-    assert watermark_pages(0.05, PageAccounting(24300, 30, 3, BLOCK)) == 13 * 90  # int(0.05 x 270) blocks of 64
+    assert watermark_pages(0.01, accounting, False) == 180  # stock: int(0.01 x 136) = 1 block
+    assert watermark_pages(0.01, accounting, True) == 243  # 1% of the pages
+    assert watermark_pages(0.0, accounting, False) == 0
+    assert watermark_pages(0.05, PageAccounting(24300, 30, 3, BLOCK), False) == 13 * 90  # int(0.05 x 270) blocks of 64
 
 
 def _kv_cache_config(num_blocks: int, block_size: int = 64):

@@ -57,7 +57,7 @@ def _manager(num_blocks: int | None = None):
     inner = KVCacheManager(config, max_model_len=MAX_LEN, scheduler_block_size=BLOCK,
                            hash_block_size=BLOCK, enable_caching=False)
     accounting = PageAccounting(PAGES, LAYERS, HEADS, BLOCK, max_requests=4)
-    return kv_manager.KVCompressKVCacheManager(inner, accounting, max_model_len=MAX_LEN, watermark_pages=0)
+    return kv_manager.KVCompressKVCacheManager(inner, accounting, max_model_len=MAX_LEN, watermark=0.0)
 
 
 def _pages(tokens: int) -> int:

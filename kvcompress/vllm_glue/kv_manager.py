@@ -81,7 +81,7 @@ class KVCompressKVCacheManager:
         inner: KVCacheManager,
         accounting: PageAccounting,
         max_model_len: int,
-        watermark_pages: int,
+        watermark: float,
         relieve=None,
         on_admission_short=None,
         on_release=None,
@@ -94,7 +94,8 @@ class KVCompressKVCacheManager:
         self._capacity = accounting.capacity  # the fast path's bound, request id -> tokens
         self._deferred = accounting.deferred_growth  # the fast path's grants (grow_in_room)
         self.max_model_len = max_model_len
-        self.watermark_pages = watermark_pages
+        # Pages kept free when admitting a request that never compresses / compresses.
+        self.watermark_pages = (watermark_pages(watermark, accounting, False), watermark_pages(watermark, accounting, True))
         # relieve(request, pages_short) compresses other requests instead of preempting.
         self.relieve = relieve
         # on_admission_short(pages_short) hears that a waiting request was refused pages.
@@ -174,7 +175,7 @@ class KVCompressKVCacheManager:
         if admitting and self.compresses is not None and not accounting.holds(request_id):
             accounting.note_compresses(request_id, self.compresses(request))
         if arg.has_scheduled_reqs and admitting:
-            reserve += self.watermark_pages
+            reserve += self.watermark_pages[accounting.compresses_of(request_id)]
         prefix_cache = self.prefix_cache
         if prefix_cache is not None and admitting:
             # Hit blocks are the cache's page groups: only the rest is counted.
@@ -261,9 +262,12 @@ def logical_block_count(
     return min(num_pages, max_num_seqs * per_request, overcommitted) + 1
 
 
-def watermark_pages(watermark: float, accounting: PageAccounting) -> int:
+def watermark_pages(watermark: float, accounting: PageAccounting, compresses: bool) -> int:
     """vLLM's ``--watermark`` (a fraction of the pool kept free when admitting) in pages of
-    one rank's pool, whole as stock vLLM's are: ``int(watermark x blocks)`` of the
-    blocks a never-compressing request is counted in (``grant_pages`` pages per head)."""
+    one rank's pool for admitting a request that ``compresses`` (``int(watermark x
+    pages)``) or not: then whole as stock vLLM's, ``int(watermark x blocks)`` of the blocks
+    such a request is counted in (``grant_pages`` pages per head)."""
+    if compresses:
+        return int(watermark * accounting.num_pages)
     group = accounting.grant_pages * accounting.pages_per_token_block_per_rank
     return int(watermark * (accounting.num_pages // group)) * group

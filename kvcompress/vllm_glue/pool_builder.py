@@ -27,6 +27,7 @@ from kvcompress.vllm_glue.kv_layout import (
     grant_pages_for,
     pages_in_pool,
     single_full_attention_group,
+    with_pages_past_the_pool,
 )
 from kvcompress.vllm_glue.step import DecodeBuffers, WorkerCacheState
 
@@ -159,6 +160,14 @@ def build_cache(shape: PoolShape, vllm_config, ops, device: torch.device,
         metadata=metadata,
         grant_pages=grant_pages_for(shape.block_size, device),
     )
+
+
+def buffer_config(kv_cache_config: KVCacheConfig, vllm_config, device_type) -> KVCacheConfig:
+    """The configuration the runner hands vLLM's ``initialize_kv_cache``: the KV buffer grown
+    by the pages past the pool (identity pages, scratch page:
+    ``kv_layout.with_pages_past_the_pool``), which :func:`build_pool` then finds there."""
+    rows = MetadataRows.of(kv_cache_config, vllm_config.model_config.max_model_len, device_type)
+    return with_pages_past_the_pool(kv_cache_config, rows)
 
 
 def build_pool(kv_cache: torch.Tensor, kv_cache_config: KVCacheConfig, vllm_config, *,

@@ -34,16 +34,10 @@ from kvcompress.contract import CompressionOrder, WorkerReport
 from kvcompress.ops import PerHeadPagedCache
 from kvcompress.ops.prefix_groups import PrefixGroups
 from kvcompress.vllm_glue import diagnostics
-from kvcompress.vllm_glue.kv_layout import (
-    MetadataRows,
-    compressible_layers,
-    layer_windows_checked,
-    single_full_attention_group,
-    with_pages_past_the_pool,
-)
+from kvcompress.vllm_glue.kv_layout import compressible_layers, layer_windows_checked, single_full_attention_group
 from kvcompress.vllm_glue.metric_queries import MetricQuerySelector
 from kvcompress.vllm_glue.outputs import step_compression_of, with_report
-from kvcompress.vllm_glue.pool_builder import BuiltPool, build_pool, model_rope
+from kvcompress.vllm_glue.pool_builder import BuiltPool, buffer_config, build_pool, model_rope
 from kvcompress.vllm_glue.scoring_kind import ScoringContext
 from kvcompress.vllm_glue.scoring_kinds import ScoringKinds
 from kvcompress.vllm_glue.step import WorkerCacheState, set_current_step, set_worker_state
@@ -78,10 +72,8 @@ class KVCompressRunnerMixin:
         self._kvc_build_pool(self.kv_cache_config)
 
     def _kvc_buffer_config(self, kv_cache_config: KVCacheConfig) -> KVCacheConfig:
-        """vLLM's configuration with the buffer grown by the pages past the pool (identity
-        pages, scratch page: ``kv_layout.with_pages_past_the_pool``)."""
-        rows = MetadataRows.of(kv_cache_config, self.vllm_config.model_config.max_model_len, self.device.type)
-        return with_pages_past_the_pool(kv_cache_config, rows)
+        """vLLM's configuration with the KV buffer grown by the pages past the pool."""
+        return buffer_config(kv_cache_config, self.vllm_config, self.device.type)
 
     def _kvc_drop_pool(self) -> None:
         """Forget the pool: every reference to its cache and to views of the KV buffer."""

@@ -28,7 +28,7 @@ from kvcompress.vllm_glue.kv_layout import (
     pages_in_pool,
     single_full_attention_group,
 )
-from kvcompress.vllm_glue.kv_manager import KVCompressKVCacheManager, logical_block_count, watermark_pages
+from kvcompress.vllm_glue.kv_manager import KVCompressKVCacheManager, logical_block_count
 from kvcompress.vllm_glue.metrics import with_kvcompress_stats
 from kvcompress.vllm_glue.outputs import report_of, with_step_compression
 from kvcompress.vllm_glue.prefix_cache import PrefixCacheGlue
@@ -104,7 +104,7 @@ class KVCompressScheduler(Scheduler):
             self.kv_cache_manager,
             accounting,
             max_model_len=max_model_len,
-            watermark_pages=watermark_pages(self.scheduler_config.watermark, accounting),
+            watermark=self.scheduler_config.watermark,
             relieve=self._relieve if settings.enabled else None,
             compresses=lambda request: self.kvc_planner.budget(request).compresses,
             on_admission_short=self.kvc_planner.note_admission_short if settings.enabled else None,
