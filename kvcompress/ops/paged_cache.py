@@ -201,6 +201,8 @@ class PerHeadPagedCache:
         self._dropped_pages = torch.zeros((max_seqs, num_layers), dtype=torch.int64, device=self.device)
         self.page_shares = torch.zeros(num_pages, dtype=torch.int32, device=self.device)
         self._free_seq_slots = list(range(max_seqs - 1, -1, -1))
+        # Open slots that never compress: the only ones with spare pages (spare_pages).
+        self._plain_slots: set[int] = set()
         # numpy views sharing the CPU tensors' memory: a decode step's append is a few
         # dozen tiny index ops, ~1 us each in numpy against ~5-10 us each as torch ops.
         self.host: HostViews | None = HostViews.of(self) if self.device.type == "cpu" else None
@@ -301,6 +303,8 @@ class PerHeadPagedCache:
             raise RuntimeError(f"all {self.max_seqs} sequence slots are in use")
         slot = self._free_seq_slots.pop()
         self._compresses[slot] = compresses
+        if not compresses:
+            self._plain_slots.add(slot)
         self._dropped_pages[slot] = 0
         if self.identity_rows:
             self.rows_used[slot] = 0
@@ -529,9 +533,16 @@ class PerHeadPagedCache:
 
     def counted_free_pages(self) -> int:
         """Free pages as the scheduler counts them: the free stack less every sequence's
-        spare pages (:meth:`spare_pages`)."""
+        spare pages (:meth:`spare_pages`; read every step, so only the open slots that
+        never compress are summed)."""
         free = self.allocator.num_free
-        return free if self.grant_pages == 1 else free - int(self.spare_pages().sum())
+        if self.grant_pages == 1 or not self._plain_slots:
+            return free
+        if self.host is None:
+            return free - int(self.spare_pages(sorted(self._plain_slots)).sum())
+        slots = np.fromiter(self._plain_slots, np.int64, len(self._plain_slots))
+        pages = pages_for(self.host.head_lens[slots], self.block_size)
+        return free - int((-pages % self.grant_pages).sum())  # g * ceil(p / g) - p
 
     def release(self, seq_slots: torch.Tensor) -> int:
         """Let go of every page of the given sequence slots and return the slots.
@@ -555,7 +566,9 @@ class PerHeadPagedCache:
         self.head_lens[seq_slots] = 0
         if self.identity_rows:
             freed += self._release_row_pages(seq_slots.cpu().numpy())
-        self._free_seq_slots.extend(seq_slots.tolist())
+        released = seq_slots.tolist()
+        self._plain_slots.difference_update(released)
+        self._free_seq_slots.extend(released)
         return freed
 
     def _release_row_pages(self, slots: np.ndarray) -> int:
