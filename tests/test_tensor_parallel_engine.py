@@ -29,7 +29,9 @@ TP = 2
 ENGINE_ARGS = dict(TINY_ENGINE_ARGS, tensor_parallel_size=TP,
                    kv_cache_memory_bytes=TINY_ENGINE_ARGS["kv_cache_memory_bytes"] // 2)
 PROMPT_LENGTHS = [37, 200, 513, 90, 300, 700, 150, 64]
-OUTPUT_TOKENS = 32
+# Long enough for every request to grow past one of stock's 128-token blocks (the unit a
+# rate-1 request is counted in), so the tight pools preempt.
+OUTPUT_TOKENS = 160
 
 
 def _prompts(lengths, seed=0):
