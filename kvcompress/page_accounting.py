@@ -504,6 +504,9 @@ class PageAccounting:
             freed = self.pages_held_per_row[row] - held
             self.pages_held_per_row[row] = held
             self.free_pages += freed
+            # Pages counted in groups: a shorter head may reach its next group sooner.
+            self.room[row] = self._room(self.head_lens[row], self.compresses[row])
+            self._set_capacity(ids[index], row)
             drops[ids[index]] = by_layer
         self.changes += 1
         return drops
