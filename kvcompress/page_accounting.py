@@ -204,7 +204,7 @@ class PageAccounting:
                 self._grow_rows()
             row = self._free_rows.pop()
             self._row_of[request_id] = row
-            self.compresses[row] = request_id in self._compressing_ids
+            self.compresses[row] = self.compresses_of(request_id)
         return row
 
     def _grow_rows(self) -> None:
@@ -328,7 +328,7 @@ class PageAccounting:
         """``[num_ranks]`` new pages each rank's pool gives for ``target_tokens`` tokens."""
         row = self._row_of.get(request_id)
         if row is None:
-            needed = self._pages_per_rank_from_nothing(target_tokens, request_id in self._compressing_ids)
+            needed = self._pages_per_rank_from_nothing(target_tokens, self.compresses_of(request_id))
             return np.full(self.num_ranks, needed, np.int64)
         if request_id in self.deferred_growth:  # other rows' growth changes no page count
             self.sync()
@@ -346,7 +346,7 @@ class PageAccounting:
         rank; <= 0: it fits (T = 1: needed + reserve - free)."""
         if self.num_ranks == 1 and request_id not in self._row_of:
             # A waiting request (vLLM asks for one every step while it waits): ints only.
-            needed = self._pages_per_rank_from_nothing(target_tokens, request_id in self._compressing_ids)
+            needed = self._pages_per_rank_from_nothing(target_tokens, self.compresses_of(request_id))
             return needed + reserve_per_rank - int(self.free_pages[0])
         needed = self.pages_to_grow_per_rank(request_id, target_tokens)
         return int((needed + reserve_per_rank - self.free_pages).max())

@@ -58,7 +58,6 @@ from kvcompress.ops.allocator import PageAllocator, add_references, drop_referen
 from kvcompress.ops.dispatch import KernelOps
 from kvcompress.ops.kv_pool import KVPool
 from kvcompress.ops.page_tables import ChunkedPageTables, fill_page_tables, page_columns
-from kvcompress.page_accounting import counted_pages
 
 # Bytes each KV slot's eviction state takes: an int32 position and a float32 metric
 # (``slot_positions``, ``slot_metrics``).
@@ -519,17 +518,20 @@ class PerHeadPagedCache:
         kv = self.pages_held(slots).sum(dim=(1, 2)).cpu().numpy()
         return (kv + self.spare_pages(seq_slots) + self.row_pages_held(seq_slots)).tolist()
 
-    def spare_pages(self, seq_slots=None) -> np.ndarray:
-        """Pages each of ``seq_slots`` (host ints; None: every slot) is counted for beyond
-        those its heads hold: the unreached pages of a never-compressing sequence's last
-        groups of ``grant_pages`` (0 with groups of 1)."""
-        slots = np.arange(self.max_seqs) if seq_slots is None else np.asarray(seq_slots, dtype=np.int64)
+    def spare_pages(self, seq_slots) -> np.ndarray:
+        """Pages each of ``seq_slots`` (host ints) is counted for beyond those its heads
+        hold: the unreached pages of a never-compressing sequence's last groups of
+        ``grant_pages``, ``g * ceil(p / g) - p`` a head (0 with groups of 1)."""
+        slots = np.asarray(seq_slots, dtype=np.int64)
         if self.grant_pages == 1:
             return np.zeros(slots.shape, np.int64)
+        return np.where(self._compresses.cpu().numpy()[slots], 0, self._group_spare(slots))
+
+    def _group_spare(self, slots: np.ndarray) -> np.ndarray:
+        """``[S]`` unreached pages of the last groups of ``grant_pages`` of every head of
+        ``slots`` (``[S]`` int64), as if none compressed."""
         lens = self.host.head_lens[slots] if self.host is not None else self.head_lens.cpu().numpy()[slots]
-        pages = pages_for(lens, self.block_size)
-        compresses = self._compresses.cpu().numpy()[slots][:, None, None]
-        return (counted_pages(pages, self.grant_pages, compresses) - pages).sum(axis=(1, 2))
+        return (-pages_for(lens, self.block_size) % self.grant_pages).sum(axis=(1, 2))
 
     def counted_free_pages(self) -> int:
         """Free pages as the scheduler counts them: the free stack less every sequence's
@@ -538,11 +540,7 @@ class PerHeadPagedCache:
         free = self.allocator.num_free
         if self.grant_pages == 1 or not self._plain_slots:
             return free
-        if self.host is None:
-            return free - int(self.spare_pages(sorted(self._plain_slots)).sum())
-        slots = np.fromiter(self._plain_slots, np.int64, len(self._plain_slots))
-        pages = pages_for(self.host.head_lens[slots], self.block_size)
-        return free - int((-pages % self.grant_pages).sum())  # g * ceil(p / g) - p
+        return free - int(self._group_spare(np.fromiter(self._plain_slots, np.int64, len(self._plain_slots))).sum())
 
     def release(self, seq_slots: torch.Tensor) -> int:
         """Let go of every page of the given sequence slots and return the slots.

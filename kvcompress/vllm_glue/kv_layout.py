@@ -127,7 +127,7 @@ def with_pages_past_the_pool(kv_cache_config: KVCacheConfig, rows: "MetadataRows
     every page of vLLM's token blocks is allocatable; vLLM's own views of the buffer
     (its first ``num_blocks`` blocks) are unchanged. A copy: the caller's is untouched."""
     grown = copy.deepcopy(kv_cache_config)
-    extra = (rows.identity_pages + SCRATCH_PAGES) * page_bytes_of(kv_cache_config)
+    extra = rows.pages_past_the_pool * page_bytes_of(kv_cache_config)
     for tensor in grown.kv_cache_tensors:
         tensor.size += extra
     return grown
@@ -164,6 +164,12 @@ class MetadataRows:
 
     rows_per_page: int | None
     identity_pages: int
+
+    @property
+    def pages_past_the_pool(self) -> int:
+        """Pages the KV buffer holds past the allocatable ones: the identity pages and the
+        scratch page (:func:`with_pages_past_the_pool`)."""
+        return self.identity_pages + SCRATCH_PAGES
 
     @classmethod
     def of(cls, kv_cache_config: KVCacheConfig, max_model_len: int, device_type) -> "MetadataRows":

@@ -22,7 +22,6 @@ from kvcompress.ops.expected_attention import RopeFrequencies, rope_frequencies
 from kvcompress.page_accounting import cache_sequence_slots
 from kvcompress.vllm_glue.kv_layout import (
     FP8_CACHE_DTYPES,
-    SCRATCH_PAGES,
     MetadataRows,
     grant_pages_for,
     pages_in_pool,
@@ -71,11 +70,11 @@ class PoolShape:
         dtype = spec.dtype if dtype is None else dtype
         if dtype.itemsize != spec.dtype.itemsize:
             raise ValueError(f"page dtype {dtype} does not match vLLM's KV-cache spec dtype {spec.dtype}")
+        num_pages = pages_in_pool(kv_cache_config)[0]
         return cls(
             layer_names=tuple(group.layer_names), num_kv_heads=spec.num_kv_heads, block_size=spec.block_size,
             head_dim=spec.head_size, dtype=dtype, page_bytes=2 * spec.block_size * spec.head_size * dtype.itemsize,
-            buffer_pages=pages_in_pool(kv_cache_config)[0] + rows.identity_pages + SCRATCH_PAGES,
-            num_pages=pages_in_pool(kv_cache_config)[0], rows=rows,
+            buffer_pages=num_pages + rows.pages_past_the_pool, num_pages=num_pages, rows=rows,
         )
 
 
