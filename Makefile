@@ -33,7 +33,8 @@ bench: setup
 # regimes, issue 58's prefill-heavy one, `vllm bench serve` under 1.5 requests' KV memory, then
 # `make demo`'s run and the prefix-caching run three times each (their scripts run stock first).
 # Files: benchmarks/results/rate1-parity-<regime>-{r3,rep<i>}-<isa>-cpu.{md,json}.
-RATE1_ISA := $(shell grep -q avx512f /proc/cpuinfo 2>/dev/null && echo avx512 || echo avx2)
+# The host's widest matrix / vector unit names the files, so that runs on another CPU sit beside them.
+RATE1_ISA := $(shell if grep -q amx_tile /proc/cpuinfo 2>/dev/null; then echo amx; elif grep -q avx512f /proc/cpuinfo 2>/dev/null; then echo avx512; else echo avx2; fi)
 RATE1_OUT := benchmarks/results/rate1-parity
 RATE1_BENCH := $(PY) benchmarks/throughput/benchmark_throughput.py --rates 1 8 --repeats 3
 rate1-parity: setup

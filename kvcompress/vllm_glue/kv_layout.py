@@ -172,12 +172,20 @@ class MetadataRows:
         return self.identity_pages + SCRATCH_PAGES
 
     @classmethod
-    def of(cls, kv_cache_config: KVCacheConfig, max_model_len: int, device_type) -> "MetadataRows":
-        if not uses_identity_rows(device_type):
+    def for_shape(cls, head_dim: int, dtype_bytes: int, max_pages_per_head: int, identity_rows: bool) -> "MetadataRows":
+        """The rows of pages of ``head_dim`` x ``dtype_bytes`` K / V values, with identity
+        rows for a head of ``max_pages_per_head`` pages (none without ``identity_rows``)."""
+        if not identity_rows:
             return cls(None, 0)
+        per_page = rows_per_page_for(head_dim, dtype_bytes)
+        return cls(per_page, identity_pages_for(max_pages_per_head, per_page))
+
+    @classmethod
+    def of(cls, kv_cache_config: KVCacheConfig, max_model_len: int, device_type) -> "MetadataRows":
         spec = single_full_attention_group(kv_cache_config).kv_cache_spec
-        per_page = rows_per_page_for(spec.head_size, spec.dtype.itemsize)
-        return cls(per_page, identity_pages_for(-(-max_model_len // spec.block_size), per_page))
+        return cls.for_shape(
+            spec.head_size, spec.dtype.itemsize, -(-max_model_len // spec.block_size), uses_identity_rows(device_type)
+        )
 
 
 # vLLM's --kv-cache-dtype values kvcompress pages hold, as the element type of the pages

@@ -22,11 +22,11 @@ from vllm.logger import init_logger
 
 from kvcompress.ops.flattened import flat_prompt_workspace_bytes
 from kvcompress.ops.page_tables import chunk_pages_for
-from kvcompress.ops.paged_cache import SLOT_METADATA_BYTES, PerHeadPagedCache, identity_pages_for, rows_per_page_for
+from kvcompress.ops.paged_cache import SLOT_METADATA_BYTES, PerHeadPagedCache, rows_per_page_for
 from kvcompress.ops.triton_attention import decode_workspace_bytes
 from kvcompress.ops.unified_attention import split_kv_workspace_bytes
 from kvcompress.page_accounting import cache_sequence_slots
-from kvcompress.vllm_glue.kv_layout import SCRATCH_PAGES, page_dtype, uses_identity_rows
+from kvcompress.vllm_glue.kv_layout import SCRATCH_PAGES, MetadataRows, page_dtype, uses_identity_rows
 from kvcompress.vllm_glue.step import DecodeBuffers, StepTables
 
 logger = init_logger(f"vllm.{__name__}")
@@ -102,9 +102,15 @@ class PerHeadLayout:
         return rows_per_page_for(self.head_dim, self.dtype_bytes)
 
     @property
+    def rows(self) -> MetadataRows:
+        """Where slot metadata lives, counted as the runner's pool counts it
+        (``MetadataRows.of``, from the same shape)."""
+        return MetadataRows.for_shape(self.head_dim, self.dtype_bytes, self.max_pages_per_head, self.identity_rows)
+
+    @property
     def identity_pages(self) -> int:
-        """Pages of the pool the identity rows take (0 without ``identity_rows``)."""
-        return identity_pages_for(self.max_pages_per_head, self.rows_per_page) if self.identity_rows else 0
+        """Pages past the pool the identity rows take (0 without ``identity_rows``)."""
+        return self.rows.identity_pages
 
     def sequence_slots(self, num_pages: int) -> int:
         """Sequence slots of the cache over a pool of ``num_pages`` pages (the runner's
@@ -128,7 +134,7 @@ class PerHeadLayout:
     def pages_past_the_pool(self) -> int:
         """Pages the KV buffer holds past the allocatable ones: the identity pages and the
         scratch page (``kv_layout.with_pages_past_the_pool``)."""
-        return self.identity_pages + SCRATCH_PAGES
+        return self.rows.pages_past_the_pool
 
     def metadata_bytes(self, num_pages: int, shared_pages_per_head: int = 0, max_seqs: int | None = None) -> int:
         """Everything but the allocatable pages, for a pool of ``num_pages`` of them and
