@@ -22,7 +22,7 @@ from vllm.logger import init_logger
 
 from kvcompress.ops.flattened import flat_prompt_workspace_bytes
 from kvcompress.ops.page_tables import chunk_pages_for
-from kvcompress.ops.paged_cache import SLOT_METADATA_BYTES, PerHeadPagedCache, rows_per_page_for
+from kvcompress.ops.paged_cache import SLOT_METADATA_BYTES, PerHeadPagedCache
 from kvcompress.ops.triton_attention import decode_workspace_bytes
 from kvcompress.ops.unified_attention import split_kv_workspace_bytes
 from kvcompress.page_accounting import cache_sequence_slots
@@ -97,11 +97,6 @@ class PerHeadLayout:
         return 2 * self.block_size * self.head_dim * self.dtype_bytes
 
     @property
-    def rows_per_page(self) -> int:
-        """Metadata rows a page holds (``identity_rows``)."""
-        return rows_per_page_for(self.head_dim, self.dtype_bytes)
-
-    @property
     def rows(self) -> MetadataRows:
         """Where slot metadata lives, counted as the runner's pool counts it
         (``MetadataRows.of``, from the same shape)."""
@@ -145,7 +140,7 @@ class PerHeadLayout:
         cache = PerHeadPagedCache.metadata_bytes(
             num_pages, self.num_layers, self.num_kv_heads, self.block_size, max_seqs,
             self.max_pages_per_head, shared_pages_per_head, self.identity_rows,
-            self.rows_per_page if self.identity_rows else 1,
+            self.rows.rows_per_page or 1,
         )
         buffers = DecodeBuffers.nbytes_for(self.num_layers, self.num_kv_heads, self.max_rows, max_seqs)
         return cache + buffers + self.pages_past_the_pool * self.page_bytes
