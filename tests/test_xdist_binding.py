@@ -1,0 +1,26 @@
+"""``make test`` runs pytest-xdist workers: each worker's engines get a core of their own."""
+
+from __future__ import annotations
+
+import os
+
+from conftest import xdist_worker_core
+
+
+def test_workers_get_distinct_cores_round_robin():
+    cores = [0, 1]
+    assert [xdist_worker_core(f"gw{n}", cores) for n in range(4)] == ["0", "1", "0", "1"]
+    assert xdist_worker_core("gw2", [4, 6, 9]) == "9"
+
+
+def test_no_binding_outside_xdist():
+    assert xdist_worker_core(None, [0, 1]) is None
+    assert xdist_worker_core("master", [0, 1]) is None
+
+
+def test_this_worker_is_bound_when_run_under_xdist():
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:
+        assert xdist_worker_core(worker, sorted(os.sched_getaffinity(0))) is None
+    else:
+        assert os.environ["VLLM_CPU_OMP_THREADS_BIND"].split("|")[0] != ""
