@@ -11,8 +11,8 @@ $(PY):
 setup: $(PY)
 	bash scripts/install_cpu.sh $(VENV)
 
-# Test workers (pytest-xdist), each file on one worker and each worker's engines on a core
-# of their own (tests/conftest.py): one per core, at most 4 (every worker starts its own
+# Test workers (pytest-xdist), each file on one worker and each worker's engines on a share
+# of the cores of their own (tests/conftest.py): one per core, at most 4 (every worker starts its own
 # shared engines). On 2 cores the default suite took 40 min against 51 with one worker
 # (clean clone, 2026-12-01); the TP=2 Ray test then shares its cores with the other worker.
 TEST_WORKERS ?= $(shell n=$$(nproc); [ $$n -gt 4 ] && n=4; echo $$n)

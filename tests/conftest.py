@@ -12,6 +12,7 @@ from typing import Iterator
 
 import pytest
 
+from kvcompress.vllm_glue.engine_setup import cpu_worker_binding
 from kvcompress.vllm_glue.llm import page_stats, shutdown  # noqa: F401  (page_stats: for the tests)
 
 # Test and benchmark helpers (offline_assets, machine) live in benchmarks/common/, not in
@@ -28,16 +29,22 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
-def xdist_worker_core(worker: str | None, cores: list[int]) -> str | None:
-    """The core a pytest-xdist worker's engines bind to (``VLLM_CPU_OMP_THREADS_BIND``):
-    worker ``gwN`` gets the N-th usable core, round robin; None outside xdist. vLLM's own
-    ``auto`` binding would put every worker's engine on the same core."""
+def xdist_worker_core(worker: str | None, worker_count: int, cores: list[int]) -> str | None:
+    """The cores a pytest-xdist worker's engines bind to (``VLLM_CPU_OMP_THREADS_BIND``):
+    worker ``gwN`` of ``worker_count`` gets the N-th share of the usable cores, as
+    ``cpu_worker_binding`` shares them among TP / DP ranks; more workers than cores share
+    them round robin. None outside xdist. vLLM's own ``auto`` binding would put every
+    worker's engine on the same cores."""
     if not worker or not worker.startswith("gw") or not cores:
         return None
-    return str(cores[int(worker[2:]) % len(cores)])
+    index = int(worker[2:])
+    if worker_count > len(cores):
+        return str(cores[index % len(cores)])
+    return cpu_worker_binding(worker_count, cores, 0, "pytest-xdist").split("|")[index]
 
 
-_core = xdist_worker_core(os.environ.get("PYTEST_XDIST_WORKER"), sorted(os.sched_getaffinity(0)))
+_core = xdist_worker_core(os.environ.get("PYTEST_XDIST_WORKER"),
+                          int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), sorted(os.sched_getaffinity(0)))
 if _core is not None:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _core)  # a user's binding stands
 
