@@ -14,11 +14,14 @@ setup: $(PY)
 # Test workers (pytest-xdist), each file on one worker and each worker's engines on a share
 # of the cores of their own (tests/conftest.py): one per core, at most 4 (every worker starts its own
 # shared engines). On 2 cores the default suite took 40 min against 51 with one worker
-# (clean clone, 2026-12-01); the TP=2 Ray test then shares its cores with the other worker.
+# (clean clone, 2026-12-01). The `solo` tests (TP / DP ranks) run after, alone: beside the
+# other worker the TP=2 Ray test took 564 s instead of ~35 (scripts/run_tests.sh).
+# PYTEST_ARGS="--record-file-seconds=tests/file_seconds.json" refreshes the files' order.
 TEST_WORKERS ?= $(shell n=$$(nproc); [ $$n -gt 4 ] && n=4; echo $$n)
+PYTEST_ARGS ?=
 
 test: setup ruler-setup
-	$(PY) -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadfile tests
+	PY=$(PY) bash scripts/run_tests.sh $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # Stock vLLM vs kvcompress at rates 1/4/8 on SmolLM2 long-document questions, same KV memory
 # (~2 min after setup): KV per request, concurrent requests, tokens/s, answers; demo-smollm2.{md,json,png}.

@@ -43,6 +43,39 @@ def xdist_worker_core(worker: str | None, worker_count: int, cores: list[int]) -
     return cpu_worker_binding(worker_count, cores, 0, "pytest-xdist").split("|")[index]
 
 
+def pytest_addoption(parser):
+    parser.addoption("--record-file-seconds", metavar="PATH", default=None,
+                     help="after the run, write each test file's seconds (setup + call + teardown) into "
+                          "PATH, merged with what it holds (tests/file_seconds.json orders the files)")
+
+
+def pytest_collection_modifyitems(config, items):
+    from suite_schedule import load_file_seconds, longest_files_first
+
+    items[:] = longest_files_first(items, load_file_seconds())
+
+
+_recorded = None  # FileSeconds while --record-file-seconds is on, in the controller only
+
+
+def pytest_configure(config):
+    global _recorded
+    if config.getoption("--record-file-seconds") and not hasattr(config, "workerinput"):
+        from suite_schedule import FileSeconds
+
+        _recorded = FileSeconds()
+
+
+def pytest_runtest_logreport(report):
+    if _recorded is not None:
+        _recorded.add(report.nodeid, report.duration)
+
+
+def pytest_sessionfinish(session):
+    if _recorded is not None and _recorded.seconds:
+        _recorded.write(Path(session.config.getoption("--record-file-seconds")))
+
+
 _core = xdist_worker_core(os.environ.get("PYTEST_XDIST_WORKER"),
                           int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), sorted(os.sched_getaffinity(0)))
 if _core is not None:

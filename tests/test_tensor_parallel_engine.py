@@ -21,7 +21,7 @@ from conftest import (
     page_stats,
 )
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.solo]  # solo: its ranks want both cores
 
 TP = 2
 # Per worker: half the single-device test's bytes, so each rank's pool (one KV head of
