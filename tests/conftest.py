@@ -78,8 +78,16 @@ def pytest_sessionfinish(session):
 
 _core = xdist_worker_core(os.environ.get("PYTEST_XDIST_WORKER"),
                           int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), sorted(os.sched_getaffinity(0)))
-if _core is not None:
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _core)  # a user's binding stands
+XDIST_PINNED: set[int] | None = None  # the cores this xdist worker is pinned to
+if _core is not None and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # a user's binding stands
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = _core
+    # The worker and all it starts (engines, servers, compilers, its own torch threads) stay on
+    # its share too: floating, they took turns on the other worker's engine core.
+    XDIST_PINNED = {int(cpu) for cpu in _core.split(",")}
+    os.sched_setaffinity(0, XDIST_PINNED)
+    import torch
+
+    torch.set_num_threads(len(XDIST_PINNED))
 
 # Tiny random GQA Llama: 4 layers, 8 query heads, 2 KV heads, head dim 64.
 TINY_LAYERS, TINY_KV_HEADS, TINY_HEAD_DIM = 4, 2, 64

@@ -30,4 +30,10 @@ def test_this_worker_is_bound_when_run_under_xdist():
     if worker is None:
         assert xdist_worker_core(worker, 1, sorted(os.sched_getaffinity(0))) is None
     else:
-        assert os.environ["VLLM_CPU_OMP_THREADS_BIND"].split("|")[0] != ""
+        bound = os.environ["VLLM_CPU_OMP_THREADS_BIND"]
+        assert bound.split("|")[0] != ""
+        # conftest pins the worker to the cores its engines bind to (unless the user set a binding)
+        import conftest
+
+        if conftest.XDIST_PINNED is not None:
+            assert os.sched_getaffinity(0) == conftest.XDIST_PINNED == {int(cpu) for cpu in bound.split(",")}
