@@ -13,9 +13,9 @@ setup: $(PY)
 
 # Test workers (pytest-xdist), each file on one worker and each worker's engines on a share
 # of the cores of their own (tests/conftest.py): one per core, at most 4 (every worker starts its own
-# shared engines). On 2 cores the default suite took 40 min against 51 with one worker
-# (clean clone, 2026-12-01). The `solo` tests (TP / DP ranks) run after, alone: beside the
-# other worker the TP=2 Ray test took 564 s instead of ~35 (scripts/run_tests.sh).
+# shared engines). The `solo` tests (TP / DP ranks) run after, alone: beside the other worker
+# the TP=2 Ray test took 564 s (scripts/run_tests.sh). On 2 cores (clean clone): one worker 51 min,
+# two 40 min (2026-12-01), two pinned, longest first + solo pass 29.5 + 6.4 = 36 min (2026-12-02).
 # PYTEST_ARGS="--record-file-seconds=tests/file_seconds.json" refreshes the files' order.
 TEST_WORKERS ?= $(shell n=$$(nproc); [ $$n -gt 4 ] && n=4; echo $$n)
 PYTEST_ARGS ?=
