@@ -20,12 +20,9 @@ FILE_SECONDS = Path(__file__).with_name("file_seconds.json")
 Item = TypeVar("Item")
 
 
-def test_file(nodeid: str) -> str:
+def file_of(nodeid: str) -> str:
     """``tests/test_x.py::test_y[a]`` -> ``tests/test_x.py``."""
     return nodeid.split("::", 1)[0]
-
-
-test_file.__test__ = False  # a helper, not a test
 
 
 def load_file_seconds(path: Path = FILE_SECONDS) -> dict[str, float]:
@@ -39,16 +36,12 @@ def longest_files_first(items: Sequence[Item], seconds: dict[str, float],
                         nodeid: Callable[[Item], str] = lambda item: item.nodeid) -> list[Item]:
     """``items`` regrouped file by file, the files by descending recorded seconds; a file's
     own tests keep their order, and files without a figure follow in collection order."""
-    first_seen: dict[str, int] = {}
-    for index, item in enumerate(items):
-        first_seen.setdefault(test_file(nodeid(item)), index)
-
-    def key(pair: tuple[int, Item]) -> tuple[float, int, int]:
-        index, item = pair
-        name = test_file(nodeid(item))
-        return (-seconds.get(name, -1.0), first_seen[name], index)
-
-    return [item for _, item in sorted(enumerate(items), key=key)]
+    by_file: dict[str, list[Item]] = {}
+    for item in items:
+        by_file.setdefault(file_of(nodeid(item)), []).append(item)
+    # sorted() is stable: equal figures, and the files without one, stay in collection order
+    order = sorted(by_file, key=lambda name: -seconds.get(name, -1.0))
+    return [item for name in order for item in by_file[name]]
 
 
 class FileSeconds:
@@ -58,7 +51,7 @@ class FileSeconds:
         self.seconds: dict[str, float] = {}
 
     def add(self, nodeid: str, duration: float) -> None:
-        name = test_file(nodeid)
+        name = file_of(nodeid)
         self.seconds[name] = self.seconds.get(name, 0.0) + duration
 
     def merged_into(self, previous: dict[str, float]) -> dict[str, float]:
