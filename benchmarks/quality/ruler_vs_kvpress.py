@@ -88,8 +88,10 @@ def load_kvpress(path: Path) -> Side:
     """A ``ruler_kvpress.py`` file: its no-press run and its presses."""
     results = json.loads(path.read_text())
     runs = [Run(label, run["rate"], run["scores"]) for label, run in results["runs"].items()]
-    (reference,) = [run for run in runs if run.rate is None]
-    return Side(results["setup"], reference, [run for run in runs if run.rate is not None])
+    references = [run for run in runs if run.rate is None]
+    if len(references) != 1:
+        raise ValueError(f"--kvpress {path}: {len(references)} no-press runs, one needed")
+    return Side(results["setup"], references[0], [run for run in runs if run.rate is not None])
 
 
 def _require_same(first: dict, second: dict, fields, what: str) -> None:
