@@ -14,9 +14,9 @@ each such case's reason measured.
 
 Samples: where the files' ``--samples`` differ, the first ``min(n)`` samples of a task
 are the same draw, but not for the QA tasks (the package draws a set's QA questions by
-chunk of ``--samples``: SmolLM2 set 1 at 5 and at 10 samples, compared 2026-12-02, have
-qa_1 / qa_2 inputs all different and the other 11 tasks' first 5 identical); those are
-then left out, and said so.
+chunk of ``--samples``, see ``ruler_combine._check_questions_disjoint``: SmolLM2 set 1
+at 5 and at 10 samples, compared 2026-12-02, have qa_1 / qa_2 inputs all different and
+the other 11 tasks' first 5 identical); those are then left out, and said so.
 
     python benchmarks/quality/ruler_vs_kvpress.py \\
         --kvc benchmarks/results/ruler-smollm2-4k-sotu-set1-r4-cpu.json benchmarks/results/ruler-smollm2-4k-sotu-set1-r16-cpu.json \\
@@ -59,19 +59,22 @@ class Run:
 
 @dataclass(frozen=True)
 class Side:
-    """One engine's runs on the samples: its full-cache ``reference`` and compressed ``runs``."""
+    """One engine's runs on the samples: its full-cache ``reference`` and compressed
+    ``runs``, over ``tasks`` (in the package's order)."""
 
     setup: dict[str, Any]
+    tasks: list[str]
     reference: Run
     runs: list[Run]
 
 
 def load_kvc(paths: list[Path]) -> Side:
     """``ruler.py`` files: their stock run (the same samples in each file) and every kvc run."""
-    setups, runs, reference = [], [], None
+    setups, tasks, runs, reference = [], [], [], None
     for path in paths:
         results = json.loads(path.read_text())
         setups.append(results["setup"])
+        tasks = tasks or results["tasks"]
         for label, run in results["runs"].items():
             if label == "stock":
                 reference = reference or Run(label, None, run["scores"])
@@ -81,7 +84,7 @@ def load_kvc(paths: list[Path]) -> Side:
         raise ValueError("--kvc: no file has a stock run")
     for setup in setups[1:]:
         _require_same(setups[0], setup, (*SAME_SETUP, "samples"), "--kvc files")
-    return Side(setups[0], reference, runs)
+    return Side(setups[0], tasks, reference, runs)
 
 
 def load_kvpress(path: Path) -> Side:
@@ -91,7 +94,7 @@ def load_kvpress(path: Path) -> Side:
     references = [run for run in runs if run.rate is None]
     if len(references) != 1:
         raise ValueError(f"--kvpress {path}: {len(references)} no-press runs, one needed")
-    return Side(results["setup"], references[0], [run for run in runs if run.rate is not None])
+    return Side(results["setup"], results["tasks"], references[0], [run for run in runs if run.rate is not None])
 
 
 def _require_same(first: dict, second: dict, fields, what: str) -> None:
@@ -202,8 +205,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", required=True, help="output prefix (OUT.md, OUT.json)")
     args = parser.parse_args(argv)
     kvc, kvpress = load_kvc(args.kvc), load_kvpress(args.kvpress)
-    order = json.loads(args.kvpress.read_text())["tasks"]  # the package's order
-    both = [t for t in order if t in kvpress.reference.scores and t in kvc.reference.scores]
+    both = [t for t in kvpress.tasks if t in kvc.tasks]
     tasks, samples, left_out = common_samples(kvc, kvpress, both)
     rows = compare(kvc, kvpress, tasks, samples)
     if not rows:
@@ -212,9 +214,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results = {"setup": {k: kvc.setup[k] for k in SAME_SETUP}, "tasks": tasks, "samples": samples,
                "left_out": left_out, "rows": rows,
                "sources": {"kvc": [p.name for p in args.kvc], "kvpress": args.kvpress.name}}
-    Path(f"{args.out}.md").write_text("\n".join(report_lines(results)))
+    report = "\n".join(report_lines(results))
+    Path(f"{args.out}.md").write_text(report)
     Path(f"{args.out}.json").write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
-    print("\n".join(report_lines(results)))
+    print(report)
     return results
 
 
