@@ -4,6 +4,8 @@ the dataset it hands to ``vllm bench serve`` and how it picks and prints the med
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import pytest
 
@@ -65,3 +67,38 @@ def test_paired_ratios_compare_each_repetition_with_its_own_stock_run(bench):
     lines = bench.table(rows, ratios)
     assert "x stock (paired median; per repeat)" in lines[0]
     assert "| 2.27 (3.00, 1.67, 2.27) |" in lines[3] and lines[2].endswith("| - | 8/0 |")
+
+
+def test_cpu_delta_counts_each_process_of_the_tree_by_role(bench, tmp_path):
+    # A real tree: a waiting parent's child spins 0.3 CPU s (its own process_time) after the
+    # first snapshot, says so and stays alive; the second snapshot must see those seconds.
+    import subprocess
+    import sys
+    import time
+
+    go, spun = tmp_path / "go", tmp_path / "spun"
+    child = ("import pathlib, time\nstart = time.process_time()\n"
+             "while time.process_time() - start < 0.3: pass\n"
+             f"pathlib.Path({str(spun)!r}).touch()\ntime.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", "import os, subprocess, sys, time\n"
+                               f"while not os.path.exists({str(go)!r}): time.sleep(0.01)\n"
+                               f"subprocess.run([sys.executable, '-c', {child!r}])\n"],
+                              start_new_session=True)
+    try:
+        time.sleep(0.3)
+        before = bench.cpu_seconds_by_role(parent.pid)
+        go.touch()
+        deadline = time.monotonic() + 30
+        while not spun.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        during = bench.cpu_seconds_by_role(parent.pid)
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)
+        parent.wait(timeout=30)
+    assert set(before) == {parent.pid} and before[parent.pid][0] == "other"
+    assert len(during) == 2
+    spent = bench.cpu_delta(before, during)
+    assert list(spent) == ["other"] and 0.3 <= spent["other"] <= 1.0
+    assert bench.cpu_table([]) == []
+    row = {"label": "stock vLLM", "completed": 4, "cpu_seconds": {"api server": 2.0, "worker": 10.0}}
+    assert bench.cpu_table([row])[2] == "| stock vLLM | 0.50 | 2.50 |"

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -98,6 +99,44 @@ class RunningPoller:
         self._thread.join(timeout=5)
 
 
+def process_role(pid: int) -> str:
+    """``api server`` (``vllm serve`` itself), ``engine core`` (``VLLM::EngineCore``: the
+    scheduler), ``worker`` (``VLLM::Worker``: the model runner) or ``other``."""
+    try:
+        title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "other"
+    if "EngineCore" in title:
+        return "engine core"
+    if "VLLM::Worker" in title:
+        return "worker"
+    return "api server" if " serve " in title else "other"
+
+
+def cpu_seconds_by_role(root: int) -> dict[int, tuple[str, float]]:
+    """``{pid: (role, user + system CPU seconds)}`` of ``root``'s process tree, now."""
+    from benchmarks.serving.soak import process_tree
+
+    ticks = os.sysconf("SC_CLK_TCK")
+    found = {}
+    for pid in process_tree(root):
+        try:
+            raw = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        fields = raw[raw.rindex(")") + 2:].split()
+        found[pid] = (process_role(pid), (int(fields[11]) + int(fields[12])) / ticks)
+    return found
+
+
+def cpu_delta(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds each role spent between two :func:`cpu_seconds_by_role` snapshots."""
+    spent: dict[str, float] = {}
+    for pid, (role, seconds) in after.items():
+        spent[role] = spent.get(role, 0.0) + seconds - before.get(pid, (role, 0.0))[1]
+    return {role: round(value, 2) for role, value in sorted(spent.items())}
+
+
 def serve_and_bench(label: str, rate: float | None, model: str, dataset: Path, args, work: Path) -> dict[str, Any]:
     """Start ``vllm serve`` (kvcompress at ``rate``, or stock), run ``vllm bench serve``
     against it, stop it; the bench's result JSON plus the peak running requests."""
@@ -127,8 +166,14 @@ def serve_and_bench(label: str, rate: float | None, model: str, dataset: Path, a
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", PERCENTILES,
             "--save-result", "--result-dir", str(work), "--result-filename", result_name,
         ]  # fmt: skip
+        cpu_before = cpu_seconds_by_role(server.pid)
+        client_before = resource.getrusage(resource.RUSAGE_CHILDREN)
         with RunningPoller(base) as poller:
             done = subprocess.run(bench, capture_output=True, text=True, timeout=args.bench_timeout)
+        client_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = cpu_delta(cpu_before, cpu_seconds_by_role(server.pid))
+        cpu["client"] = round(client_after.ru_utime + client_after.ru_stime
+                              - client_before.ru_utime - client_before.ru_stime, 2)
         if done.returncode != 0:
             raise RuntimeError(f"vllm bench serve failed ({label}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
         result = json.loads((work / result_name).read_text())
@@ -142,7 +187,8 @@ def serve_and_bench(label: str, rate: float | None, model: str, dataset: Path, a
                                               "total_output_tokens", "total_token_throughput",
                                               *(k for k, _ in METRICS))}
     return {"label": label, "rate": rate, "startup_s": round(startup, 1),
-            "peak_running_requests": poller.peak, "preemptions": preemptions, **keep}
+            "peak_running_requests": poller.peak, "preemptions": preemptions,
+            "cpu_seconds": cpu, **keep}
 
 
 def paired_ratios(runs: list[dict]) -> dict[str, list[float]]:
@@ -189,6 +235,23 @@ def table(rows: list[dict], ratios: dict[str, list[float]] | None = None) -> lis
         cells.append(f"{statistics.median(mine):.2f} ({', '.join(f'{r:.2f}' for r in mine)})" if mine else "-")
         cells.append(f"{row['completed']}/{row['failed']}")
         lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def cpu_table(rows: list[dict]) -> list[str]:
+    """CPU seconds per completed request of each process role during the benchmark (the
+    API server, the engine core, the benchmark client); runs from before this was recorded
+    have none."""
+    rows = [r for r in rows if r.get("cpu_seconds")]
+    if not rows:
+        return []
+    roles = sorted({role for r in rows for role in r["cpu_seconds"]})
+    lines = ["| server | " + " | ".join(f"{role} CPU s / request" for role in roles) + " |",
+             "|" + " --- |" * (len(roles) + 1)]
+    for row in rows:
+        done = max(row["completed"], 1)
+        cells = [f"{row['cpu_seconds'].get(role, 0.0) / done:.2f}" for role in roles]
+        lines.append(f"| {row['label']} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -265,6 +328,11 @@ def main(argv=None) -> list[dict]:
         "the paired column: each repetition's output tokens/s over stock's in the same repetition.",
         "", *table(rows, ratios),
     ]
+    cpu_lines = cpu_table(rows)
+    if cpu_lines:
+        lines += ["", "CPU seconds of each process while the benchmark ran (user + system, the "
+                  "median run's), per completed request; the worker's include the model's compute; "
+                  "/metrics polled every 0.5 s:", "", *cpu_lines]
     print("\n" + "\n".join(lines))
     Path(f"{args.out}.md").write_text("\n".join(lines) + "\n")
     Path(f"{args.out}.json").write_text(json.dumps(
