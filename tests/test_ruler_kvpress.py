@@ -68,6 +68,7 @@ def test_ratios_are_taken_as_kvpress_numbers_and_labelled_by_rate():
     (["--tasks", "niah_single_2,needle"], "--tasks"),
     (["--tasks", "qa_1", "--length", "1000"], "--length >= 2000"),
     (["--samples", "0"], "--samples"),
+    (["--reference-from", "x.json", "--vllm-results", "y.json"], "--vllm-results"),
 ])  # fmt: skip
 def test_bad_arguments_name_the_flag(argv, named, capsys):
     with pytest.raises(SystemExit):
@@ -175,6 +176,38 @@ def test_rows_use_the_no_press_run_as_reference():
     rows = ruler_kvpress.summarize(runs, ["vt"], reference="no press")
     assert [r["label"] for r in rows] == ["no press", "kvpress snapkv r8"]
     assert rows[1]["pct_of_stock"] == pytest.approx(50.0)
+
+
+def _earlier_run(path, **setup):
+    base = {"model": "M", "length": 4000, "sample_set": 1, "haystack": "sotu", "samples": 3,
+            "kvpress_requirements": list(ruler_kvpress.KVPRESS_REQUIREMENTS)}
+    scores = {"vt": {"0": 100.0, "1": 50.0, "2": 0.0}, "cwe": {"0": 10.0, "1": 20.0, "2": 30.0}}
+    path.write_text(json.dumps({"setup": {**base, **setup}, "tasks": ["vt", "cwe"], "runs": {
+        "no press": {"policy": None, "rate": None, "scores": scores, "wall_s": 99.0, "pred_dir": "/gone"}}}))
+    return {key: base[key] for key in ruler_kvpress.REFERENCE_MUST_MATCH}
+
+
+def test_reference_from_reuses_no_press_scores_of_the_same_samples_only(tmp_path):
+    path = tmp_path / "earlier.json"
+    setup = _earlier_run(path)
+    run = ruler_kvpress.reference_run(path, setup, ["vt"], samples=2)
+    assert run["scores"] == {"vt": {0: 100.0, 1: 50.0}} and run["from"] == str(path)
+    # int indices, as a fresh run's: rows pair them with the press run's samples.
+    press = {"policy": "snapkv", "rate": 8.0, "scores": {"vt": {0: 50.0, 1: 50.0}}}
+    rows = ruler_kvpress.summarize({"no press": run, "kvpress snapkv r8": press}, ["vt"], reference="no press")
+    assert rows[1]["pct_of_stock"] == pytest.approx(100.0 * 50 / 75)
+    args = ruler_kvpress.parse_args(["--reference-from", str(path), "--presses", "knorm"])
+    assert [c.label for c in ruler_kvpress.configurations(args)] == ["kvpress knorm r8"]
+    for key, other in [("model", "N"), ("length", 8000), ("sample_set", 2), ("haystack", "essays"),
+                       ("kvpress_requirements", ["kvpress==0.6"])]:
+        _earlier_run(path, **{key: other})
+        with pytest.raises(SystemExit, match=key):
+            ruler_kvpress.reference_run(path, setup, ["vt"], samples=2)
+    _earlier_run(path)
+    with pytest.raises(SystemExit, match="3 samples a task"):
+        ruler_kvpress.reference_run(path, setup, ["vt"], samples=5)
+    with pytest.raises(SystemExit, match="qa_1"):
+        ruler_kvpress.reference_run(path, setup, ["vt", "qa_1"], samples=2)
 
 
 def test_kept_fraction_pools_the_counted_samples():

@@ -291,7 +291,9 @@ def write_report(results: dict, prefix: str) -> list[str]:
          "- rows marked +question: the press compresses the whole prompt but its last token, question and answer "
          "prefix included (as kvcompress in `vllm serve`); the no-press run reads the same tokens")
         + f"; prompt tokens as `vllm serve` tokenizes them. compression_ratio = 1 - 1/rate ({mapping})",
-        f"- reference for %: {REFERENCE} (full cache, same transformers path); kvpress prunes KVs, it frees no memory",
+        f"- reference for %: {REFERENCE} (full cache, same transformers path"
+        + (f"; its scores from `{Path(setup['reference_from']).name}`, same samples and venv" if setup.get("reference_from") else "")
+        + "); kvpress prunes KVs, it frees no memory",
         "- context KV pairs left after the press (measured, first layer): " + (kept_summary(results["runs"]) or "not recorded"),
         f"- machine: {results['machine']['cpu']}, {results['machine']['cores']} cores",
         "- (lo-hi): 95% percentile-bootstrap interval over samples (paired with the reference for %)", "",
@@ -322,6 +324,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="what the press compresses: the context before the question (kvpress's RULER "
                              "split), or the whole prompt but its last token (as kvcompress in vllm serve; "
                              "rows labelled +question)")
+    parser.add_argument("--reference-from", default=None,
+                        help="an earlier ruler_kvpress.py JSON of the same model, samples and kvpress venv: its "
+                             "no-press scores are the reference and the no-press run is skipped (each press run "
+                             "then costs half)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads in the worker (default: torch's)")
     parser.add_argument("--kvpress-venv", default=str(REPO_ROOT / ".venv-kvpress"))
     parser.add_argument("--ruler-venv", default=str(REPO_ROOT / ".venv-ruler"))
@@ -351,10 +357,39 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         args.compression_ratios = [rate_to_ratio(rate) for rate in rates]
     if args.samples < 1:
         parser.error("--samples: must be >= 1")
+    if args.reference_from and args.vllm_results:
+        parser.error("--vllm-results compares the no-press answers of this run: not with --reference-from")
 
 
 def configurations(args) -> list[PressConfig]:
-    return [PressConfig()] + [PressConfig(p, r, args.split) for p in args.presses for r in args.compression_ratios]
+    presses = [PressConfig(p, r, args.split) for p in args.presses for r in args.compression_ratios]
+    return presses if args.reference_from else [PressConfig()] + presses
+
+
+REFERENCE_MUST_MATCH = ("model", "length", "sample_set", "haystack", "kvpress_requirements")
+"""What the no-press answers depend on (the split does not: no press reads the whole prompt)."""
+
+
+def reference_run(path: Path, setup: dict, tasks: list[str], samples: int) -> dict[str, Any]:
+    """The no-press run of an earlier result JSON, its scores cut to ``tasks`` and the
+    first ``samples`` samples (sample files list them in index order); refused, naming
+    the difference, unless it answered the same samples with the same kvpress venv."""
+    earlier = json.loads(path.read_text())
+    theirs = earlier["setup"]
+    for key in REFERENCE_MUST_MATCH:
+        if theirs.get(key, "essays" if key == "haystack" else None) != setup[key]:
+            raise SystemExit(f"--reference-from {path}: {key} {theirs.get(key)!r}, this run {setup[key]!r}")
+    if theirs["samples"] < samples:
+        raise SystemExit(f"--reference-from {path}: {theirs['samples']} samples a task, this run needs {samples}")
+    missing = sorted(set(tasks) - set(earlier["tasks"]))
+    if missing:
+        raise SystemExit(f"--reference-from {path}: no no-press scores for {missing}")
+    run = earlier["runs"][REFERENCE]
+    scores = {}
+    for task in tasks:
+        by_index = {int(index): value for index, value in run["scores"][task].items()}
+        scores[task] = {index: by_index[index] for index in sorted(by_index)[:samples]}
+    return {**run, "scores": scores, "wall_s": 0.0, "from": str(path)}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -384,13 +419,18 @@ def main(argv: list[str] | None = None) -> dict:
              "worker": hashlib.sha256(WORKER.read_bytes()).hexdigest()[:16]}
     configs = configurations(args)
     runs = {}
+    if args.reference_from:
+        runs[REFERENCE] = reference_run(Path(args.reference_from), {
+            "model": description, "length": args.length, "sample_set": args.sample_set, "haystack": args.haystack,
+            "kvpress_requirements": list(KVPRESS_REQUIREMENTS)}, args.tasks, args.samples)
     with tqdm(total=len(configs) * len(items["context"]), desc="RULER kvpress", unit="sample", file=sys.stderr) as bar:
         for config in configs:
             runs[config.label] = run_configuration(config, python, ruler, data_dir, items[config.split], args, stamp, bar)
     results = {
         "setup": {"model": description, "length": args.length, "samples": args.samples, "sample_set": args.sample_set, "haystack": args.haystack,
                   "commit": git_commit(), "presses": args.presses, "split": args.split, "compression_ratios": args.compression_ratios,
-                  "kvpress_requirements": list(KVPRESS_REQUIREMENTS), "question_openings": QUESTION_OPENINGS},
+                  "kvpress_requirements": list(KVPRESS_REQUIREMENTS), "question_openings": QUESTION_OPENINGS,
+                  "reference_from": args.reference_from},
         "machine": machine_info(), "tasks": args.tasks, "runs": runs,
         "rows": summarize(runs, args.tasks, reference=REFERENCE),
     }  # fmt: skip
