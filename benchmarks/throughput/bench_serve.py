@@ -245,7 +245,7 @@ def cpu_table(rows: list[dict]) -> list[str]:
     rows = [r for r in rows if r.get("cpu_seconds")]
     if not rows:
         return []
-    roles = sorted({role for r in rows for role in r["cpu_seconds"]})
+    roles = sorted({role for r in rows for role, seconds in r["cpu_seconds"].items() if seconds})
     lines = ["| server | " + " | ".join(f"{role} CPU s / request" for role in roles) + " |",
              "|" + " --- |" * (len(roles) + 1)]
     for row in rows:
