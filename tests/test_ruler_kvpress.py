@@ -203,7 +203,12 @@ def test_reference_from_reuses_no_press_scores_of_the_same_samples_only(tmp_path
         _earlier_run(path, **{key: other})
         with pytest.raises(SystemExit, match=key):
             ruler_kvpress.reference_run(path, setup, ["vt"], samples=2)
+    _earlier_run(path, worker="abc")  # files that record the worker's hash must match it
+    with pytest.raises(SystemExit, match="worker"):
+        ruler_kvpress.reference_run(path, {**setup, "worker": "def"}, ["vt"], samples=2)
+    assert ruler_kvpress.reference_run(path, {**setup, "worker": "abc"}, ["vt"], samples=2)["scores"]
     _earlier_run(path)
+    assert ruler_kvpress.reference_run(path, {**setup, "worker": "def"}, ["vt"], samples=2)["scores"]
     with pytest.raises(SystemExit, match="3 samples a task"):
         ruler_kvpress.reference_run(path, setup, ["vt"], samples=5)
     with pytest.raises(SystemExit, match="qa_1"):

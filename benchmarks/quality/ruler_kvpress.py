@@ -376,7 +376,7 @@ def reference_run(path: Path, setup: dict, tasks: list[str], samples: int) -> di
     the difference, unless it answered the same samples with the same kvpress venv."""
     earlier = json.loads(path.read_text())
     theirs = earlier["setup"]
-    for key in REFERENCE_MUST_MATCH:
+    for key in REFERENCE_MUST_MATCH + ("worker",) * ("worker" in theirs):  # recorded since 2026-12-02
         if theirs.get(key, "essays" if key == "haystack" else None) != setup[key]:
             raise SystemExit(f"--reference-from {path}: {key} {theirs.get(key)!r}, this run {setup[key]!r}")
     if theirs["samples"] < samples:
@@ -422,7 +422,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.reference_from:
         runs[REFERENCE] = reference_run(Path(args.reference_from), {
             "model": description, "length": args.length, "sample_set": args.sample_set, "haystack": args.haystack,
-            "kvpress_requirements": list(KVPRESS_REQUIREMENTS)}, args.tasks, args.samples)
+            "kvpress_requirements": list(KVPRESS_REQUIREMENTS), "worker": stamp["worker"]}, args.tasks, args.samples)
     with tqdm(total=len(configs) * len(items["context"]), desc="RULER kvpress", unit="sample", file=sys.stderr) as bar:
         for config in configs:
             runs[config.label] = run_configuration(config, python, ruler, data_dir, items[config.split], args, stamp, bar)
@@ -430,7 +430,7 @@ def main(argv: list[str] | None = None) -> dict:
         "setup": {"model": description, "length": args.length, "samples": args.samples, "sample_set": args.sample_set, "haystack": args.haystack,
                   "commit": git_commit(), "presses": args.presses, "split": args.split, "compression_ratios": args.compression_ratios,
                   "kvpress_requirements": list(KVPRESS_REQUIREMENTS), "question_openings": QUESTION_OPENINGS,
-                  "reference_from": args.reference_from},
+                  "reference_from": args.reference_from, "worker": stamp["worker"]},
         "machine": machine_info(), "tasks": args.tasks, "runs": runs,
         "rows": summarize(runs, args.tasks, reference=REFERENCE),
     }  # fmt: skip
