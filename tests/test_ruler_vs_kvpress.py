@@ -84,3 +84,31 @@ def test_other_samples_are_refused_naming_the_field(tmp_path):
     kvc_path, kvpress_path = _write(tmp_path, haystack="essays")
     with pytest.raises(ValueError, match="different haystack"):
         versus.main(["--kvc", str(kvc_path), "--kvpress", str(kvpress_path), "--out", str(tmp_path / "out")])
+
+
+def test_several_kvpress_files_share_one_no_press_reference(tmp_path):
+    kvc_path, kvpress_path = _write(tmp_path)
+    first = json.loads(kvpress_path.read_text())
+    # A second file as --reference-from writes it: the same no-press scores (keys as ints
+    # before JSON made them strings), another press at rate 8.
+    second = {**first, "runs": {"no press": first["runs"]["no press"],
+                                "kvpress knorm r8": {"rate": 8.0, "scores": _scores({t: [0.0] * 8 for t in TASKS})}}}
+    second_path = tmp_path / "second.json"
+    second_path.write_text(json.dumps(second))
+    results = versus.main(["--kvc", str(kvc_path), "--kvpress", str(kvpress_path), str(second_path),
+                           "--out", str(tmp_path / "out")])
+    assert [(r["press"], r["rate"]) for r in results["rows"]] == [("kvpress snapkv r8", 8.0), ("kvpress knorm r8", 8.0)]
+    knorm = results["rows"][1]
+    assert knorm["tasks"]["vt"]["press_pct"] == pytest.approx(0.0) and knorm["kvc_behind"] == []
+    assert "kvpress.json, second.json" in (tmp_path / "out.md").read_text()
+    for change, message in [({"no press": {"rate": None, "scores": _scores({t: [0.0] * 8 for t in TASKS})}},
+                             "no-press scores differ"),
+                            ({"kvpress snapkv r8": first["runs"]["kvpress snapkv r8"]}, "more than one file")]:
+        second_path.write_text(json.dumps({**second, "runs": {**second["runs"], **change}}))
+        with pytest.raises(ValueError, match=message):
+            versus.main(["--kvc", str(kvc_path), "--kvpress", str(kvpress_path), str(second_path),
+                         "--out", str(tmp_path / "out")])
+    second_path.write_text(json.dumps({**second, "setup": {**second["setup"], "samples": 5}}))
+    with pytest.raises(ValueError, match="different samples"):
+        versus.main(["--kvc", str(kvc_path), "--kvpress", str(kvpress_path), str(second_path),
+                     "--out", str(tmp_path / "out")])

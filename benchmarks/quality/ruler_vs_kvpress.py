@@ -1,8 +1,8 @@
 """kvcompress against kvpress on the same RULER samples, rate by rate (issue 59's comparison).
 
-Reads ``ruler.py`` result files (stock vLLM and kvcompress at some rates) and one
-``ruler_kvpress.py`` file (kvpress's no-press run and its presses at some compression
-ratios) of the same model, length, haystack and sample set. For every rate both sides
+Reads ``ruler.py`` result files (stock vLLM and kvcompress at some rates) and
+``ruler_kvpress.py`` files (kvpress's no-press run, the same in each, and its presses at some
+compression ratios) of the same model, length, haystack and sample set. For every rate both sides
 ran (a press's ``compression_ratio = 1 - 1/rate``), per task and for the mean of the
 tasks: kvcompress's score as % of stock vLLM, each press's as % of its own no-press run,
 and their paired difference, kvc % minus press %, with a 95% percentile-bootstrap
@@ -87,14 +87,33 @@ def load_kvc(paths: list[Path]) -> Side:
     return Side(setups[0], tasks, reference, runs)
 
 
-def load_kvpress(path: Path) -> Side:
-    """A ``ruler_kvpress.py`` file: its no-press run and its presses."""
-    results = json.loads(path.read_text())
-    runs = [Run(label, run["rate"], run["scores"]) for label, run in results["runs"].items()]
-    references = [run for run in runs if run.rate is None]
-    if len(references) != 1:
-        raise ValueError(f"--kvpress {path}: {len(references)} no-press runs, one needed")
-    return Side(results["setup"], results["tasks"], references[0], [run for run in runs if run.rate is not None])
+def load_kvpress(paths: list[Path]) -> Side:
+    """``ruler_kvpress.py`` files of the same samples: their one no-press run (each file's,
+    the same scores in all: a later file may reuse an earlier's through ``--reference-from``)
+    and every press."""
+    setups, tasks, presses, reference = [], [], {}, None
+    for path in paths:
+        results = json.loads(path.read_text())
+        runs = [Run(label, run["rate"], run["scores"]) for label, run in results["runs"].items()]
+        references = [run for run in runs if run.rate is None]
+        if len(references) != 1:
+            raise ValueError(f"--kvpress {path}: {len(references)} no-press runs, one needed")
+        if reference is not None and _by_str(references[0].scores) != _by_str(reference.scores):
+            raise ValueError(f"--kvpress {path}: its no-press scores differ from {paths[0]}'s")
+        reference = reference or references[0]
+        for run in runs:
+            if run.rate is not None and presses.setdefault(run.label, run) is not run:
+                raise ValueError(f"--kvpress: {run.label!r} in more than one file")
+        setups.append(results["setup"])
+        tasks = tasks or results["tasks"]
+    for setup in setups[1:]:
+        _require_same(setups[0], setup, (*SAME_SETUP, "samples", "kvpress_requirements"), "--kvpress files")
+    return Side(setups[0], tasks, reference, list(presses.values()))
+
+
+def _by_str(scores: dict) -> dict:
+    """Per-sample scores keyed by strings (JSON's keys) whichever way they were written."""
+    return {task: {str(index): value for index, value in by_index.items()} for task, by_index in scores.items()}
 
 
 def _require_same(first: dict, second: dict, fields, what: str) -> None:
@@ -174,6 +193,11 @@ def _cell(stat: dict[str, Any]) -> str:
     return f"{stat['kvc_pct']:.0f} / {stat['press_pct']:.0f}: {stat['difference']:+.0f}{ci}"
 
 
+def _names(kvpress_sources) -> str:
+    """The kvpress files (one name in results written before several were read)."""
+    return kvpress_sources if isinstance(kvpress_sources, str) else ", ".join(kvpress_sources)
+
+
 def report_lines(results: dict[str, Any]) -> list[str]:
     setup, tasks = results["setup"], results["tasks"]
     lines = [
@@ -181,7 +205,7 @@ def report_lines(results: dict[str, Any]) -> list[str]:
         f"- sample set {setup['sample_set']}, haystack {setup['haystack']}, the first {results['samples']} samples "
         f"of each task" + (f"; left out: {', '.join(results['left_out'])} (another draw at another --samples)"
                            if results["left_out"] else ""),
-        f"- kvc: {', '.join(results['sources']['kvc'])}; kvpress: {results['sources']['kvpress']}",
+        f"- kvc: {', '.join(results['sources']['kvc'])}; kvpress: {_names(results['sources']['kvpress'])}",
         "- cell: kvc % of stock vLLM / press % of no press: difference in points (95% paired bootstrap interval); "
         "`-` where a full cache scores 0", "",
         "| kvc | press | mean | " + " | ".join(tasks) + " | kvc behind |",
@@ -201,7 +225,8 @@ def report_lines(results: dict[str, Any]) -> list[str]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kvc", type=Path, nargs="+", required=True, help="ruler.py result JSONs")
-    parser.add_argument("--kvpress", type=Path, required=True, help="a ruler_kvpress.py result JSON")
+    parser.add_argument("--kvpress", type=Path, nargs="+", required=True,
+                        help="ruler_kvpress.py result JSONs of the same samples (one no-press reference)")
     parser.add_argument("--out", required=True, help="output prefix (OUT.md, OUT.json)")
     args = parser.parse_args(argv)
     kvc, kvpress = load_kvc(args.kvc), load_kvpress(args.kvpress)
@@ -213,7 +238,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          f"{sorted({r.rate for r in kvc.runs})}, kvpress {sorted({r.rate for r in kvpress.runs})}")
     results = {"setup": {k: kvc.setup[k] for k in SAME_SETUP}, "tasks": tasks, "samples": samples,
                "left_out": left_out, "rows": rows,
-               "sources": {"kvc": [p.name for p in args.kvc], "kvpress": args.kvpress.name}}
+               "sources": {"kvc": [p.name for p in args.kvc], "kvpress": [p.name for p in args.kvpress]}}
     report = "\n".join(report_lines(results))
     Path(f"{args.out}.md").write_text(report)
     Path(f"{args.out}.json").write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
