@@ -401,9 +401,15 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     log = lambda m: print(m, file=sys.stderr)  # noqa: E731
     args.work = args.work or str(cache_dir() / "ruler-kvpress-runs" / Path(args.out).name)
+    args.checkpoint, description = model_dir(args.model)
+    worker_hash = hashlib.sha256(WORKER.read_bytes()).hexdigest()[:16]
+    runs = {}
+    if args.reference_from:  # checked before the venvs and samples are made
+        runs[REFERENCE] = reference_run(Path(args.reference_from), {
+            "model": description, "length": args.length, "sample_set": args.sample_set, "haystack": args.haystack,
+            "kvpress_requirements": list(KVPRESS_REQUIREMENTS), "worker": worker_hash}, args.tasks, args.samples)
     ruler = ruler_env(Path(args.ruler_venv), log=log)
     python = kvpress_env(Path(args.kvpress_venv), log=log)
-    args.checkpoint, description = model_dir(args.model)
     spec = SampleSet(args.checkpoint, args.length, args.samples, args.sample_set, args.haystack)
     data_dir = prepare_samples(ruler, spec, args.tasks, log=log)
     answer_tokens = tokens_to_generate(ruler, args.tasks)
@@ -416,13 +422,8 @@ def main(argv: list[str] | None = None) -> dict:
     # What the answers depend on: not the commit (nothing of kvcompress runs), only the
     # samples, the kvpress venv, the worker and the split; a changed one starts afresh.
     stamp = {"samples": spec.key, "requirements": list(KVPRESS_REQUIREMENTS), "openings": QUESTION_OPENINGS,
-             "worker": hashlib.sha256(WORKER.read_bytes()).hexdigest()[:16]}
+             "worker": worker_hash}
     configs = configurations(args)
-    runs = {}
-    if args.reference_from:
-        runs[REFERENCE] = reference_run(Path(args.reference_from), {
-            "model": description, "length": args.length, "sample_set": args.sample_set, "haystack": args.haystack,
-            "kvpress_requirements": list(KVPRESS_REQUIREMENTS), "worker": stamp["worker"]}, args.tasks, args.samples)
     with tqdm(total=len(configs) * len(items["context"]), desc="RULER kvpress", unit="sample", file=sys.stderr) as bar:
         for config in configs:
             runs[config.label] = run_configuration(config, python, ruler, data_dir, items[config.split], args, stamp, bar)

@@ -685,13 +685,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _proc_stat(pid: int) -> tuple[int, int, int] | None:
-    """(ppid, pgid, start time in clock ticks) of ``pid``, None when gone."""
+def proc_stat_fields(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state first: ``proc(5)``'s
+    field 3 is index 0), None when gone; the name may hold spaces and parentheses."""
     try:
         raw = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = raw[raw.rindex(")") + 2:].split()
+    return raw[raw.rindex(")") + 2:].split()
+
+
+def _proc_stat(pid: int) -> tuple[int, int, int] | None:
+    """(ppid, pgid, start time in clock ticks) of ``pid``, None when gone."""
+    fields = proc_stat_fields(pid)
+    if fields is None:
+        return None
     if fields[0] == "Z":  # a zombie: exited, its parent has not reaped it
         return None
     return int(fields[1]), int(fields[2]), int(fields[19])

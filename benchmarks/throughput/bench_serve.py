@@ -115,17 +115,14 @@ def process_role(pid: int) -> str:
 
 def cpu_seconds_by_role(root: int) -> dict[int, tuple[str, float]]:
     """``{pid: (role, user + system CPU seconds)}`` of ``root``'s process tree, now."""
-    from benchmarks.serving.soak import process_tree
+    from benchmarks.serving.soak import proc_stat_fields, process_tree
 
     ticks = os.sysconf("SC_CLK_TCK")
     found = {}
     for pid in process_tree(root):
-        try:
-            raw = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue
-        fields = raw[raw.rindex(")") + 2:].split()
-        found[pid] = (process_role(pid), (int(fields[11]) + int(fields[12])) / ticks)
+        fields = proc_stat_fields(pid)
+        if fields is not None:  # utime, stime: proc(5)'s fields 14 and 15
+            found[pid] = (process_role(pid), (int(fields[11]) + int(fields[12])) / ticks)
     return found
 
 
@@ -239,9 +236,9 @@ def table(rows: list[dict], ratios: dict[str, list[float]] | None = None) -> lis
 
 
 def cpu_table(rows: list[dict]) -> list[str]:
-    """CPU seconds per completed request of each process role during the benchmark (the
-    API server, the engine core, the benchmark client); runs from before this was recorded
-    have none."""
+    """CPU seconds per completed request of each process role during the benchmark
+    (:func:`process_role`'s, and the benchmark client's), roles that spent none left out;
+    runs from before this was recorded have none."""
     rows = [r for r in rows if r.get("cpu_seconds")]
     if not rows:
         return []
