@@ -156,6 +156,7 @@ def test_a_plan_is_rebuilt_after_any_other_change_to_the_cache():
     shrunk = ours.cache.head_lens[live[1]].clone()
     _, layers = ours.plan.step(key, slots, np.array([30, 40]), None, None)
     assert ours.plan.rebuilds == 2
-    # The rebuilt plan reads the shrunk heads, each one KV longer (row 1 of every layer).
-    planned = torch.stack([layer.seq_lens.view(2, -1)[1] for layer in layers])
+    # The rebuilt plan reads the shrunk heads, each one KV longer (row 1 of every layer;
+    # the kernel's lengths are head-major, [H, B]).
+    planned = torch.stack([layer.seq_lens.view(-1, 2)[:, 1] for layer in layers])
     assert torch.equal(planned.to(torch.int64), shrunk + 1)

@@ -207,9 +207,10 @@ def test_a_full_row_takes_every_pending_row_of_its_step_along():
         queries = torch.randn((num_layers, num_rows, num_kv_heads * group, head_dim), generator=gen)
         score_now(now, metric_rows, queries[:, metric_rows], scale)
         tables, lens = later.tables(list(range(num_rows)))
+        # The kernel's head-major order (cpu_attention.kernel_sequence_order)
         step_metrics = DecodeStepMetrics(
-            torch.tensor(metric_rows), tables.reshape(num_layers, num_rows * num_kv_heads, -1),
-            lens.reshape(num_layers, -1), num_kv_heads, num_kv_heads * group, head_dim, torch.float32,
+            torch.tensor(metric_rows), tables.transpose(1, 2).reshape(num_layers, num_kv_heads * num_rows, -1),
+            lens.transpose(1, 2).reshape(num_layers, -1), num_kv_heads, num_kv_heads * group, head_dim, torch.float32,
         )
         step_metrics.defer(deferred, np.arange(num_rows), np.full(len(metric_rows), position))
         before = {row: deferred._pending[row].count for row in range(num_rows) if row in deferred}

@@ -13,6 +13,17 @@ on kvcompress; the difference over ``output-len - 1`` is the time per decode ste
     python benchmarks/throughput/bench_decode_step.py --model tiny --batch 256 --input-len 32 --output-len 65 \
         --reps 3 --host-breakdown
 
+``--shared-prefix N`` gives every prompt the same first N tokens and turns prefix caching
+on in both engines (block size ``--block-size`` for both, 64 by default then): after the
+first ``generate`` each prompt's full blocks are hits, so the decode steps read their
+prefix through the prefix cache's pages (issue 61: prefix caching's rate-1 row). kvcompress
+keeps the prefix uncompressed (``kv_compress_shared_prefix_tokens`` = N), and
+``--engine-rate R`` starts its engine at rate R while the requests ask for ``--rate`` (as
+``bench_prefix_caching.py``'s rate-1 row does, on an engine started at its highest rate).
+
+    python benchmarks/throughput/bench_decode_step.py --model smollm2 --batch 4 --input-len 2000 \
+        --shared-prefix 1500 --output-len 65 --reps 5 --host-breakdown
+
 ``--host-breakdown`` then runs each engine once more per repetition with wall-clock timers
 (no profiler) around the scheduler's ``schedule`` + ``update_from_output``, the worker's
 ``_update_states`` (kvcompress: its override, which holds the step's page appends, the
@@ -174,6 +185,26 @@ def own_code_ms(llm, extra, prompts, output_len: int) -> dict[str, float]:
     return result
 
 
+def op_profile(engines: dict, prompts, output_len: int, top: int) -> dict[str, dict[str, float]]:
+    """Self CPU time per decode step (ms) of the ``top`` costliest torch ops of each engine
+    (``torch.profiler`` over one generate of ``output_len`` tokens minus one of 1; the
+    engines' workers run in this process). Ops are named as the profiler names them:
+    ``_C::cpu_attention_with_kv_cache`` is vLLM's CPU attention kernel in both."""
+    from torch.profiler import ProfilerActivity, profile
+
+    result = {}
+    for name, (llm, extra) in engines.items():
+        per_run = []
+        for tokens in (1, output_len):
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                llm.generate(prompts, token_params(tokens, extra), use_tqdm=False)
+            per_run.append({e.key: e.self_cpu_time_total / 1e3 for e in prof.key_averages()})
+        steps = output_len - 1
+        result[name] = {key: (ms - per_run[0].get(key, 0.0)) / steps for key, ms in per_run[1].items()}
+    keys = sorted(set().union(*result.values()), key=lambda k: -max(r.get(k, 0.0) for r in result.values()))
+    return {name: {key: per_step.get(key, 0.0) for key in keys[:top]} for name, per_step in result.items()}
+
+
 def main(argv=None) -> int:
     parser = side_script_parser(__doc__, model="tiny")
     parser.add_argument("--batch", type=int, default=1)
@@ -182,8 +213,14 @@ def main(argv=None) -> int:
     parser.add_argument("--block-size", type=int, default=None, help="kvcompress page size (default: its own)")
     parser.add_argument("--rate", type=float, default=1.0,
                         help="kvcompress's compression rate (default 1: nothing evicted, kernel parity)")
+    parser.add_argument("--shared-prefix", type=int, default=0,
+                        help="prompts share their first N tokens; prefix caching on in both engines (default 0: off)")
+    parser.add_argument("--engine-rate", type=float, default=None,
+                        help="kvcompress engine's own rate (default: --rate); requests use --rate")
     parser.add_argument("--log-stats", action="store_true",
                         help="engines log stats per step, as benchmark_throughput.py's do (default off)")
+    parser.add_argument("--op-profile", type=int, default=0, metavar="TOP",
+                        help="then print the TOP torch ops by self CPU ms a decode step, each engine (torch.profiler)")
     parser.add_argument("--host-breakdown", action="store_true",
                         help="then time kvcompress's host-side hooks per decode step (see above)")
     args = parser.parse_args(argv)
@@ -200,10 +237,18 @@ def main(argv=None) -> int:
         )
         engine_args, prompts = workload.engine_args, workload.prompts
         engine_args["max_num_seqs"] = max(256, args.batch)  # the whole batch decodes at once
+        kvc_options = {"kv_compress_rate": args.engine_rate if args.engine_rate is not None else args.rate}
+        if args.shared_prefix:
+            prompts = [prompts[0][:args.shared_prefix] + p[args.shared_prefix:] for p in prompts]
+            # one block size for both, so hits count the same blocks
+            engine_args.update(enable_prefix_caching=True, block_size=args.block_size or 64)
+            kvc_options["kv_compress_shared_prefix_tokens"] = args.shared_prefix
+        else:
+            kvc_options["kv_compress_block_size"] = args.block_size
         engines = {
             "stock": (LLM(model=workload.path, **engine_args), None),
             "kvcompress": (
-                kvcompress.LLM(workload.path, kv_compress_block_size=args.block_size, **engine_args),
+                kvcompress.LLM(workload.path, **kvc_options, **engine_args),
                 {"kv_compress_rate": args.rate},
             ),
         }
@@ -220,13 +265,15 @@ def main(argv=None) -> int:
                 breakdowns.append(host_breakdown(engines, prompts, args.output_len))
             for _ in range(args.reps):
                 own.append(own_code_ms(*engines["kvcompress"], prompts, args.output_len))
+        profiled = op_profile(engines, prompts, args.output_len, args.op_profile) if args.op_profile else None
         for llm, _ in engines.values():
             bench._shutdown(llm)
 
     stock, kvc = statistics.median(times["stock"]), statistics.median(times["kvcompress"])
     ratios = [k / s for s, k in zip(times["stock"], times["kvcompress"])]
     print(f"{workload.description}; batch {args.batch} x {args.input_len} tokens, {args.output_len - 1} decode "
-          f"steps, kvcompress page {block}, rate {args.rate:g}, stats {'on' if args.log_stats else 'off'}; "
+          f"steps, kvcompress page {block}, rate {args.rate:g} (engine {kvc_options['kv_compress_rate']:g}), "
+          f"shared prefix {args.shared_prefix or 'none'}, stats {'on' if args.log_stats else 'off'}; "
           f"{bench.machine_description()}")
     print(f"decode step: stock {stock:.3f} ms, kvcompress {kvc:.3f} ms, ratio of medians "
           f"{kvc / stock:.3f}; per repetition {min(ratios):.3f}..{max(ratios):.3f} "
@@ -238,6 +285,10 @@ def main(argv=None) -> int:
         print(f"host time per decode step (medians of {len(breakdowns)}): {cells}")
         cells = ", ".join(f"{key} {statistics.median(b[key] for b in own):.3f} ms" for key in own[0])
         print(f"kvcompress's own code per decode step (medians of {len(own)}): {cells}")
+    if profiled:
+        print("torch ops, self CPU ms a decode step (one profiled generate each): op | stock | kvcompress")
+        for key in profiled["stock"]:
+            print(f"  {key} | {profiled['stock'][key]:.3f} | {profiled['kvcompress'][key]:.3f}")
     return 0
 
 

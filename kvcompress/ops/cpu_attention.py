@@ -9,8 +9,15 @@ kernel, a batch of ``B * num_kv_heads`` sequences with ONE KV head and
 
 - sequence ``(s, h)``'s block-table row is head ``h``'s page ids, its length is
   ``head_lens[s, h]``;
-- decode rows: the query ``[B, Hq, D]`` is viewed as ``[B * Hkv, G, D]`` (no copy), one
-  kernel call per layer;
+- decode rows: one kernel call per layer over ``Hkv * B`` sequences in head-major order
+  (sequence ``h * B + b`` is row ``b``'s head ``h``; the query ``[B, Hq, D]`` regrouped
+  ``[Hkv * B, G, D]``, a copy of a few KB, none at batch 1): rows whose heads share pages
+  (a prefix-cache hit's prefix) then read them one right after another, while they are
+  still in the core's cache. Row-major, the other heads of a row (a sequence's whole
+  context) come in between, and shared pages are read back from memory: a layer of 4
+  SmolLM2 rows of 2000 tokens sharing 1472 took 1.73 ms against stock vLLM's 1.48 (which
+  reads a block's heads together), head-major 1.41; without sharing both orders 2.4
+  (``benchmarks/results/rate1-decode-step-prefix-xeon-avx512-cpu.md``);
 - batches with prompt rows: one call over every (KV head, request), the query regrouped
   head-major ``[H * T, G, D]`` (a copy, cheaper than a call per KV head: 22-24% faster on
   SmolLM2's shapes).
@@ -337,8 +344,9 @@ class DecodeStepMetrics:
 
     Args:
         rows: ``[M]`` int64 batch rows whose query adds to the eviction metrics.
-        block_tables: ``[L, B * H, P]`` int32 the step's kernel tables (every layer).
-        seq_lens: ``[L, B * H]`` int32 KVs held per kernel sequence.
+        block_tables: ``[L, H * B, P]`` int32 the step's kernel tables (every layer,
+            head-major: :func:`kernel_sequence_order`).
+        seq_lens: ``[L, H * B]`` int32 KVs held per kernel sequence.
         num_kv_heads: ``H``; num_q_heads, head_dim, dtype: the queries' shape and type.
     """
 
@@ -368,6 +376,13 @@ class DecodeStepMetrics:
         self.layers_recorded += 1
         return self.layers_recorded == self.num_layers
 
+    def _by_row(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel's tables and lengths as ``[L, B, H, P]`` and ``[L, B, H]`` views."""
+        num_layers, _, num_pages = self.block_tables.shape
+        heads = self.num_kv_heads
+        return (self.block_tables.view(num_layers, heads, num_rows, num_pages).transpose(1, 2),
+                self.seq_lens.view(num_layers, heads, num_rows).transpose(1, 2))
+
     def run(self, pool: KVPool, scale: float, power: int) -> None:
         """Add every layer's metric-row attention to ``pool.slot_metrics`` (deferred:
         keep the queries, and score those of the slots that now hold enough)."""
@@ -381,25 +396,39 @@ class DecodeStepMetrics:
                 # for (flush skips the rest): rows then fall due together, one pass per
                 # cycle instead of one per row phase (each pass costs a few dozen ops
                 # besides its queries).
-                self.queue.flush(
-                    pool, self.batch_slots.tolist(),
-                    self.block_tables.view(num_layers, num_rows, heads, num_pages),
-                    self.seq_lens.view(num_layers, num_rows, heads),
-                )
+                self.queue.flush(pool, self.batch_slots.tolist(), *self._by_row(num_rows))
             return
-        tables = self.block_tables.view(num_layers, num_rows, heads, num_pages)[:, self.rows]
-        lens = self.seq_lens.view(num_layers, num_rows, heads)[:, self.rows]
-        group = self.queries.shape[2] // heads
+        tables, lens = self._by_row(num_rows)
+        tables, lens = tables[:, self.rows], lens[:, self.rows]
+        group = self.queries.shape[2] // self.num_kv_heads
         decode_metrics_by_head(
             self.queries.view(-1, group, self.queries.shape[3]), pool,
             tables.reshape(-1, num_pages), lens.reshape(-1), scale, power,
         )
 
 
+def kernel_sequence_order(tables: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A decode step's page ids and lengths in the kernel's sequence order, head-major
+    (sequence ``h * B + b`` is batch row ``b``'s KV head ``h``; why: the module's notes).
+
+    Args:
+        tables: ``[L, B * H, P]`` int32, row-major (:func:`decode_tables`).
+        lens: ``[L, B, H]`` int32 KVs held.
+
+    Returns:
+        ``([L, H * B, P], [L, H, B])`` int32, C order (copies).
+    """
+    num_layers, num_rows, num_kv_heads = lens.shape
+    by_head = tables.reshape(num_layers, num_rows, num_kv_heads, -1).transpose(0, 2, 1, 3)
+    return (np.ascontiguousarray(by_head).reshape(num_layers, num_rows * num_kv_heads, -1),
+            np.ascontiguousarray(lens.transpose(0, 2, 1)))
+
+
 @dataclass(eq=False)
 class KernelDecodeLayer:
-    """One layer of a decode step in the kernel's terms: kernel sequence ``r`` is batch
-    row ``r // H``'s KV head ``r % H`` (``H`` KV heads, ``R = B * H`` sequences).
+    """One layer of a decode step in the kernel's terms: kernel sequence ``r`` is KV head
+    ``r // B`` of batch row ``r % B`` (``B`` rows of ``H`` KV heads, ``R = H * B``
+    sequences, head-major: :func:`kernel_sequence_order`).
     (:class:`~kvcompress.ops.cpu_decode_plan.DecodeBatchPlan` keeps one per layer
     between steps and sets the step's ``scheduler_metadata`` and ``metrics``.)
 
@@ -407,14 +436,15 @@ class KernelDecodeLayer:
         layer: the layer's index in the step.
         block_table: ``[R, P]`` int32 page ids (a contiguous slice of the step's tables).
         seq_lens: ``[R]`` int32 KVs held per head (every decode head holds >= 1: its new KV).
+        (Only these two are head-major; ``write_slots`` follows the rows' K / V, row-major.)
         query_start_loc: ``[R + 1]`` int32 ``arange`` (one query row of G heads each).
         scheduler_metadata: the kernel's work split for these lengths.
         key_cache, value_cache: the kernel's ``[N, 1, b, D]`` views of the pool.
         metrics: the step's metric rows and their queries, shared by every layer (None:
             no row adds to the metrics this step).
         isa: the kernel path for the pool's page and head sizes (:func:`kernel_isa`).
-        write_slots: ``[R]`` int64 ``page * b + offset`` of each sequence's new KV (its
-            head's last; :class:`~kvcompress.ops.cpu_decode_plan.DecodeBatchPlan` keeps
+        write_slots: ``[B * H]`` int64 ``page * b + offset`` of each row's heads' new KV,
+            row-major as the step's ``[B, H, D]`` keys (each head's last; :class:`~kvcompress.ops.cpu_decode_plan.DecodeBatchPlan` keeps
             them between steps).
         cache_dtype: the pages' ``kv_cache_dtype`` for the kernel (:func:`kernel_cache_dtype`).
     """
@@ -475,29 +505,31 @@ def decode_layers(
     """The step's :class:`KernelDecodeLayer` of every layer.
 
     Args:
-        tables: ``[L, B * H, P]`` int32 page ids (:func:`decode_tables`).
-        lens: ``[L, B, H]`` int32 KVs held (C order; the kernel reads it as ``[L, B * H]``).
+        tables: ``[L, B * H, P]`` int32 page ids, row-major (:func:`decode_tables`).
+        lens: ``[L, B, H]`` int32 KVs held.
         metric_rows: ``[M]`` rows whose decode query adds to the metrics, or None.
         uniform: every layer's lengths are the first's (one work split for all).
     """
-    num_layers, num_rows, num_kv_heads = lens.shape
+    num_layers = lens.shape[0]
     # Each head's new KV is its last (appended at the end of the head, in position order).
     last = lens.reshape(num_layers, -1).astype(np.int64) - 1
     pages = np.take_along_axis(tables.numpy(), (last // pool.block_size)[..., None], axis=2)[..., 0]
     write_slots = torch.from_numpy(pages.astype(np.int64) * pool.block_size + last % pool.block_size)
+    kernel_tables, kernel_lens = kernel_sequence_order(tables.numpy(), lens)
+    kernel_tables_t = torch.from_numpy(kernel_tables)
     layers = unplanned_decode_layers(
-        pool, tables, torch.from_numpy(lens).view(num_layers, num_rows * num_kv_heads), write_slots,
+        pool, kernel_tables_t, torch.from_numpy(kernel_lens).view(num_layers, -1), write_slots,
     )
-    set_decode_work(layers, pool, tables, lens, num_q_heads, metric_rows, uniform, query_dtype)
+    set_decode_work(layers, pool, kernel_tables_t, kernel_lens, num_q_heads, metric_rows, uniform, query_dtype)
     return layers
 
 
 def unplanned_decode_layers(
     pool: KVPool, tables: torch.Tensor, seq_lens: torch.Tensor, write_slots: torch.Tensor,
 ) -> list[KernelDecodeLayer]:
-    """Every layer's :class:`KernelDecodeLayer` over ``tables [L, R, P]``, ``seq_lens
-    [L, R]`` and ``write_slots [L, R]`` (views, no copy), without the step's work split
-    and metrics (:func:`set_decode_work` sets them)."""
+    """Every layer's :class:`KernelDecodeLayer` over ``tables [L, R, P]`` and ``seq_lens
+    [L, R]`` (head-major) and ``write_slots [L, R]`` (row-major) (views, no copy), without
+    the step's work split and metrics (:func:`set_decode_work` sets them)."""
     starts = _query_starts(seq_lens.shape[1])
     key4, value4 = _kernel_caches(pool)
     isa, cache_dtype = kernel_isa(pool.block_size, key4.shape[3]), kernel_cache_dtype(pool)
@@ -513,11 +545,11 @@ def set_decode_work(
     layers: list[KernelDecodeLayer], pool: KVPool, tables: torch.Tensor, lens: np.ndarray, num_q_heads: int,
     metric_rows: torch.Tensor | None, uniform: bool, query_dtype: torch.dtype | None = None,
 ) -> None:
-    """Give ``layers`` (over ``tables [L, B * H, P]`` and lengths ``lens [L, B, H]``,
-    the memory of their views) this step's work split, one for all layers when
-    ``uniform``, and the metric pass of ``metric_rows`` (``[M]`` batch rows, or None).
+    """Give ``layers`` (over ``tables [L, H * B, P]`` and lengths ``lens [L, H, B]``,
+    head-major, the memory of their views) this step's work split, one for all layers
+    when ``uniform``, and the metric pass of ``metric_rows`` (``[M]`` batch rows, or None).
     ``query_dtype``: the queries' (None: the pages', which FP8 pages cannot be)."""
-    num_layers, num_rows, num_kv_heads = lens.shape
+    num_layers, num_kv_heads, num_rows = lens.shape
     num_seqs = num_rows * num_kv_heads
     group, head_dim = num_q_heads // num_kv_heads, pool.key_cache.shape[2]
     dtype = kernel_query_dtype(pool, query_dtype)
@@ -574,16 +606,23 @@ def decode_planned(
         write_kv_planned(tables, key, value)
     num_rows, num_q_heads, head_dim = query.shape
     num_seqs = tables.seq_lens.shape[0]
-    group = num_rows * num_q_heads // num_seqs
-    flat_query = query.contiguous().view(num_seqs, group, head_dim)
-    flat_out = out.view(num_seqs, group, head_dim) if out.is_contiguous() else torch.empty_like(flat_query)
+    num_kv_heads = num_seqs // num_rows
+    group = num_q_heads // num_kv_heads
+    if num_rows == 1 or num_kv_heads == 1:  # head-major is row-major: views
+        flat_query = query.contiguous().view(num_seqs, group, head_dim)
+        flat_out = out.view(num_seqs, group, head_dim) if out.is_contiguous() else torch.empty_like(flat_query)
+    else:
+        by_head = query.view(num_rows, num_kv_heads, group, head_dim).transpose(0, 1)
+        flat_query = by_head.reshape(num_seqs, group, head_dim)
+        flat_out = torch.empty_like(flat_query)
     torch.ops._C.cpu_attention_with_kv_cache(
         flat_query, tables.key_cache, tables.value_cache, flat_out, tables.query_start_loc,
         tables.seq_lens, scale, True, None, -1 if sliding_window is None else int(sliding_window),
         tables.block_table, 0.0, tables.scheduler_metadata, None, None, 1.0, 1.0, tables.cache_dtype,
     )
     if flat_out.data_ptr() != out.data_ptr():
-        out.copy_(flat_out.view(num_rows, num_q_heads, head_dim))
+        out.view(num_rows, num_kv_heads, group, head_dim).copy_(
+            flat_out.view(num_kv_heads, num_rows, group, head_dim).transpose(0, 1))
     if metric_power is not None and tables.metrics is not None:
         if tables.metrics.record(tables.layer, query):
             tables.metrics.run(pool, scale, metric_power)

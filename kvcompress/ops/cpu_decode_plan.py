@@ -9,8 +9,9 @@ dozen small numpy calls. Right after a forward pass has flushed the CPU caches e
 those costs 10-30 us instead of 1-3 (measured in the engine at 256 rows), so host time
 follows the number of calls more than their size. :class:`DecodeBatchPlan` keeps the
 arrays the kernel and the KV writes read (``[L, B, H]`` lengths, write pages, offsets
-and flat ``page * b + offset`` slots, ``[L, B * H, P]`` tables) and advances them with
-about six array calls a step (two adds, three scatters, new pages only when some head's
+and flat ``page * b + offset`` slots; the kernel's ``[L, H * B, P]`` tables and ``[L, H, B]``
+lengths, head-major: :func:`~kvcompress.ops.cpu_attention.kernel_sequence_order`) and
+advances them with about seven array calls a step (two adds, three scatters, new pages only when some head's
 last page is full),
 writing the cache's own state (head lengths, tables, last pages, slot positions and
 metrics) exactly as ``append_one`` would. It rebuilds from the cache when the rows
@@ -30,6 +31,7 @@ import torch
 
 from kvcompress.ops.cpu_attention import (
     KernelDecodeLayer,
+    kernel_sequence_order,
     lens_agree_across_layers,
     set_decode_work,
     unplanned_decode_layers,
@@ -67,7 +69,8 @@ class DecodeBatchPlan:
         # slot_positions / slot_metrics, and vLLM's KV write op's targets (int64 only).
         self._write_slots = np.zeros((0, 0, 0), np.int64)
         self._meta_slots = np.zeros((0, 0, 0), np.int64)  # where their positions go
-        self._tables = np.zeros((0, 0, 0), np.int32)  # [L, B * H, P]
+        self._tables = np.zeros((0, 0, 0), np.int32)  # [L, H * B, P], head-major
+        self._kernel_lens = np.zeros((0, 0, 0), np.int32)  # [L, H, B]: _counters[0], head-major
         self._uniform = True
         # Steps every head can still take in its last page before one needs a new page.
         self._room = 0
@@ -101,7 +104,7 @@ class DecodeBatchPlan:
         else:
             self._rebuild(rows_key, slots, positions, uniform)
         set_decode_work(
-            self._layers, self.pool, self._tables_t, self._counters[0], self.num_q_heads, metric_rows, self._uniform,
+            self._layers, self.pool, self._tables_t, self._kernel_lens, self.num_q_heads, metric_rows, self._uniform,
             self.query_dtype,
         )
         return self._plan, self._layers
@@ -119,17 +122,18 @@ class DecodeBatchPlan:
         self._uniform = lens_agree_across_layers(lens) if uniform is None else uniform
         self._room = block_size - 1 - int(offsets.max())
         self._plan = AppendPlan(appended.write_pages, torch.from_numpy(self._counters[1]))
-        self._set_tables(tables)
+        self._tables, self._kernel_lens = kernel_sequence_order(tables, lens)
+        self._set_tables()
         self._rows_key = rows_key
         self._version = cache.version
         self.rebuilds += 1
 
-    def _set_tables(self, tables: np.ndarray) -> None:
-        self._tables = tables
-        self._tables_t = torch.from_numpy(tables)
-        num_layers = tables.shape[0]
+    def _set_tables(self) -> None:
+        """The layers' views of the kernel's tables and lengths (``_tables``, ``_kernel_lens``)."""
+        self._tables_t = torch.from_numpy(self._tables)
+        num_layers = self._tables.shape[0]
         self._layers = unplanned_decode_layers(
-            self.pool, self._tables_t, torch.from_numpy(self._counters[0]).view(num_layers, -1),
+            self.pool, self._tables_t, torch.from_numpy(self._kernel_lens).view(num_layers, -1),
             write_slots=torch.from_numpy(self._write_slots).view(num_layers, -1),
         )
 
@@ -138,6 +142,7 @@ class DecodeBatchPlan:
         host = self.cache.host
         counters = self._counters
         counters += 1
+        self._kernel_lens += 1
         self._write_slots += 1
         self._meta_slots += 1
         if self._room > 0:
@@ -166,7 +171,8 @@ class DecodeBatchPlan:
         self._meta_slots[layers, rows, heads] = cache.meta_slots(pages, 0)
         if int(columns.max()) >= self._tables.shape[2]:  # the longest head grew a column
             tables, _ = decode_tables(block_size, cache.tables, slots, lens.transpose(1, 0, 2))
-            self._set_tables(tables)
+            self._tables = kernel_sequence_order(tables, lens)[0]
+            self._set_tables()
         else:
-            num_kv_heads = lens.shape[2]
-            self._tables[layers, rows * num_kv_heads + heads, columns] = pages
+            num_rows = lens.shape[1]
+            self._tables[layers, heads * num_rows + rows, columns] = pages
