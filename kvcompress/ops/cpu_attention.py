@@ -15,8 +15,8 @@ kernel, a batch of ``B * num_kv_heads`` sequences with ONE KV head and
   (a prefix-cache hit's prefix) then read them one right after another, while they are
   still in the core's cache. Row-major, the other heads of a row (a sequence's whole
   context) come in between, and shared pages are read back from memory: a layer of 4
-  SmolLM2 rows of 2000 tokens sharing 1472 took 1.73 ms against stock vLLM's 1.48 (which
-  reads a block's heads together), head-major 1.41; without sharing both orders 2.4
+  SmolLM2 rows of 2000 tokens sharing 1472 took 1.72 ms against stock vLLM's 1.49 (which
+  reads a block's heads together), head-major 1.34; without sharing 2.20 and 2.09
   (``benchmarks/results/rate1-decode-step-prefix-xeon-avx512-cpu.md``);
 - batches with prompt rows: one call over every (KV head, request), the query regrouped
   head-major ``[H * T, G, D]`` (a copy, cheaper than a call per KV head: 22-24% faster on
@@ -444,8 +444,8 @@ class KernelDecodeLayer:
             no row adds to the metrics this step).
         isa: the kernel path for the pool's page and head sizes (:func:`kernel_isa`).
         write_slots: ``[B * H]`` int64 ``page * b + offset`` of each row's heads' new KV,
-            row-major as the step's ``[B, H, D]`` keys (each head's last; :class:`~kvcompress.ops.cpu_decode_plan.DecodeBatchPlan` keeps
-            them between steps).
+            row-major as the step's ``[B, H, D]`` keys (each head's last;
+            :class:`~kvcompress.ops.cpu_decode_plan.DecodeBatchPlan` keeps them between steps).
         cache_dtype: the pages' ``kv_cache_dtype`` for the kernel (:func:`kernel_cache_dtype`).
     """
 
