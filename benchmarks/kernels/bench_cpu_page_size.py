@@ -112,6 +112,12 @@ def measure(torch, shape: str, batch: int, context: int, blocks, rounds: int, or
                 torch, 1, group, head_dim, block, [context] * (batch * kv_heads), dtype, generator, order,
                 query_len,
             )
+    return interleaved_medians(torch, variants, rounds)
+
+
+def interleaved_medians(torch, variants: dict, rounds: int) -> dict[str, float]:
+    """Median ms per call of each of ``variants`` (name -> callable): ``rounds`` rounds,
+    each calling every variant once in a fresh random order after a 64 MiB cache flush."""
     flush = torch.empty(64 * 2**20 // 4)
     names = list(variants)
     for name in names:

@@ -14,7 +14,7 @@ pages (a prefix-cache hit's prefix), every page run ascending (a fresh engine's)
   each other.
 
 Variants interleave in a fresh random order each round, each after a 64 MiB cache flush;
-medians. ``--shared 0``: nothing shared (the orders should then cost the same).
+medians (``bench_cpu_page_size.interleaved_medians``). ``--shared 0``: nothing shared (the orders should then cost the same).
 
     python benchmarks/kernels/bench_cpu_shared_prefix.py --shared 1472
     python benchmarks/kernels/bench_cpu_shared_prefix.py --shared 0
@@ -23,10 +23,7 @@ medians. ``--shared 0``: nothing shared (the orders should then cost the same).
 from __future__ import annotations
 
 import argparse
-import random
-import statistics
 import sys
-import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -99,6 +96,7 @@ def main(argv=None) -> int:
     import torch
 
     from benchmarks.common.machine import cpu_model_name
+    from benchmarks.kernels.bench_cpu_page_size import interleaved_medians
     from kvcompress.ops import cpu_attention
 
     reason = cpu_attention.unavailable_reason()
@@ -112,26 +110,12 @@ def main(argv=None) -> int:
         "per-head row-major": kernel_call(torch, 1, args, generator),
         "per-head head-major": kernel_call(torch, 1, args, generator, head_major=True),
     }
-    flush = torch.empty(64 * 2**20 // 4)
-    names = list(variants)
-    times = {name: [] for name in names}
-    for name in names:
-        variants[name]()
-    order = random.Random(0)
-    for _ in range(args.rounds):
-        order.shuffle(names)
-        for name in names:
-            flush.add_(1.0)
-            started = time.perf_counter()
-            variants[name]()
-            times[name].append(time.perf_counter() - started)
+    ms = interleaved_medians(torch, variants, args.rounds)
     print(f"{args.batch} rows x {args.context} KVs, {args.shared} shared, {args.kv_heads} KV heads x "
           f"{args.group}, D {args.head_dim}, {args.dtype}, block {args.block}; {args.threads} thread(s), "
           f"{cpu_model_name()}; medians of {args.rounds} interleaved rounds")
-    stock = statistics.median(times["stock"])
     for name in variants:
-        ms = statistics.median(times[name]) * 1e3
-        print(f"  {name}: {ms:.3f} ms ({ms / (stock * 1e3):.2f} x stock)")
+        print(f"  {name}: {ms[name]:.3f} ms ({ms[name] / ms['stock']:.2f} x stock)")
     return 0
 
 
