@@ -11,7 +11,7 @@ follows the number of calls more than their size. :class:`DecodeBatchPlan` keeps
 arrays the kernel and the KV writes read (``[L, B, H]`` lengths, write pages, offsets
 and flat ``page * b + offset`` slots; the kernel's ``[L, H * B, P]`` tables and ``[L, H, B]``
 lengths, head-major: :func:`~kvcompress.ops.cpu_attention.kernel_sequence_order`) and
-advances them with about seven array calls a step (two adds, three scatters, new pages only when some head's
+advances them with about seven array calls a step (three adds, three scatters, new pages only when some head's
 last page is full),
 writing the cache's own state (head lengths, tables, last pages, slot positions and
 metrics) exactly as ``append_one`` would. It rebuilds from the cache when the rows
