@@ -210,7 +210,9 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--output-len", type=int, default=129)
     parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--block-size", type=int, default=None, help="kvcompress page size (default: its own); with --shared-prefix both engines' block size (default 64)")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="kvcompress page size (default: its own); with --shared-prefix both engines' "
+                             "block size (default 64)")
     parser.add_argument("--rate", type=float, default=1.0,
                         help="kvcompress's compression rate (default 1: nothing evicted, kernel parity)")
     parser.add_argument("--shared-prefix", type=int, default=0,
