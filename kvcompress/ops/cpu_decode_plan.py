@@ -8,11 +8,11 @@ after :meth:`~kvcompress.ops.paged_cache.PerHeadPagedCache.append_one`) takes a 
 dozen small numpy calls. Right after a forward pass has flushed the CPU caches each of
 those costs 10-30 us instead of 1-3 (measured in the engine at 256 rows), so host time
 follows the number of calls more than their size. :class:`DecodeBatchPlan` keeps the
-arrays the kernel and the KV writes read (``[L, B, H]`` lengths, write pages, offsets
-and flat ``page * b + offset`` slots; the kernel's ``[L, H * B, P]`` tables and ``[L, H, B]``
+arrays the kernel and the KV writes read (``[L, B, H]`` write pages, offsets and flat
+``page * b + offset`` slots; the kernel's ``[L, H * B, P]`` tables and ``[L, H, B]``
 lengths, head-major: :func:`~kvcompress.ops.cpu_attention.kernel_sequence_order`) and
-advances them with about seven array calls a step (three adds, three scatters, new pages only when some head's
-last page is full),
+advances them with about seven array calls a step (four adds, three scatters, new pages
+only when some head's last page is full),
 writing the cache's own state (head lengths, tables, last pages, slot positions and
 metrics) exactly as ``append_one`` would. It rebuilds from the cache when the rows
 changed (another ``rows_key``) or anything else changed the cache
@@ -61,16 +61,16 @@ class DecodeBatchPlan:
         self.query_dtype = query_dtype
         self._rows_key: object | None = None
         self._version = -1
-        # [2, L, B, H] int32 after the last step: [0] KVs held per head (the kernel's
-        # lengths), [1] its last KV's offset in its page; one array, so one op moves both.
-        self._counters = np.zeros((2, 0, 0, 0), np.int32)
+        # [L, H, B] int32 KVs held per head after the last step, head-major: the kernel's
+        # lengths (kernel_sequence_order), read row-major through transposed views.
+        self._lens = np.zeros((0, 0, 0), np.int32)
+        self._offsets = np.zeros((0, 0, 0), np.int32)  # [L, B, H] its last KV's offset in its page
         self._write_pages = np.zeros((0, 0, 0), np.int64)  # [L, B, H] page of the last KV
         # [L, B, H] int64 flat slot (page * block_size + offset) of the last KV: in
         # slot_positions / slot_metrics, and vLLM's KV write op's targets (int64 only).
         self._write_slots = np.zeros((0, 0, 0), np.int64)
         self._meta_slots = np.zeros((0, 0, 0), np.int64)  # where their positions go
         self._tables = np.zeros((0, 0, 0), np.int32)  # [L, H * B, P], head-major
-        self._kernel_lens = np.zeros((0, 0, 0), np.int32)  # [L, H, B]: _counters[0], head-major
         self._uniform = True
         # Steps every head can still take in its last page before one needs a new page.
         self._room = 0
@@ -104,7 +104,7 @@ class DecodeBatchPlan:
         else:
             self._rebuild(rows_key, slots, positions, uniform)
         set_decode_work(
-            self._layers, self.pool, self._tables_t, self._kernel_lens, self.num_q_heads, metric_rows, self._uniform,
+            self._layers, self.pool, self._tables_t, self._lens, self.num_q_heads, metric_rows, self._uniform,
             self.query_dtype,
         )
         return self._plan, self._layers
@@ -118,42 +118,41 @@ class DecodeBatchPlan:
         tables, lens = decode_tables(block_size, cache.tables, slots, cache.host.head_lens[slots])
         self._write_slots = self._write_pages * block_size + offsets
         self._meta_slots = cache.meta_slots(self._write_pages, offsets)
-        self._counters = np.stack([lens, offsets]).astype(np.int32)
+        self._offsets = offsets.astype(np.int32)
         self._uniform = lens_agree_across_layers(lens) if uniform is None else uniform
         self._room = block_size - 1 - int(offsets.max())
-        self._plan = AppendPlan(appended.write_pages, torch.from_numpy(self._counters[1]))
-        self._tables, self._kernel_lens = kernel_sequence_order(tables, lens)
+        self._plan = AppendPlan(appended.write_pages, torch.from_numpy(self._offsets))
+        self._tables, self._lens = kernel_sequence_order(tables, lens)
         self._set_tables()
         self._rows_key = rows_key
         self._version = cache.version
         self.rebuilds += 1
 
     def _set_tables(self) -> None:
-        """The layers' views of the kernel's tables and lengths (``_tables``, ``_kernel_lens``)."""
+        """The layers' views of the kernel's tables and lengths (``_tables``, ``_lens``)."""
         self._tables_t = torch.from_numpy(self._tables)
         num_layers = self._tables.shape[0]
         self._layers = unplanned_decode_layers(
-            self.pool, self._tables_t, torch.from_numpy(self._kernel_lens).view(num_layers, -1),
+            self.pool, self._tables_t, torch.from_numpy(self._lens).view(num_layers, -1),
             write_slots=torch.from_numpy(self._write_slots).view(num_layers, -1),
         )
 
     def _advance(self, slots: np.ndarray, positions: np.ndarray) -> None:
         """One KV more per head: in place, the cache's state written as ``append_one``'s."""
         host = self.cache.host
-        counters = self._counters
-        counters += 1
-        self._kernel_lens += 1
+        self._lens += 1
+        self._offsets += 1
         self._write_slots += 1
         self._meta_slots += 1
         if self._room > 0:
             self._room -= 1
         else:
-            offsets = counters[1]
+            offsets = self._offsets
             starts_page = offsets == self.cache.block_size
             if starts_page.any():
                 self._take_pages(slots, starts_page)
             self._room = self.cache.block_size - 1 - int(offsets.max())
-        host.head_lens[slots] = counters[0].transpose(1, 0, 2)
+        host.head_lens[slots] = self._lens.transpose(2, 0, 1)
         host.place(self._meta_slots, positions[None, :, None])
 
     def _take_pages(self, slots: np.ndarray, starts_page: np.ndarray) -> None:
@@ -162,17 +161,17 @@ class DecodeBatchPlan:
         cache = self.cache
         block_size = cache.block_size
         rows, layers, heads = np.nonzero(starts_page.transpose(1, 0, 2))
-        lens, offsets = self._counters
-        columns = (lens[layers, rows, heads].astype(np.int64) - 1) // block_size
+        lens = self._lens
+        columns = (lens[layers, heads, rows].astype(np.int64) - 1) // block_size
         pages = cache.take_last_pages_host(slots[rows], layers, heads, columns)
         self._write_pages[layers, rows, heads] = pages
-        offsets[layers, rows, heads] = 0
+        self._offsets[layers, rows, heads] = 0
         self._write_slots[layers, rows, heads] = pages * block_size
         self._meta_slots[layers, rows, heads] = cache.meta_slots(pages, 0)
         if int(columns.max()) >= self._tables.shape[2]:  # the longest head grew a column
-            tables, _ = decode_tables(block_size, cache.tables, slots, lens.transpose(1, 0, 2))
-            self._tables = kernel_sequence_order(tables, lens)[0]
+            tables, row_lens = decode_tables(block_size, cache.tables, slots, lens.transpose(2, 0, 1))
+            self._tables = kernel_sequence_order(tables, row_lens)[0]
             self._set_tables()
         else:
-            num_rows = lens.shape[1]
+            num_rows = lens.shape[2]
             self._tables[layers, heads * num_rows + rows, columns] = pages
