@@ -351,6 +351,40 @@ class PageAccounting:
         needed = self.pages_to_grow_per_rank(request_id, target_tokens)
         return int((needed + reserve_per_rank - self.free_pages).max())
 
+    def whole_sequence_shortfall(
+        self, request_id: str, full_tokens: int, in_flight_tokens: int, reserve_per_rank: int = 0
+    ) -> int:
+        """:meth:`shortfall` for vLLM's admission gate (``scheduler_reserve_full_isl``:
+        the whole sequence must fit before its first chunk is scheduled), counted as
+        stock vLLM counts it (``SlidingWindowSpec.max_admission_blocks_per_request``): a
+        sliding-window head at most ``ceil((W - 1 + in_flight_tokens) / b) + 1`` pages
+        (vLLM's ``max_in_flight_tokens``; +1: the window's first token need not start a
+        page), since it gives back its pages behind the window as each step begins
+        (:meth:`drop_behind_windows`) and so never holds more under chunked prefill;
+        every other head the whole sequence. In pages of ``b`` tokens this is at most
+        stock's count in its larger blocks."""
+        if not self.window_layers.size:
+            return self.shortfall(request_id, full_tokens, reserve_per_rank)
+        row = self._row_of.get(request_id)
+        if row is not None and self.pending[row]:
+            return self.shortfall(request_id, full_tokens, reserve_per_rank)
+        if row is None:
+            lens = np.zeros((self.num_layers, self.num_kv_heads), np.int64)
+            held = np.zeros(self.num_ranks, np.int64)
+            growth, shared, compresses = max(full_tokens, 0), 0, self.compresses_of(request_id)
+        else:
+            self.sync()
+            lens, held = self.head_lens[row], self.pages_held_per_row[row]
+            growth = max(full_tokens - int(self.logical_lens[row]), 0)
+            shared, compresses = self.shared_blocks[row], self.compresses[row]
+        peak = (lens + growth).copy()
+        layers = self.window_layers
+        b = self.block_size
+        cap = (b * (-(-(self.windows[layers] - 1 + in_flight_tokens) // b) + 1))[:, None]  # whole pages
+        peak[layers] = np.maximum(lens[layers], np.minimum(peak[layers], cap))
+        needed = self._held(peak, shared, compresses) - held
+        return int((needed + reserve_per_rank - self.free_pages).max())
+
     def _pages_per_rank_from_nothing(self, target_tokens: int, compresses: bool = False) -> int:
         """Pages each rank's pool gives a request holding none for ``target_tokens``."""
         per_head = int(counted_pages(-(-max(target_tokens, 0) // self.block_size), self.grant_pages, compresses))

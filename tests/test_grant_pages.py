@@ -142,3 +142,25 @@ def test_the_buffer_holds_the_pages_past_the_pool():
     parts = layout.metadata_breakdown(available)
     assert sum(parts.values()) == available
     assert parts["slot_metadata"] == 2 * page_bytes and parts["pages"] % (LAYERS * HEADS * page_bytes) == 0
+
+
+def test_admission_gate_counts_what_stock_vllm_counts_for_a_sliding_window_model():
+    """vLLM's full-sequence admission gate for a request that never compresses, in pages
+    of 64 tokens counted in pairs, is never more than stock vLLM's in 128-token blocks
+    (per layer the whole sequence, or ``SlidingWindowSpec``'s own
+    ``max_admission_blocks_per_request`` on a windowed layer; Gemma 3's shape: window
+    512, five windowed layers to one full), and at most one pair a windowed layer less
+    (finer pages start the window nearer its first token); with no window the two agree."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    windows = (512, 512, 512, 512, 512, None) * 2
+    spec = SlidingWindowSpec(block_size=128, num_kv_heads=1, head_size=256, dtype=torch.float32, sliding_window=512)
+    accounting = PageAccounting(100_000, len(windows), 1, BLOCK, layer_windows=windows, grant_pages=2)
+    for full in (100, 511, 1023, 1024, 1100, 2048, 4000):
+        for in_flight in (256, 512, 2048):
+            cap = spec.max_admission_blocks_per_request(max_in_flight_tokens=in_flight, max_model_len=8192)
+            stock_blocks = sum(math.ceil(full / 128) if w is None else min(math.ceil(full / 128), cap) for w in windows)
+            counted = accounting.whole_sequence_shortfall("r", full, in_flight) + 100_000
+            assert stock_blocks * 2 - 2 * 10 <= counted <= stock_blocks * 2, (full, in_flight)
+            if full <= 511 + in_flight:  # no window cap anywhere: the whole sequence, as stock
+                assert counted == stock_blocks * 2

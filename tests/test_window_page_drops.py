@@ -194,3 +194,63 @@ def test_requests_with_prefix_cache_groups_or_a_pending_compression_drop_nothing
     drops = accounting.drop_behind_windows()
     assert list(drops) == ["plain"] and drops["plain"].tolist() == [(100 - 8 + 1) // BLOCK, 0]
     assert accounting.drop_behind_windows() == {}  # nothing more until the request grows
+
+
+@pytest.mark.parametrize("ranks, grant", [(1, 1), (2, 2)])
+def test_admission_counts_a_window_head_at_its_window_plus_the_tokens_in_flight(ranks, grant):
+    """vLLM's admission gate (the whole sequence must fit) counts a sliding-window head at
+    ``min(ceil(F / b), ceil((W - 1 + in_flight) / b) + 1)`` pages, a full-attention head at
+    ``ceil(F / b)``: checked against a per-layer sum, for new requests and for one
+    part-way through its prompt."""
+    windows, heads = (20, None, 37), 2 * ranks
+    accounting = PageAccounting(4000 * ranks, 3, heads, BLOCK, max_requests=4, num_ranks=ranks,
+                                compressible_layers=(1,), layer_windows=windows, grant_pages=grant)
+
+    def counted(pages):
+        return -(-pages // grant) * grant
+
+    def window_pages(tokens, window, in_flight):
+        return min(-(-tokens // BLOCK), -(-(window - 1 + in_flight) // BLOCK) + 1)
+
+    for full in (1, 19, 20, 50, 57, 300):
+        for in_flight in (1, 16, 33):
+            pages = sum(counted(-(-full // BLOCK) if w is None else window_pages(full, w, in_flight)) for w in windows)
+            free = int(accounting.free_pages[0])
+            assert accounting.whole_sequence_shortfall("new", full, in_flight) == pages * heads // ranks - free
+            assert accounting.whole_sequence_shortfall("new", full, in_flight, 5) == pages * heads // ranks - free + 5
+            if full <= 20:
+                assert accounting.whole_sequence_shortfall("new", full, in_flight) == accounting.shortfall("new", full)
+    # Part-way: a head already past its count keeps what it holds; the others grow to theirs.
+    accounting.grow("part", 100)
+    accounting.drop_behind_windows()
+    held = accounting.pages_held("part") // ranks
+    lens = accounting.head_lens_of("part")[:, 0]  # the windowed layers shortened from the front
+    assert lens[0] < 100 and lens[1] == 100 and lens[2] < 100
+    in_flight = 16
+    target = [max(-(-lens[0] // BLOCK), window_pages(lens[0] + 200, 20, in_flight)), -(-300 // BLOCK),
+              max(-(-lens[2] // BLOCK), window_pages(lens[2] + 200, 37, in_flight))]
+    pages = sum(counted(int(t)) for t in target) * heads // ranks
+    free = int(accounting.free_pages[0])
+    assert accounting.whole_sequence_shortfall("part", 300, in_flight) == pages - held - free
+
+
+@pytest.mark.parametrize("grant", [1, 2])
+def test_a_chunked_prefill_never_holds_more_than_its_admission_counted(grant):
+    """What the gate counts bounds what the request comes to hold: a prompt of F tokens in
+    chunks of ``in_flight`` tokens, the heads behind their windows dropped as each step
+    begins (the scheduler's order), holds at most the gate's count at every step; and the
+    windows matter (the gate counts less than the whole sequence on every layer)."""
+    windows = (20, None, 37)
+    for full in (100, 257, 500):
+        for in_flight in (7, 16, 40):
+            accounting = PageAccounting(100_000, 3, NUM_KV_HEADS, BLOCK, max_requests=2,
+                                        compressible_layers=(1,), layer_windows=windows, grant_pages=grant)
+            gate = accounting.whole_sequence_shortfall("r", full, in_flight) + 100_000
+            peak, done = 0, 0
+            while done < full:
+                accounting.drop_behind_windows()
+                done = min(full, done + in_flight)
+                accounting.grow("r", done)
+                peak = max(peak, accounting.pages_held("r"))
+            assert peak <= gate, (full, in_flight)
+            assert gate < accounting.shortfall("x", full) + accounting.num_free_pages

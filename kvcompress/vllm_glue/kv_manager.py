@@ -87,6 +87,7 @@ class KVCompressKVCacheManager:
         on_release=None,
         prefix_cache=None,
         compresses=None,
+        in_flight_tokens: int = 0,
     ) -> None:
         self._inner = inner
         self._inner_allocate = inner.allocate_slots
@@ -109,6 +110,9 @@ class KVCompressKVCacheManager:
         # compresses(request): whether the request ever compresses (its metadata pages
         # count only then: PageAccounting.note_compresses); None: never.
         self.compresses = compresses
+        # vLLM's max_in_flight_tokens: what the admission gate lets a sliding-window head
+        # hold past its window (PageAccounting.whole_sequence_shortfall).
+        self.in_flight_tokens = in_flight_tokens
         self._refusal_logged = False
 
     def __getattr__(self, name: str):
@@ -182,7 +186,7 @@ class KVCompressKVCacheManager:
             prefix_cache.admit(request, arg.new_computed_blocks, arg.num_new_computed_tokens)
         if arg.full_sequence_must_fit:
             full_tokens = max(min(request.num_tokens, self.max_model_len), target_tokens)
-            short = self._shortfall(request_id, full_tokens, reserve)
+            short = self._shortfall(request_id, full_tokens, reserve, whole_sequence=True)
             if short > 0:
                 return self._admission_refused(short) if admitting else None
         short = self._shortfall(request_id, target_tokens, reserve)
@@ -202,13 +206,19 @@ class KVCompressKVCacheManager:
             self.on_admission_short(pages_short)
         return None
 
-    def _shortfall(self, request_id: str, target_tokens: int, reserve: int) -> int:
-        """``PageAccounting.shortfall`` after evicting idle cached page groups for it."""
-        short = self.accounting.shortfall(request_id, target_tokens, reserve)
+    def _shortfall(self, request_id: str, target_tokens: int, reserve: int, whole_sequence: bool = False) -> int:
+        """``PageAccounting.shortfall`` (``whole_sequence``: vLLM's admission gate,
+        ``whole_sequence_shortfall``) after evicting idle cached page groups for it."""
+        short = self._count_shortfall(request_id, target_tokens, reserve, whole_sequence)
         if short > 0 and self.prefix_cache is not None:
             if self.prefix_cache.reclaim(short, keep=self.prefix_cache.protected_hits(request_id)):
-                short = self.accounting.shortfall(request_id, target_tokens, reserve)
+                short = self._count_shortfall(request_id, target_tokens, reserve, whole_sequence)
         return short
+
+    def _count_shortfall(self, request_id: str, target_tokens: int, reserve: int, whole_sequence: bool) -> int:
+        if whole_sequence:
+            return self.accounting.whole_sequence_shortfall(request_id, target_tokens, self.in_flight_tokens, reserve)
+        return self.accounting.shortfall(request_id, target_tokens, reserve)
 
     def _refused(self, request) -> None:
         """vLLM's logical block pool refused a request the pages allow: the running

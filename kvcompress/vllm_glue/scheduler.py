@@ -110,6 +110,7 @@ class KVCompressScheduler(Scheduler):
             on_admission_short=self.kvc_planner.note_admission_short if settings.enabled else None,
             on_release=self.kvc_planner.on_released,
             prefix_cache=self.kvc_prefix_cache,
+            in_flight_tokens=vllm_config.max_in_flight_tokens,
         )
         logger.info(
             "kvcompress scheduler: %d pages per rank x %d TP rank(s) (%d layers x %d KV "
