@@ -239,7 +239,7 @@ def test_a_chunked_prefill_never_holds_more_than_its_admission_counted(grant):
     """What the gate counts bounds what the request comes to hold: a prompt of F tokens in
     chunks of ``in_flight`` tokens, the heads behind their windows dropped as each step
     begins (the scheduler's order), holds at most the gate's count at every step; and the
-    windows matter (the gate counts less than the whole sequence on every layer)."""
+    windows matter (the gate counts fewer pages than the whole sequence on every layer)."""
     windows = (20, None, 37)
     for full in (100, 257, 500):
         for in_flight in (7, 16, 40):
@@ -253,4 +253,5 @@ def test_a_chunked_prefill_never_holds_more_than_its_admission_counted(grant):
                 accounting.grow("r", done)
                 peak = max(peak, accounting.pages_held("r"))
             assert peak <= gate, (full, in_flight)
-            assert gate < accounting.shortfall("x", full) + accounting.num_free_pages
+            whole_sequence = accounting.shortfall("x", full) + accounting.num_free_pages  # "x" holds nothing
+            assert gate < whole_sequence
