@@ -377,7 +377,7 @@ class PageAccounting:
             lens, held = self.head_lens[row], self.pages_held_per_row[row]
             growth = max(full_tokens - int(self.logical_lens[row]), 0)
             shared, compresses = self.shared_blocks[row], self.compresses[row]
-        peak = (lens + growth).copy()
+        peak = lens + growth  # a new array
         layers = self.window_layers
         b = self.block_size
         cap = (b * (-(-(self.windows[layers] - 1 + in_flight_tokens) // b) + 1))[:, None]  # whole pages
