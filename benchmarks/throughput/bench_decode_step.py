@@ -24,6 +24,14 @@ keeps the prefix uncompressed (``kv_compress_shared_prefix_tokens`` = N), and
     python benchmarks/throughput/bench_decode_step.py --model smollm2 --batch 4 --input-len 2000 \
         --shared-prefix 1500 --output-len 65 --reps 5 --host-breakdown
 
+``--prompt-only`` times the prompt steps instead (each repetition one ``generate`` of one
+output token on each engine: the prefill of ``--batch`` prompts, ms a prompt); with
+``--op-profile`` the torch ops of one such generate per engine (issue 61's SmolLM2
+prefill-only regime):
+
+    python benchmarks/throughput/bench_decode_step.py --model smollm2 --batch 2 --input-len 2048 \
+        --prompt-only --reps 5 --op-profile 12
+
 ``--host-breakdown`` then runs each engine once more per repetition with wall-clock timers
 (no profiler) around the scheduler's ``schedule`` + ``update_from_output``, the worker's
 ``_update_states`` (kvcompress: its override, which holds the step's page appends, the
@@ -185,6 +193,27 @@ def own_code_ms(llm, extra, prompts, output_len: int) -> dict[str, float]:
     return result
 
 
+def prompt_ms(llm, prompts, extra) -> float:
+    """Time per prompt (ms) of a generate of one token: the prompt steps alone."""
+    started = time.perf_counter()
+    llm.generate(prompts, token_params(1, extra), use_tqdm=False)
+    return (time.perf_counter() - started) / len(prompts) * 1e3
+
+
+def prompt_op_profile(engines: dict, prompts, top: int) -> dict[str, dict[str, float]]:
+    """Self CPU ms per prompt of the ``top`` costliest torch ops of each engine over one
+    generate of one token (``torch.profiler``; as :func:`op_profile` for the prompt steps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    result = {}
+    for name, (llm, extra) in engines.items():
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            llm.generate(prompts, token_params(1, extra), use_tqdm=False)
+        result[name] = {e.key: e.self_cpu_time_total / 1e3 / len(prompts) for e in prof.key_averages()}
+    keys = sorted(set().union(*result.values()), key=lambda k: -max(r.get(k, 0.0) for r in result.values()))
+    return {name: {key: per_prompt.get(key, 0.0) for key in keys[:top]} for name, per_prompt in result.items()}
+
+
 def op_profile(engines: dict, prompts, output_len: int, top: int) -> dict[str, dict[str, float]]:
     """Self CPU time per decode step (ms) of the ``top`` costliest torch ops of each engine
     (``torch.profiler`` over one generate of ``output_len`` tokens minus one of 1; the
@@ -223,6 +252,8 @@ def main(argv=None) -> int:
                         help="engines log stats per step, as benchmark_throughput.py's do (default off)")
     parser.add_argument("--op-profile", type=int, default=0, metavar="TOP",
                         help="then print the TOP torch ops by self CPU ms a decode step, each engine (torch.profiler)")
+    parser.add_argument("--prompt-only", action="store_true",
+                        help="time the prompt steps (a generate of one token) instead of the decode steps")
     parser.add_argument("--host-breakdown", action="store_true",
                         help="then time kvcompress's host-side hooks per decode step (see above)")
     args = parser.parse_args(argv)
@@ -256,6 +287,8 @@ def main(argv=None) -> int:
         }
         for llm, extra in engines.values():
             decode_ms_per_step(llm, prompts, 8, extra)  # warm-up
+        if args.prompt_only:
+            return report_prompt_steps(args, workload, engines, prompts)
         times = {name: [] for name in engines}
         for _ in range(args.reps):
             for name, (llm, extra) in engines.items():
@@ -291,6 +324,28 @@ def main(argv=None) -> int:
         print("torch ops, self CPU ms a decode step (one profiled generate each): op | stock | kvcompress")
         for key in profiled["stock"]:
             print(f"  {key} | {profiled['stock'][key]:.3f} | {profiled['kvcompress'][key]:.3f}")
+    return 0
+
+
+def report_prompt_steps(args, workload, engines: dict, prompts) -> int:
+    """``--prompt-only``: the engines' prompt steps, alternating, then their torch ops."""
+    times = {name: [] for name in engines}
+    for _ in range(args.reps):
+        for name, (llm, extra) in engines.items():
+            times[name].append(prompt_ms(llm, prompts, extra))
+    profiled = prompt_op_profile(engines, prompts, args.op_profile) if args.op_profile else None
+    for llm, _ in engines.values():
+        bench._shutdown(llm)
+    stock, kvc = statistics.median(times["stock"]), statistics.median(times["kvcompress"])
+    ratios = [k / s for s, k in zip(times["stock"], times["kvcompress"])]
+    print(f"{workload.description}; batch {args.batch} x {args.input_len} tokens, prompt steps only, "
+          f"rate {args.rate:g}; {bench.machine_description()}")
+    print(f"prompt: stock {stock:.1f} ms, kvcompress {kvc:.1f} ms a prompt, ratio of medians {kvc / stock:.3f}; "
+          f"per repetition {min(ratios):.3f}..{max(ratios):.3f} (median {statistics.median(ratios):.3f})")
+    if profiled:
+        print("torch ops, self CPU ms a prompt (one profiled generate each): op | stock | kvcompress")
+        for key in profiled["stock"]:
+            print(f"  {key} | {profiled['stock'][key]:.1f} | {profiled['kvcompress'][key]:.1f}")
     return 0
 
 
