@@ -38,7 +38,9 @@ bench: setup
 
 # Issue 61's check, every rate-1 regime of benchmarks/results/ again in one go (stock vs
 # kvcompress rates 1 and 8, 3 interleaved repetitions each; ~2 h on 2 cores, run it on
-# otherwise idle cores): the preemption regimes (1.5, 1.16 and 1.1 sequences; at 1.05 stock's 128-token blocks cannot hold one sequence) and SmolLM2's, the two decode-heavy
+# otherwise idle cores): the preemption regimes (1.5, 1.16 and 1.06 sequences: 1.06 at 1024 / 1520
+# tokens, max_model_len 2560, gives stock 21 blocks of 128, one sequence plus its null block; at
+# 512 / 1024 stock cannot start below 1.16) and SmolLM2's, the two decode-heavy
 # regimes, issue 58's prefill-heavy one, `vllm bench serve` under 1.5 requests' KV memory, then
 # `make demo`'s run and the prefix-caching run three times each (their scripts run stock first).
 # Files: benchmarks/results/rate1-parity-<regime>-{r3,rep<i>}-<isa>-cpu.{md,json}.
@@ -49,7 +51,7 @@ RATE1_BENCH := $(PY) benchmarks/throughput/benchmark_throughput.py --rates 1 8 -
 rate1-parity: setup
 	$(RATE1_BENCH) --input-lens 1024 --num-prompts 12 --output-len 512 --kv-sequences 1.5 --output-prefix $(RATE1_OUT)-tiny-seq1.5-r3-$(RATE1_ISA)-cpu
 	$(RATE1_BENCH) --input-lens 512 --num-prompts 12 --output-len 1024 --kv-sequences 1.16 --output-prefix $(RATE1_OUT)-tiny-seq1.16-r3-$(RATE1_ISA)-cpu
-	$(RATE1_BENCH) --input-lens 512 --num-prompts 12 --output-len 1024 --kv-sequences 1.1 --output-prefix $(RATE1_OUT)-tiny-seq1.1-r3-$(RATE1_ISA)-cpu
+	$(RATE1_BENCH) --input-lens 1024 --num-prompts 12 --output-len 1520 --kv-sequences 1.06 --output-prefix $(RATE1_OUT)-tiny-seq1.06-r3-$(RATE1_ISA)-cpu
 	$(RATE1_BENCH) --model smollm2 --dataset essays --input-lens 256 --num-prompts 4 --output-len 512 --kv-sequences 1.5 --output-prefix $(RATE1_OUT)-smollm2-in256-seq1.5-r3-$(RATE1_ISA)-cpu
 	$(RATE1_BENCH) --input-lens 2048 --num-prompts 32 --output-len 512 --kv-tokens 6144 --output-prefix $(RATE1_OUT)-tiny-decode-heavy-out512-r3-$(RATE1_ISA)-cpu
 	$(RATE1_BENCH) --model smollm2 --input-lens 2048 --num-prompts 16 --output-len 256 --kv-tokens 9472 --output-prefix $(RATE1_OUT)-smollm2-decode-heavy-r3-$(RATE1_ISA)-cpu
