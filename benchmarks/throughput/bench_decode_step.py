@@ -210,8 +210,7 @@ def prompt_op_profile(engines: dict, prompts, top: int) -> dict[str, dict[str, f
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             llm.generate(prompts, token_params(1, extra), use_tqdm=False)
         result[name] = {e.key: e.self_cpu_time_total / 1e3 / len(prompts) for e in prof.key_averages()}
-    keys = sorted(set().union(*result.values()), key=lambda k: -max(r.get(k, 0.0) for r in result.values()))
-    return {name: {key: per_prompt.get(key, 0.0) for key in keys[:top]} for name, per_prompt in result.items()}
+    return top_ops(result, top)
 
 
 def op_profile(engines: dict, prompts, output_len: int, top: int) -> dict[str, dict[str, float]]:
@@ -230,8 +229,14 @@ def op_profile(engines: dict, prompts, output_len: int, top: int) -> dict[str, d
             per_run.append({e.key: e.self_cpu_time_total / 1e3 for e in prof.key_averages()})
         steps = output_len - 1
         result[name] = {key: (ms - per_run[0].get(key, 0.0)) / steps for key, ms in per_run[1].items()}
-    keys = sorted(set().union(*result.values()), key=lambda k: -max(r.get(k, 0.0) for r in result.values()))
-    return {name: {key: per_step.get(key, 0.0) for key in keys[:top]} for name, per_step in result.items()}
+    return top_ops(result, top)
+
+
+def top_ops(ms_by_engine: dict[str, dict[str, float]], top: int) -> dict[str, dict[str, float]]:
+    """Each engine's ms of the ``top`` ops costliest on either engine (0 where an engine has none)."""
+    keys = sorted(set().union(*ms_by_engine.values()),
+                  key=lambda k: -max(ms.get(k, 0.0) for ms in ms_by_engine.values()))
+    return {name: {key: ms.get(key, 0.0) for key in keys[:top]} for name, ms in ms_by_engine.items()}
 
 
 def main(argv=None) -> int:
