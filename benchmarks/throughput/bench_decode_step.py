@@ -27,10 +27,13 @@ keeps the prefix uncompressed (``kv_compress_shared_prefix_tokens`` = N), and
 ``--prompt-only`` times the prompt steps instead (each repetition one ``generate`` of one
 output token on each engine: the prefill of ``--batch`` prompts, ms a prompt); with
 ``--op-profile`` the torch ops of one such generate per engine (issue 61's SmolLM2
-prefill-only regime):
+prefill-only regime); ``--max-num-batched-tokens`` below ``--input-len`` prefills each prompt
+in chunks, the later ones reading the earlier ones' KVs from the cache (the 4096-token regimes):
 
     python benchmarks/throughput/bench_decode_step.py --model smollm2 --batch 2 --input-len 2048 \
         --prompt-only --reps 5 --op-profile 12
+    python benchmarks/throughput/bench_decode_step.py --model smollm2 --batch 1 --input-len 4096 \
+        --max-num-batched-tokens 2048 --prompt-only --reps 5 --op-profile 12
 
 ``--host-breakdown`` then runs each engine once more per repetition with wall-clock timers
 (no profiler) around the scheduler's ``schedule`` + ``update_from_output``, the worker's
@@ -259,6 +262,9 @@ def main(argv=None) -> int:
                         help="then print the TOP torch ops by self CPU ms a decode step, each engine (torch.profiler)")
     parser.add_argument("--prompt-only", action="store_true",
                         help="time the prompt steps (a generate of one token) instead of the decode steps")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="tokens a step (default: max(2048, --input-len), one chunk a prompt); "
+                             "below --input-len the prompts are prefilled in chunks, as benchmark_throughput.py's")
     parser.add_argument("--host-breakdown", action="store_true",
                         help="then time kvcompress's host-side hooks per decode step (see above)")
     args = parser.parse_args(argv)
@@ -271,7 +277,8 @@ def main(argv=None) -> int:
         kv_tokens = max(8192, (args.input_len + args.output_len + 300) * args.batch)
         workload = side_workload(
             args.model, args.batch, args.input_len, args.output_len, kv_tokens,
-            max_num_batched_tokens=max(2048, args.input_len), disable_log_stats=not args.log_stats,
+            max_num_batched_tokens=args.max_num_batched_tokens or max(2048, args.input_len),
+            disable_log_stats=not args.log_stats,
         )
         engine_args, prompts = workload.engine_args, workload.prompts
         engine_args["max_num_seqs"] = max(256, args.batch)  # the whole batch decodes at once
