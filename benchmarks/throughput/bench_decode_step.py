@@ -10,7 +10,7 @@ on kvcompress; the difference over ``output-len - 1`` is the time per decode ste
     python benchmarks/throughput/bench_decode_step.py --model tiny --batch 1
     python benchmarks/throughput/bench_decode_step.py --model smollm2 --batch 1 --reps 5
     # host bookkeeping at many sequences (issue 15 item 7): short contexts, 256 rows
-    python benchmarks/throughput/bench_decode_step.py --model tiny --batch 256 --input-len 32 --output-len 65 \
+    python benchmarks/throughput/bench_decode_step.py --model tiny --batch 256 --input-len 32 --output-len 65 \\
         --reps 3 --host-breakdown
 
 ``--shared-prefix N`` gives every prompt the same first N tokens and turns prefix caching
@@ -21,7 +21,7 @@ keeps the prefix uncompressed (``kv_compress_shared_prefix_tokens`` = N), and
 ``--engine-rate R`` starts its engine at rate R while the requests ask for ``--rate`` (as
 ``bench_prefix_caching.py``'s rate-1 row does, on an engine started at its highest rate).
 
-    python benchmarks/throughput/bench_decode_step.py --model smollm2 --batch 4 --input-len 2000 \
+    python benchmarks/throughput/bench_decode_step.py --model smollm2 --batch 4 --input-len 2000 \\
         --shared-prefix 1500 --output-len 65 --reps 5 --host-breakdown
 
 ``--prompt-only`` times the prompt steps instead (each repetition one ``generate`` of one
@@ -30,9 +30,9 @@ output token on each engine: the prefill of ``--batch`` prompts, ms a prompt); w
 prefill-only regime); ``--max-num-batched-tokens`` below ``--input-len`` prefills each prompt
 in chunks, the later ones reading the earlier ones' KVs from the cache (the 4096-token regimes):
 
-    python benchmarks/throughput/bench_decode_step.py --model smollm2 --batch 2 --input-len 2048 \
+    python benchmarks/throughput/bench_decode_step.py --model smollm2 --batch 2 --input-len 2048 \\
         --prompt-only --reps 5 --op-profile 12
-    python benchmarks/throughput/bench_decode_step.py --model smollm2 --batch 1 --input-len 4096 \
+    python benchmarks/throughput/bench_decode_step.py --model smollm2 --batch 1 --input-len 4096 \\
         --max-num-batched-tokens 2048 --prompt-only --reps 5 --op-profile 12
 
 ``--host-breakdown`` then runs each engine once more per repetition with wall-clock timers
