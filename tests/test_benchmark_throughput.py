@@ -53,7 +53,8 @@ def test_benchmark_throughput_smoke(tmp_path):
     ]  # fmt: skip
     assert "| 512 | kvcompress | 4 |" in prefix.with_suffix(".md").read_text()
     for figure in ("throughput-multiplier", "max-batch", "throughput-by-input"):
-        assert (tmp_path / f"throughput-{figure}.png").stat().st_size > 10_000, figure
+        # palette PNGs (plots.save_figure): empty axes are ~4-4.7 KB, a drawn chart more
+        assert (tmp_path / f"throughput-{figure}.png").stat().st_size > 5_000, figure
     assert done.stdout.strip().splitlines()[-1].startswith("summary: input 512: rate ")
 
     rows = {(r["engine"], r["rate"]): r for r in saved["rows"]}

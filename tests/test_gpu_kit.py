@@ -138,6 +138,21 @@ def test_site_takes_vllms_python_and_small_helpers_not_its_large_binaries():
 @pytest.mark.skipif(not (REPO / ".gpu-kit").exists(), reason="no kit built here (make gpu-kit)")
 def test_a_built_kit_fits_its_calls_with_todays_tree():
     kit.check_calls(REPO / ".gpu-kit", kit.tree_bytes(REPO))
+    call1 = REPO / ".gpu-kit" / "call1"
+    if not (REPO / ".gpu-kit" / "call2").exists():  # the one-call layout: its recorded size holds
+        assert kit.folder_bytes(call1) <= kit.ONE_CALL_BYTES
+
+
+def test_the_tree_leaves_room_for_the_one_call_kit():
+    # Every device call carries the whole tree; results accumulate in it, and on 2026-12-03
+    # they had filled the room the kit needs (30.9 MiB of tree: `make gpu-kit` refused).
+    tree = kit.tree_bytes(REPO)
+    room = kit.CALL_LIMIT - kit.MARGIN - kit.ONE_CALL_BYTES
+    assert tree <= room, (
+        f"the working tree is {tree / kit.MiB:.1f} MiB, over the {room / kit.MiB:.1f} MiB that leave the GPU kit its "
+        f"{kit.ONE_CALL_BYTES / kit.MiB:.0f} MiB within the {kit.CALL_LIMIT / kit.MiB:.0f} MiB a call carries: "
+        "shrink what is committed (python -m benchmarks.common.plots benchmarks/results/*.png)"
+    )
 
 
 # --------------------------------------------------------------------------------------

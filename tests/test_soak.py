@@ -49,7 +49,7 @@ def soak_report(tmp_path_factory):
 def test_report_table_plot_and_summary_line(soak_report):
     out = soak_report["out"]
     assert "| wall time of the load |" in (out / "soak.md").read_text()
-    assert (out / "soak.png").stat().st_size > 10_000
+    assert (out / "soak.png").stat().st_size > 5_000  # palette PNG: empty axes are ~4 KB
     last = soak_report["stdout"].strip().splitlines()[-1]
     ok = soak_report["summary"]["outcomes"]["ok"]
     assert last.startswith(f"summary: ok {ok}, ")

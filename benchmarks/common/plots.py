@@ -1,6 +1,18 @@
-"""Plot helpers shared by the benchmark scripts (matplotlib, optional)."""
+"""Plot helpers shared by the benchmark scripts (matplotlib, optional).
+
+Charts are written as 256-colour palette PNGs (:func:`save_figure`): a bar or line chart
+has a few dozen colours, so nothing visible changes, and the file is ~40% of matplotlib's
+RGBA one. That matters because every call to the lent GPU machine carries the whole
+working tree, committed results included, within 64 MiB (``benchmarks/gpu_e2e/kit.py``).
+Older charts are shrunk the same way with::
+
+    python -m benchmarks.common.plots benchmarks/results/*.png
+"""
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 
 def pyplot():
@@ -13,6 +25,35 @@ def pyplot():
     except ImportError:
         return None
     return plt
+
+
+def shrink_png(path: str | Path) -> int:
+    """Rewrite the PNG at ``path`` as a 256-colour palette PNG, unless it already is one or
+    would not get smaller; returns the bytes saved (0 when Pillow is missing)."""
+    try:
+        from PIL import Image
+    except ImportError:
+        return 0
+    path = Path(path)
+    before = path.stat().st_size
+    with Image.open(path) as image:
+        if image.mode == "P":
+            return 0
+        palette = image.convert("RGB").quantize(colors=256, method=Image.Quantize.MEDIANCUT,
+                                                dither=Image.Dither.NONE)
+    shrunk = path.with_name(path.name + ".tmp")
+    palette.save(shrunk, format="PNG", optimize=True)
+    if shrunk.stat().st_size >= before:
+        shrunk.unlink()
+        return 0
+    shrunk.replace(path)
+    return before - path.stat().st_size
+
+
+def save_figure(figure, path: str | Path, dpi: int = 100) -> None:
+    """``figure.savefig(path, dpi=dpi)`` as a palette PNG (:func:`shrink_png`)."""
+    figure.savefig(path, dpi=dpi)
+    shrink_png(path)
 
 
 def two_bar_charts(path: str, labels: list[str], left: tuple[list[float], str],
@@ -31,7 +72,7 @@ def two_bar_charts(path: str, labels: list[str], left: tuple[list[float], str],
         axes[0].set_ylim(0, left_ylim)
     figure.suptitle(title)
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    save_figure(figure, path)
     plt.close(figure)
     return path
 
@@ -49,6 +90,11 @@ def bar_panels(path: str, labels: list[str], panels: list[tuple[list[float], str
         ax.set_title(panel_title)
     figure.suptitle(title)
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    save_figure(figure, path)
     plt.close(figure)
     return path
+
+
+if __name__ == "__main__":
+    saved = sum(shrink_png(name) for name in sys.argv[1:])
+    print(f"{len(sys.argv) - 1} PNGs, {saved / (1 << 20):.1f} MiB saved")

@@ -127,7 +127,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a file: `benchmarks` imports from t
 from benchmarks.common.engine_args import eager_float32_engine_args  # noqa: E402
 from benchmarks.common.engine_requests import add_token_requests  # noqa: E402
 from benchmarks.common.offline_assets import essay_text, sentence_starts  # noqa: E402
-from benchmarks.common.plots import pyplot  # noqa: E402  (matplotlib imported when a plot is drawn)
+from benchmarks.common.plots import pyplot, save_figure  # noqa: E402  (matplotlib imported when a plot is drawn)
 from kvcompress.vllm_glue.llm import page_stats, shutdown  # noqa: E402  (vLLM imported lazily)
 
 RULER_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe")
@@ -1313,7 +1313,7 @@ def write_plot(results: dict, path: str, log=print) -> bool:
     )
     figure.suptitle(config["model"].split(" (")[0] + f" on CPU, {what} vs full cache", fontsize=10)
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    save_figure(figure, path, dpi=110)
     plt.close(figure)
     return True
 

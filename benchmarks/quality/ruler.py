@@ -287,7 +287,7 @@ def kept_lines(runs: dict[str, dict]) -> list[str]:
 
 
 def write_plot(rows: list[dict], path: str, title: str) -> str | None:
-    from benchmarks.common.plots import pyplot
+    from benchmarks.common.plots import pyplot, save_figure
 
     plt = pyplot()
     if plt is None:
@@ -302,7 +302,7 @@ def write_plot(rows: list[dict], path: str, title: str) -> str | None:
     ax.tick_params(axis="x", rotation=30)
     ax.set_title(title)
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    save_figure(figure, path)
     plt.close(figure)
     return path
 

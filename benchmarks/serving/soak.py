@@ -1219,7 +1219,7 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 def write_plot(report: dict[str, Any], path: Path) -> Path | None:
     """Per request (in plan order): latency of the ok ones, and outcome counts."""
-    from benchmarks.common.plots import pyplot
+    from benchmarks.common.plots import pyplot, save_figure
 
     plt = pyplot()
     if plt is None:
@@ -1239,7 +1239,7 @@ def write_plot(report: dict[str, Any], path: Path) -> Path | None:
     engine = f"kvcompress rate {config['kv_compress_rate']}" if config["kvcompress"] else "stock vLLM"
     figure.suptitle(f"soak: {engine}, {config['requests']} requests, concurrency {config['concurrency']}")
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    save_figure(figure, path)
     plt.close(figure)
     return path
 

@@ -1054,7 +1054,7 @@ def write_outputs(results: dict[str, Any], prefix: str | Path, plots: bool = Tru
 def write_plots(results: dict[str, Any], prefix: Path) -> list[Path]:
     """Fig. 1b (throughput multiplier vs rate), 7 (max decode batch vs rate) and 8
     (total throughput vs input length per rate); skipped with a warning without matplotlib."""
-    from benchmarks.common.plots import pyplot
+    from benchmarks.common.plots import pyplot, save_figure
 
     plt = pyplot()
     if plt is None:
@@ -1091,7 +1091,7 @@ def write_plots(results: dict[str, Any], prefix: Path) -> list[Path]:
         ax.grid(alpha=0.3)
         path = prefix.with_name(f"{prefix.name}-{name}.png")
         fig.tight_layout()
-        fig.savefig(path, dpi=120)
+        save_figure(fig, path, dpi=120)
         plt.close(fig)
         written.append(path)
 
