@@ -263,6 +263,30 @@ def test_the_worker_decodes_greedily_and_stops_at_a_stop_token_as_vllm_does():
     assert worker.greedy_ids(model, question, _prefilled(model, context), 9, 6, {expected[0]}) == []
 
 
+def test_kept_tokens_count_a_masking_press_s_hidden_keys_as_removed():
+    """KVzip leaves the cache whole and masks entries (``masked_key_indices``); the kept count
+    against a boolean (layer, head, token) mask counted by hand."""
+    import torch
+
+    model = _tiny_causal_lm()
+    context = torch.randint(3, 1024, (1, 9), generator=torch.Generator().manual_seed(2))
+    cache = _prefilled(model, context)
+    layers, heads = len(model.model.layers), model.config.num_key_value_heads
+    assert worker.kept_context_tokens(model, cache) == 9  # no press: every entry
+    kept = torch.ones(layers, heads, 9, dtype=torch.bool)
+    rng = torch.Generator().manual_seed(3)
+    try:
+        for index, layer in enumerate(model.model.layers):
+            hidden = torch.randperm(heads * 9, generator=rng)[: 2 + 3 * index]  # a different count per layer
+            head_indices, seq_indices = hidden // 9, hidden % 9
+            layer.self_attn.masked_key_indices = (torch.zeros_like(hidden), head_indices, seq_indices)
+            kept[index, head_indices, seq_indices] = False
+        assert worker.kept_context_tokens(model, cache) == pytest.approx(kept.sum().item() / (layers * heads))
+    finally:
+        for layer in model.model.layers:
+            layer.self_attn.masked_key_indices = None
+
+
 def test_stop_tokens_are_the_tokenizers_eos_and_the_generation_configs():
     from types import SimpleNamespace
 

@@ -293,8 +293,9 @@ def write_report(results: dict, prefix: str) -> list[str]:
         + f"; prompt tokens as `vllm serve` tokenizes them. compression_ratio = 1 - 1/rate ({mapping})",
         f"- reference for %: {REFERENCE} (full cache, same transformers path"
         + (f"; its scores from `{Path(setup['reference_from']).name}`, same samples and venv" if setup.get("reference_from") else "")
-        + "); kvpress prunes KVs, it frees no memory",
-        "- context KV pairs left after the press (measured, first layer): " + (kept_summary(results["runs"]) or "not recorded"),
+        + "); kvpress prunes or masks KVs, it frees no memory",
+        "- context KV pairs left after the press (measured, mean over layers and KV heads, masked ones removed; "
+        "files before 2026-12-03 counted the first layer's cache length, so masking presses such as KVzip read 100%): " + (kept_summary(results["runs"]) or "not recorded"),
         f"- machine: {results['machine']['cpu']}, {results['machine']['cores']} cores",
         "- (lo-hi): 95% percentile-bootstrap interval over samples (paired with the reference for %)", "",
         "## Score (0-100)", "", *table_lines(rows, tasks, pct=False), "",

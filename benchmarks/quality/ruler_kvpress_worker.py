@@ -22,7 +22,8 @@ then read other tokens than stock vLLM read.
 
 One JSON line per answered sample is appended to ``ANSWERS.jsonl``
 (``{"task", "index", "answer", "context_tokens", "kept_tokens"}``: the context's length and
-the KV pairs of it left in the cache, a check that the press did compress); samples already there are skipped, so a stopped run
+the KV pairs of it left in the cache, unmasked, averaged over layers and KV heads, a check
+that the press did compress); samples already there are skipped, so a stopped run
 resumes. Float32 on the CPU.
 """
 
@@ -130,7 +131,22 @@ def answer(pipe, press, item: dict) -> dict:
     inputs = {"context_ids": context_ids, "questions_ids": [question_ids]}
     cache = DynamicCache()
     text = pipe.forward(inputs, press=press, max_new_tokens=item["max_new_tokens"], cache=cache)[0]
-    return {"answer": text, "context_tokens": context_ids.shape[1], "kept_tokens": cache.get_seq_length(0)}
+    return {"answer": text, "context_tokens": context_ids.shape[1], "kept_tokens": kept_context_tokens(pipe.model, cache)}
+
+
+def kept_context_tokens(model, cache) -> float:
+    """The context's KV pairs a sample kept, averaged over layers and KV heads: each layer's
+    cache length less what a masking press hides from attention. KVzip and AdaKV-style
+    presses leave the cache whole and list the removed (batch, head, token) entries in
+    ``self_attn.masked_key_indices`` (kvpress's attention patch replaces those keys during
+    decoding); counting only the length would report them as keeping everything."""
+    kv_heads = model.config.num_key_value_heads
+    kept = []
+    for index, layer in enumerate(model.model.layers):
+        masked = getattr(layer.self_attn, "masked_key_indices", None)
+        hidden = 0 if masked is None else len(masked[2]) / kv_heads
+        kept.append(cache.get_seq_length(index) - hidden)
+    return sum(kept) / len(kept)
 
 
 def done_keys(path: Path) -> set[tuple[str, int]]:
